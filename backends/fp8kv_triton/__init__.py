@@ -1,0 +1,1 @@
+"""fp8kv's Triton backend (work in progress)."""
