@@ -251,7 +251,10 @@ def encode_half_bits(bits: torch.Tensor, src_dtype: torch.dtype, fmt: Fp8Format)
 
     The pattern is widened to float32 bits exactly (fp16 subnormals included), then
     encoded like :func:`encode_f32_bits`. Equal to
-    ``quantize_scaled(bits.view(src_dtype).float(), fmt).view(torch.uint8)``.
+    ``quantize_scaled(bits.view(src_dtype).float(), fmt).view(torch.uint8)``, with one
+    caveat on torch's side: torch's scalar CPU loop widens every fp16 NaN to +NaN
+    (0x7FFFFFFF), so for short tensors / tail elements torch gives 0x7F for an fp16 -NaN in
+    the OCP formats where this function (like torch's vector loop) gives 0xFF.
 
     Args:
         bits: int16 (or uint16) tensor of raw fp16/bf16 bit patterns, any shape.
@@ -286,6 +289,8 @@ def decode_to_f32(q: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     Returns:
         float32 tensor of the same shape.
     """
+    if q.dtype != torch.uint8:
+        raise TypeError(f"q: got {q.dtype}, expected torch.uint8 FP8 bytes (use .view(torch.uint8))")
     c = codec_constants(fmt)
     v = q.to(torch.int32)  # integer widening, 0..255
     sign = (v >> 7) & 1
@@ -307,6 +312,8 @@ def decode_to_f32(q: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
 
     # Specials. OCP: magnitudes above max_mag are inf (e5m2: max_mag + 1) or NaN; NaN is
     # made quiet keeping the fp8 payload, as an fp16 -> fp32 conversion does.
+    # sign << 31 sets bit 31 of an int32 (two's-complement wrap in torch; a kernel may
+    # use uint32 instead); .view(float32) then reads the pattern as-is.
     if c.fnuz:
         out = torch.where(v == 0x80, c.nan_f32_bits_fnuz, out | (sign << 31))
     else:

@@ -1,18 +1,28 @@
-"""Shared pytest configuration: Hypothesis settings profiles.
+"""Test session set-up: Hypothesis profiles and the Triton interpreter on CPU-only machines.
 
-Select one with ``HYPOTHESIS_PROFILE`` (default ``ci``):
+Profiles (``HYPOTHESIS_PROFILE``, default ``ci``):
 
 * ``ci``: derandomized (reproducible in CI), 60 examples, no deadline, prints the
   reproduction blob of a failure.
-* ``thorough``: 2000 examples, no deadline, for a local soak.
+* ``thorough``: 2000 examples, no deadline, for GPU runs and soaks.
 """
 
 from __future__ import annotations
 
 import os
 
-from hypothesis import settings
+import torch
 
-settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None, print_blob=True)
-settings.register_profile("thorough", max_examples=2000, deadline=None)
+if not torch.cuda.is_available():
+    # Triton kernels run through its CPU interpreter when no GPU is present; the
+    # variable must be set before any kernel module is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_QUIET = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile("ci", derandomize=True, max_examples=60, deadline=None, print_blob=True,
+                          suppress_health_check=_QUIET)
+settings.register_profile("thorough", max_examples=2000, deadline=None, print_blob=True,
+                          suppress_health_check=_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
