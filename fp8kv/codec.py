@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from .formats import Fp8Format, check_scale, get_format
+from .formats import Fp8Format, check_scale, get_format, to_float32
 
 __all__ = [
     "CodecConstants",
@@ -338,4 +338,4 @@ def encode(
     """
     f = get_format(fmt)
     s = check_scale(scale).to(x.device)
-    return encode_f32_bits(x.to(torch.float32) / s, f)
+    return encode_f32_bits(to_float32(x) / s, f)

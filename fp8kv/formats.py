@@ -112,6 +112,20 @@ def check_scale(scale: torch.Tensor | float, name: str = "scale") -> torch.Tenso
     return t
 
 
+def to_float32(x: torch.Tensor) -> torch.Tensor:
+    """Widen ``x`` to float32 exactly, NaN signs included.
+
+    torch's fp16 -> fp32 conversion drops the sign of NaN in its scalar CPU loop (short
+    tensors and vector tails) and always on CUDA, so the sign is restored from the bits:
+    ``-NaN`` quantizes to the negative NaN byte (0xFF) in the OCP formats, as in float32.
+    """
+    x32 = x.to(torch.float32)
+    if x.dtype == torch.float16:
+        nan = torch.tensor(float("nan"), device=x.device)
+        x32 = torch.where(torch.isnan(x32), torch.where(torch.signbit(x), -nan, nan), x32)
+    return x32
+
+
 def quantize_scaled(x32: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Cast already-divided float32 values to ``fmt``: clamp (NaN passes), then RNE cast."""
     return x32.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
@@ -133,7 +147,7 @@ def quantize(
     if not x.is_floating_point():
         raise bad_argument("x", x.dtype, "a floating-point tensor")
     s = check_scale(scale).to(x.device)
-    return quantize_scaled(x.to(torch.float32) / s, fmt)
+    return quantize_scaled(to_float32(x) / s, fmt)
 
 
 def dequantize(
