@@ -10,6 +10,7 @@ Public API::
 from ._version import __version__
 from .api import paged_attention, write_kv
 from .cache import KVCache
+from .checkpoint import KVCachePlan, resolve_kv_cache
 from .errors import Fp8KVError
 from .formats import FORMATS, Fp8Format, dequantize, get_format, quantize
 from .hookspecs import BackendInfo, Request, hookimpl
@@ -22,4 +23,5 @@ __all__ = [
     "__version__", "available_backends", "calibrate", "dequantize", "get_format", "hookimpl",
     "paged_attention", "probe", "quantize", "register_backend", "select_backend", "simulate_device",
     "unregister_backend", "write_kv",
+    "KVCachePlan", "resolve_kv_cache",
 ]

@@ -12,12 +12,16 @@ A token at ``slot = block * block_size + offset`` lives in ``cache[block, offset
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import Fp8KVError, bad_argument
 from .formats import Fp8Format, check_scale, ensure_fp8
 from .scales import check_granularity
+
+if TYPE_CHECKING:
+    from .checkpoint import KVCachePlan
 
 LAYOUTS = ("NHD", "HND")
 
@@ -73,17 +77,30 @@ class KVCache:
         num_kv_heads: int,
         head_size: int,
         *,
-        kv_dtype: str = "fp8_e4m3",
+        kv_dtype: str | None = None,
         layout: str = "NHD",
-        scale_granularity: str = "tensor",
+        scale_granularity: str | None = None,
         k_scale: torch.Tensor | float | None = None,
         v_scale: torch.Tensor | float | None = None,
         device: torch.device | str | None = None,
+        plan: KVCachePlan | None = None,
+        layer: int | None = None,
     ) -> KVCache:
         """Allocate a zero-filled cache (static scales default to 1.0).
 
+        ``kv_dtype`` defaults to ``"fp8_e4m3"`` and ``scale_granularity`` to ``"tensor"``;
         ``kv_dtype="fp8"`` means the platform's e4m3 of ``device`` (fnuz on gfx942).
+        ``plan`` (from :func:`fp8kv.resolve_kv_cache`) supplies kv_dtype, granularity and
+        ``layer``'s k/v scales; explicit arguments that conflict with it raise Fp8KVError.
         """
+        if plan is not None:
+            kv_dtype, scale_granularity, k_scale, v_scale = plan.cache_arguments(
+                layer, kv_dtype=kv_dtype, scale_granularity=scale_granularity,
+                k_scale=k_scale, v_scale=v_scale)
+        elif layer is not None:
+            raise bad_argument("layer", repr(layer), "None without a plan (it picks the plan's scales)")
+        kv_dtype = "fp8_e4m3" if kv_dtype is None else kv_dtype
+        scale_granularity = "tensor" if scale_granularity is None else scale_granularity
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:

@@ -1,0 +1,177 @@
+"""The KV-cache plan: which format, which scales, which backend, and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import Fp8KVError
+from .tensors import ranges
+
+SCALE_SOURCES = ("checkpoint", "default", "dynamic", "none")
+
+
+def _same(explicit, planned: torch.Tensor) -> bool:
+    try:
+        t = torch.as_tensor(explicit, dtype=torch.float32).to("cpu")
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    p = planned.to("cpu")
+    if t.numel() == 1 and p.numel() == 1:
+        return bool(t.reshape(()) == p.reshape(()))
+    return tuple(t.shape) == tuple(p.shape) and bool(torch.equal(t, p))
+
+
+@dataclass(frozen=True, eq=False)
+class KVCachePlan:
+    """How to store one model's KV cache on one device; made by :func:`fp8kv.resolve_kv_cache`.
+
+    Attributes:
+        requested: the ``kv_cache_dtype`` asked for (``"auto"``, ``"fp8"``, ``"fp8_e5m2"``...).
+        kv_dtype: the concrete format (``"fp8_e4m3fnuz"`` for ``fp8`` on gfx942), or ``"auto"``
+            when the cache is not FP8.
+        scale_granularity: ``"tensor"``, ``"head"``, ``"token_head"`` or None (not FP8).
+        scale_source: ``"checkpoint"`` (calibrated scales from the checkpoint), ``"default"``
+            (1.0: the checkpoint has none), ``"dynamic"`` (computed at write time) or
+            ``"none"`` (not FP8).
+        k_scales / v_scales: layer -> float32 dequant scale, shape ``()`` or ``(H,)``, already
+            adjusted for the device (doubled for e4m3fnuz). Empty for dynamic plans and for
+            checkpoint scales planned from a config alone (``scales_loaded`` False).
+        q_scales / prob_scales: layer -> float32 scale, where the checkpoint has them.
+        backend: the backend the registry picks for paged attention on ``device``
+            (None when not FP8); ``write_backend`` the one for cache writes.
+        device: the device planned for (its name and arch).
+        checkpoint: one line on the checkpoint (path and quantization).
+        calibrated_for: the format the checkpoint's KV scales were calibrated for, if any.
+        scale_factor: what the checkpoint's scales were multiplied by (2.0 for OCP e4m3
+            scales on e4m3fnuz, else 1.0).
+        scales_loaded: whether checkpoint scales were read (False from a config alone).
+        loaded_layers: layers whose k and v scales both came from the checkpoint.
+        defaulted_layers: layers where k or v fell back to 1.0.
+        num_layers / num_kv_heads / head_size: from the config when known.
+        reasons: why the plan is what it is, one line each.
+        warnings: what the user should know (uncalibrated scales, slow backend...).
+    """
+
+    requested: str
+    kv_dtype: str
+    scale_granularity: str | None
+    scale_source: str
+    k_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    v_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    q_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    prob_scales: dict[int, torch.Tensor] = field(default_factory=dict)
+    backend: str | None = None
+    write_backend: str | None = None
+    device: str = "cpu"
+    checkpoint: str = "none"
+    calibrated_for: str | None = None
+    scale_factor: float = 1.0
+    scales_loaded: bool = False
+    loaded_layers: tuple[int, ...] = ()
+    defaulted_layers: tuple[int, ...] = ()
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_size: int | None = None
+    layout: str = "NHD"
+    reasons: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    # -- using the plan --------------------------------------------------------------
+    def layer_scales(self, layer: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The (k, v) scales for ``layer``: None for dynamic plans, 1.0 for default ones."""
+        if self.scale_source == "dynamic":
+            return None, None
+        if self.scale_source == "default" and (layer is None or layer not in self.k_scales):
+            one = torch.tensor(1.0)
+            return one, one
+        if layer is None:
+            raise Fp8KVError("layer: got None, expected the layer index: this plan has per-layer "
+                             f"checkpoint scales for layers {ranges(self.k_scales)}")
+        if layer not in self.k_scales or layer not in self.v_scales:
+            why = ("they were planned from a config alone; plan from the model directory to load them"
+                   if not self.scales_loaded else f"it has layers {ranges(self.k_scales)}")
+            raise Fp8KVError(f"layer: got {layer!r}, expected a layer this plan has k/v scales for ({why})")
+        return self.k_scales[layer], self.v_scales[layer]
+
+    def cache_arguments(
+        self, layer: int | None, *, kv_dtype=None, scale_granularity=None, k_scale=None, v_scale=None,
+    ) -> tuple[str, str, torch.Tensor | None, torch.Tensor | None]:
+        """``(kv_dtype, scale_granularity, k_scale, v_scale)`` for :meth:`KVCache.allocate`.
+
+        Explicit arguments must agree with the plan; a conflicting one raises Fp8KVError.
+        """
+        if not self.is_fp8:
+            raise Fp8KVError(f"plan: got a plan with kv_dtype 'auto' ({self.requested!r} requested), "
+                             "expected an FP8 plan to allocate an FP8 cache")
+        ks, vs = self.layer_scales(layer)
+        for name, given, planned in (("kv_dtype", kv_dtype, self.kv_dtype),
+                                     ("scale_granularity", scale_granularity, self.scale_granularity)):
+            if given is not None and given != planned:
+                raise Fp8KVError(f"{name}: got {given!r}, expected {planned!r} (from the plan) or None")
+        for name, given, planned in (("k_scale", k_scale, ks), ("v_scale", v_scale, vs)):
+            if given is not None and (planned is None or not _same(given, planned)):
+                want = ("None (dynamic scales)" if planned is None
+                        else f"None or the plan's {planned.tolist()}")
+                raise Fp8KVError(f"{name}: got {given!r}, expected {want}")
+        return self.kv_dtype, self.scale_granularity, ks, vs
+
+    # -- explaining the plan -----------------------------------------------------------
+    def to_dict(self) -> dict:
+        """JSON-ready: tensors become numbers (per-tensor) or lists (per-head)."""
+        def conv(d: dict[int, torch.Tensor]) -> dict[str, float | list[float]]:
+            return {str(k): v.tolist() for k, v in sorted(d.items())}
+
+        return {
+            "requested": self.requested, "kv_dtype": self.kv_dtype,
+            "scale_granularity": self.scale_granularity, "scale_source": self.scale_source,
+            "backend": self.backend, "write_backend": self.write_backend, "device": self.device,
+            "checkpoint": self.checkpoint, "calibrated_for": self.calibrated_for,
+            "scale_factor": self.scale_factor, "scales_loaded": self.scales_loaded,
+            "loaded_layers": list(self.loaded_layers), "defaulted_layers": list(self.defaulted_layers),
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_size": self.head_size,
+            "layout": self.layout,
+            "k_scales": conv(self.k_scales), "v_scales": conv(self.v_scales),
+            "q_scales": conv(self.q_scales), "prob_scales": conv(self.prob_scales),
+            "reasons": list(self.reasons), "warnings": list(self.warnings),
+        }
+
+    def _scales_line(self) -> str:
+        if self.scale_source == "dynamic":
+            return "dynamic, one per token and KV head, computed at write time"
+        gran = {"tensor": "per-tensor", "head": "per-head"}.get(self.scale_granularity or "", "")
+        if self.scale_source == "default":
+            n = f" for {self.num_layers} layers" if self.num_layers else ""
+            return f"default 1.0, {gran}{n}"
+        if not self.scales_loaded:
+            return f"from the checkpoint, {gran} (config only: not read)"
+        line = f"from the checkpoint, {gran}; loaded layers {ranges(self.loaded_layers)}"
+        if self.defaulted_layers:
+            line += f"; defaulted (1.0) layers {ranges(self.defaulted_layers)}"
+        if self.scale_factor != 1.0:
+            line += f"; x{self.scale_factor:g} for {self.kv_dtype}"
+        return line
+
+    def describe(self) -> str:
+        """A few lines for people (``fp8kv plan``)."""
+        lines = [f"checkpoint    {self.checkpoint}", f"device        {self.device}",
+                 f"requested     {self.requested}"]
+        if not self.is_fp8:
+            lines.append("kv cache      not FP8 (kv_dtype auto: the model dtype)")
+        else:
+            lines.append(f"kv_dtype      {self.kv_dtype}  (allowed)")
+            lines.append(f"scales        {self._scales_line()}")
+            if self.calibrated_for:
+                lines.append(f"calibrated    for {self.calibrated_for}")
+            extra = f"; write_kv: {self.write_backend}" if self.write_backend != self.backend else ""
+            lines.append(f"backend       {self.backend} (paged_attention, {self.layout}){extra}")
+        for r in self.reasons:
+            lines.append(f"why           {r}")
+        for w in self.warnings:
+            lines.append(f"warning       {w}")
+        return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""Turning a checkpoint's scale tensors into per-layer k/v/q/prob scales for a plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..errors import Fp8KVError
+from ..formats import Fp8Format
+from .tensors import ScaleEntry, adjust, ranges, read, shape_scale
+
+if TYPE_CHECKING:
+    from .resolve import _Checkpoint
+
+
+@dataclass
+class Scales:
+    """The scale part of a plan (see :class:`fp8kv.KVCachePlan` for the fields)."""
+
+    source: str
+    granularity: str
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+    q: dict[int, torch.Tensor] = field(default_factory=dict)
+    prob: dict[int, torch.Tensor] = field(default_factory=dict)
+    loaded: bool = False
+    loaded_layers: tuple[int, ...] = ()
+    defaulted_layers: tuple[int, ...] = ()
+    num_layers: int | None = None
+
+
+def _uncalibrated(fmt: Fp8Format) -> str:
+    """The e4m3 caveat of 1.0 scales ('' for e5m2, whose range makes 1.0 a fair default)."""
+    if fmt.exponent_bits != 4:
+        return ""
+    return (f"uncalibrated KV scales (1.0) with {fmt.name}: |K|, |V| above {fmt.max:g} saturate; calibrate "
+            "scales (fp8kv.calibrate), use a checkpoint with KV scales, or dynamic per-token-head scales "
+            "(scale_granularity='token_head')")
+
+
+def _defaults(n: int | None, granularity: str, heads: int | None) -> dict[int, torch.Tensor]:
+    if n is None:
+        return {}
+    one = torch.ones(heads) if granularity == "head" and heads else torch.tensor(1.0)
+    return {layer: one.clone() for layer in range(n)}
+
+
+def _pick(entries: list[ScaleEntry], values: dict[ScaleEntry, torch.Tensor], warns: list[str]
+          ) -> dict[tuple[int, str], ScaleEntry]:
+    """The winning entry per (layer, role); legacy ``kv_scale`` stands for both k and v."""
+    best: dict[tuple[int, str], ScaleEntry] = {}
+    legacy = []
+    for e in sorted(entries, key=lambda e: (e.layer, e.rank, e.name)):
+        roles = ("k", "v") if e.role == "kv" else (e.role,)
+        if e.role == "kv":
+            legacy.append(e.layer)
+        for role in roles:
+            key = (e.layer, role)
+            if key not in best:
+                best[key] = e
+            elif not torch.equal(values[best[key]].flatten(), values[e].flatten()):
+                warns.append(f"{e.where} differs from {best[key].where}; using {best[key].name}")
+    used = [layer for layer in legacy if best[(layer, "k")].role == "kv"]
+    if used:
+        warns.append(f"deprecated kv_scale tensors (layers {ranges(used)}) used for both K and V; "
+                     "re-export the checkpoint with separate k_scale and v_scale")
+    return best
+
+
+def build_scales(ck: _Checkpoint, fmt: Fp8Format, granularity: str, stores: bool, factor: float,
+                 warns: list[str]) -> Scales:
+    """Per-layer scales for a plan in ``fmt`` (checkpoint scales multiplied by ``factor``)."""
+    cfg = ck.config
+    if granularity == "token_head":
+        return Scales("dynamic", "token_head", num_layers=cfg.num_layers)
+    if not stores:
+        k = _defaults(cfg.num_layers, granularity, cfg.num_kv_heads)
+        if _uncalibrated(fmt):
+            warns.append(_uncalibrated(fmt))
+        return Scales("default", granularity, k, _defaults(cfg.num_layers, granularity, cfg.num_kv_heads),
+                      defaulted_layers=tuple(k), num_layers=cfg.num_layers)
+    if ck.scan is None:
+        return Scales("checkpoint", granularity, num_layers=cfg.num_layers)
+    return _load(ck, fmt, granularity, factor, warns)
+
+
+def _load(ck: _Checkpoint, fmt: Fp8Format, granularity: str, factor: float, warns: list[str]) -> Scales:
+    cfg = ck.config
+    entries = list(ck.scan.entries)
+    n = cfg.num_layers
+    for e in entries:
+        if n is not None and e.layer >= n:
+            raise Fp8KVError(f"checkpoint: {e.where}: layer {e.layer}, expected < num_hidden_layers={n}")
+    values = read(entries)
+    why = f"{fmt.name} needs the checkpoint's scales x{factor:g}"
+    heads_of = {"k": cfg.num_kv_heads, "v": cfg.num_kv_heads, "kv": cfg.num_kv_heads}
+    shaped = {e: adjust(shape_scale(values[e], e, heads_of.get(e.role)), factor, e, why) for e in entries}
+    best = _pick(entries, shaped, warns)
+    kv = {key: shaped[e] for key, e in best.items() if key[1] in ("k", "v")}
+    heads = {t.shape[0] for t in kv.values() if t.dim() == 1}
+    if len(heads) > 1:
+        raise Fp8KVError(f"checkpoint: per-head KV scales with different head counts {sorted(heads)}, "
+                         "expected one KV head count")
+    gran = "head" if heads else "tensor"
+    h = next(iter(heads)) if heads else cfg.num_kv_heads
+    n = n if n is not None else 1 + max(e.layer for e in entries)
+    k, v, loaded, defaulted = {}, {}, [], []
+    for layer in range(n):
+        ks, vs = kv.get((layer, "k")), kv.get((layer, "v"))
+        (loaded if ks is not None and vs is not None else defaulted).append(layer)
+        one = torch.tensor(1.0)
+        k[layer] = ks if ks is not None else one
+        v[layer] = vs if vs is not None else one
+    if gran == "head":
+        k = {layer: t.expand(h).clone() if t.dim() == 0 else t for layer, t in k.items()}
+        v = {layer: t.expand(h).clone() if t.dim() == 0 else t for layer, t in v.items()}
+    if defaulted:
+        miss_k = [layer for layer in defaulted if (layer, "k") not in kv]
+        miss_v = [layer for layer in defaulted if (layer, "v") not in kv]
+        caveat = _uncalibrated(fmt)
+        warns.append(f"no KV scales in the checkpoint for layers {ranges(defaulted)} (k missing: "
+                     f"{ranges(miss_k)}; v missing: {ranges(miss_v)}); those use 1.0"
+                     + (f" - {caveat}" if caveat else ""))
+    q = {layer: shaped[e] for (layer, role), e in best.items() if role == "q"}
+    prob = {layer: shaped[e] for (layer, role), e in best.items() if role == "prob"}
+    source = "checkpoint" if loaded else "default"
+    return Scales(source, gran, k, v, q, prob, loaded=bool(loaded), loaded_layers=tuple(loaded),
+                  defaulted_layers=tuple(defaulted), num_layers=n)
