@@ -4,13 +4,34 @@ A backend is any object with ``@hookimpl``-decorated methods named below, found
 through the ``fp8kv.backends`` entry-point group (the value may be a class, which
 is instantiated without arguments, a module, or an instance) or passed to
 :func:`fp8kv.register_backend`. The built-in reference backend registers itself
-exactly this way.
+exactly this way. ``docs/plugins.md`` walks through writing, packaging and testing one.
+
+Lifecycle:
+
+1. **Registration.** :func:`fp8kv_backend_info` is called once; the name must be unique
+   among installed backends (two distributions providing one name is an error naming
+   both). A plugin that fails to import, to instantiate or to validate against these
+   specs is skipped and reported (``fp8kv probe``, a ``RuntimeWarning``); it never
+   breaks the other backends.
+2. **Selection.** For each (device, request) the registry asks every backend
+   :func:`fp8kv_supports` once and caches the answer; the highest ``priority`` backend
+   answering ``None`` serves the call unless the caller forces one by name. An exception
+   raised by ``fp8kv_supports`` counts as a refusal (and is reported as a fault).
+3. **Dispatch.** :func:`fp8kv_write_kv` / :func:`fp8kv_paged_attention` run the op.
+
+Required hooks: ``fp8kv_backend_info``, ``fp8kv_supports`` and at least one op hook; a
+missing op hook means that op is refused (``"does not implement fp8kv_write_kv"``).
+Hooks are called with keyword arguments; as everywhere in pluggy an implementation may
+declare only the arguments it uses.
 
 The core validates every argument before a backend sees it: shapes, dtypes,
 devices, ranges and scales are already checked, contiguity is as documented, and
 ``out`` is allocated. A backend only decides whether it can serve a request and
 then serves it exactly (writes bit-exact with :mod:`fp8kv.reference`, attention
-within the documented tolerance).
+within the derived tolerance of :mod:`fp8kv.testing.tolerance`). An exception in an op
+hook is re-raised as :class:`fp8kv.registry.BackendFailure` naming the backend: claiming
+support and then failing is a bug, never a silent fallback. Check a backend with
+``fp8kv.testing.check_backend``.
 
 Each hook is called on one backend at a time (the registry keeps each backend's
 implementations apart), so every hook is ``firstresult``.
@@ -33,8 +54,15 @@ hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
 OPS = ("write_kv", "paged_attention")
+"""The operations a request can name."""
 FEATURES = ("chunked_prefill", "sliding_window", "soft_cap", "fp8_query", "non_causal")
-"""Optional features a paged-attention request can ask for."""
+"""Optional features a paged-attention request can ask for:
+
+* ``chunked_prefill``: ``query_start_loc`` given and some sequence has more than one query;
+* ``sliding_window`` / ``soft_cap``: those arguments are set;
+* ``non_causal``: ``causal=False``;
+* ``fp8_query``: the query is FP8 (reserved; no API path produces it yet).
+"""
 
 
 @dataclass(frozen=True)
@@ -70,7 +98,11 @@ class Request:
         head_size: D.
         io_dtype: dtype of key/value (write) or query (attention).
         device_type: ``"cpu"`` or ``"cuda"`` (where the tensors live).
-        features: subset of :data:`FEATURES` (attention only).
+        features: subset of :data:`FEATURES` (attention only; empty for writes).
+
+    Requests are frozen and hashable; the registry caches each backend's answer per
+    (device, request). ``fp8kv.testing.Workload.request(op)`` builds the same request an
+    API call on that workload builds.
     """
 
     op: str
@@ -95,7 +127,9 @@ class BackendSpec:
     def fp8kv_backend_info(self) -> BackendInfo:
         """Return this backend's :class:`BackendInfo` (name, version, priority).
 
-        Called once when the backend is registered.
+        Called once when the backend is registered. The name is what ``backend=`` and
+        ``FP8KV_BACKEND`` name (not ``"auto"``); ``fast=False`` marks a backend that
+        ``auto`` should not silently land on when a GPU is present.
         """
 
     @hookspec(firstresult=True)
@@ -104,8 +138,13 @@ class BackendSpec:
         short human-readable reason it does not (shown by ``fp8kv probe`` and in
         errors), e.g. ``"fp8_e4m3 needs sm89+ for native casts"``.
 
-        ``device`` may be simulated: decide from its fields, not by touching hardware.
-        Called once per (device, request); the answer is cached.
+        ``device`` may be simulated: decide from its fields (``arch``, ``native_fp8``,
+        ``triton``...), not by touching hardware; ``request.device_type`` says where the
+        tensors live (e.g. ``"cpu"`` tensors need ``TRITON_INTERPRET=1`` for a Triton
+        backend). Called once per (device, request); the answer is cached, so it must be a
+        pure function of its arguments. Claim exactly what you serve: the conformance kit
+        checks every claimed request against the reference and every refused one for a
+        clean error when forced.
         """
 
     @hookspec(firstresult=True)
@@ -120,8 +159,9 @@ class BackendSpec:
             key, value: ``[num_tokens, H, D]`` fp32/fp16/bf16, contiguous.
             slot_mapping: ``[num_tokens]`` int32/int64; negative = padding, skip it.
                 Valid slots are distinct and < ``cache.num_slots``.
-        Must be bit-exact with :func:`fp8kv.reference.write_kv`; must not touch any
-        byte outside the mapped slots.
+        Must be bit-exact with :func:`fp8kv.reference.write_kv` (codes and, for
+        token_head, scales); must not touch any byte outside the mapped slots (codes or
+        scales) nor modify its inputs. Padding slots may appear anywhere in the mapping.
         """
 
     @hookspec(firstresult=True)
@@ -154,4 +194,13 @@ class BackendSpec:
             sliding_window: ``W``: only the last W visible keys (incl. its own).
             logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
             out: ``[num_tokens, Hq, D]`` in the query dtype.
+
+        Write every element of ``out``; do not modify the cache. Only the first
+        ``seq_lens[i]`` positions of sequence ``i`` hold data: other slots of its blocks,
+        and blocks it does not list, may hold any bytes (NaN codes and NaN token_head
+        scales included) and must not affect the output; ``block_tables`` entries past
+        ``ceil(seq_lens[i] / block_size)`` may hold any value (0, -1) and must not be
+        dereferenced. Sequences with no query tokens are skipped. Compute from the
+        dequantized values in float32 (see :mod:`fp8kv.testing.tolerance` for what
+        "matches the reference" means).
         """

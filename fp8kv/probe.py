@@ -3,13 +3,25 @@
 ``probe(device)`` is cached per device; ``FP8KV_SIMULATE_DEVICE`` or
 ``simulate_device("sm80")`` replace the answer with a simulated device so selection
 can be checked without the hardware.
+
+Toolchain fields follow one rule on real and simulated devices alike:
+
+* ``triton``: Triton imports and supports the device (NVIDIA sm80+, AMD GPUs; the CPU
+  only through its interpreter, ``TRITON_INTERPRET=1``);
+* ``cupy``: CuPy imports (NVIDIA only);
+* ``flash_attn3``: ``flash_attn_interface`` imports and the device is Hopper (sm90).
+
+A simulated GPU assumes every toolchain it could run is installed; override single
+fields with ``simulate_device("sm90", flash_attn3=False)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
+import platform
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -64,6 +76,27 @@ class DeviceInfo:
     def is_gpu(self) -> bool:
         return self.vendor != "cpu"
 
+    @property
+    def device_type(self) -> str:
+        """The torch device type tensors of this device have (``"cpu"`` or ``"cuda"``)."""
+        return self.torch_device.split(":")[0]
+
+    def describe(self) -> str:
+        """One line: name, arch, native FP8, toolchains, memory (for ``fp8kv probe``)."""
+        tools = [t for t, ok in (("triton" + (" (interpreter)" if self.triton and not self.is_gpu else ""),
+                                  self.triton), ("cupy", self.cupy), ("flash-attn3", self.flash_attn3)) if ok]
+        mem = f"{self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else "unknown"
+        return (f"{self.name} [{self.vendor}{', ' + self.arch if self.arch else ''}]"
+                f"{' (simulated)' if self.simulated and 'simulated' not in self.name else ''}; "
+                f"native FP8 conversions: {', '.join(sorted(self.native_fp8)) or 'none'}; "
+                f"toolchains: {', '.join(tools) or 'none'}; memory: {mem}")
+
+    def as_dict(self) -> dict:
+        """JSON-friendly fields (``native_fp8`` sorted)."""
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        d["native_fp8"] = sorted(self.native_fp8)
+        return d
+
 
 OCP = frozenset({"fp8_e4m3", "fp8_e5m2"})
 FNUZ = frozenset({"fp8_e4m3fnuz", "fp8_e5m2fnuz"})
@@ -95,32 +128,49 @@ SIMULATED = {
 }
 """Devices that ``FP8KV_SIMULATE_DEVICE`` / :func:`simulate_device` can stand in for."""
 
-_simulated_override: list[str] = []
+_simulated_override: list[DeviceInfo] = []
 
 
+def triton_supports(vendor: str, arch: str | None) -> bool:
+    """Whether Triton (3.x) compiles for this GPU: NVIDIA sm80+ and AMD GPUs."""
+    if vendor == "amd":
+        return True
+    return vendor == "nvidia" and arch is not None and int(arch[2:]) >= 80
+
+
+@cache
 def simulated(name: str) -> DeviceInfo:
-    """The DeviceInfo of a simulated device (toolchains assumed present on GPUs)."""
+    """The DeviceInfo of a simulated device (toolchains it could run assumed installed)."""
     if name not in SIMULATED:
-        raise bad_argument("device", repr(name), f"one of {sorted(SIMULATED)}")
+        raise bad_argument("FP8KV_SIMULATE_DEVICE / simulate_device", repr(name), f"one of {list(SIMULATED)}")
     vendor, label, arch, mem = SIMULATED[name]
     gpu = vendor != "cpu"
     return DeviceInfo(
         vendor=vendor, name=label, arch=arch, torch_device="cuda:0" if gpu else "cpu",
-        native_fp8=native_fp8_formats(arch),
-        triton=gpu and (arch not in ("sm70", "sm75")),
-        cupy=vendor == "nvidia", flash_attn3=False, memory_bytes=mem, simulated=True,
+        native_fp8=native_fp8_formats(arch), triton=triton_supports(vendor, arch),
+        cupy=vendor == "nvidia", flash_attn3=arch == "sm90", memory_bytes=mem, simulated=True,
     )
 
 
 @contextlib.contextmanager
-def simulate_device(name: str) -> Iterator[DeviceInfo]:
-    """Within the block, ``probe()`` answers with the simulated device ``name``."""
+def simulate_device(name: str, **overrides) -> Iterator[DeviceInfo]:
+    """Within the block, ``probe()`` (any device) answers with the simulated device ``name``.
+
+    ``overrides`` replace single :class:`DeviceInfo` fields, e.g. ``triton=False`` to
+    see what happens on an sm80 without Triton. Nests; thread-global.
+    """
     info = simulated(name)
-    _simulated_override.append(name)
+    if overrides:
+        bad = sorted(set(overrides) - set(DeviceInfo.__dataclass_fields__))
+        if bad:
+            raise bad_argument("simulate_device", f"unknown fields {bad}",
+                               f"DeviceInfo fields {sorted(DeviceInfo.__dataclass_fields__)}")
+        info = dataclasses.replace(info, **overrides)
+    _simulated_override.append(info)
     try:
         yield info
     finally:
-        _simulated_override.pop()
+        _simulated_override.remove(info)
 
 
 def _importable(module: str) -> bool:
@@ -135,12 +185,30 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def _cpu_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
 @cache
 def _probe_real(device_str: str, interpret: bool) -> DeviceInfo:
     dev = torch.device(device_str)
     if dev.type != "cuda":
-        return DeviceInfo(vendor="cpu", name="cpu", arch=None, torch_device="cpu",
-                          triton=interpret and _importable("triton"))
+        return DeviceInfo(vendor="cpu", name=_cpu_name(), arch=None, torch_device="cpu",
+                          triton=interpret and _importable("triton"), memory_bytes=_cpu_memory())
     props = torch.cuda.get_device_properties(dev)
     if torch.version.hip:
         arch = props.gcnArchName.split(":")[0]
@@ -151,19 +219,22 @@ def _probe_real(device_str: str, interpret: bool) -> DeviceInfo:
     return DeviceInfo(
         vendor=vendor, name=props.name, arch=arch, torch_device=str(dev),
         native_fp8=native_fp8_formats(arch),
-        triton=_importable("triton"), cupy=vendor == "nvidia" and _importable("cupy"),
-        flash_attn3=_importable("flash_attn_interface"), memory_bytes=int(props.total_memory),
+        triton=triton_supports(vendor, arch) and _importable("triton"),
+        cupy=vendor == "nvidia" and _importable("cupy"),
+        flash_attn3=arch == "sm90" and _importable("flash_attn_interface"),
+        memory_bytes=int(props.total_memory),
     )
 
 
 def probe(device: torch.device | str | None = None) -> DeviceInfo:
     """Describe ``device`` (default: the current CUDA device if any, else the CPU).
 
-    Simulation (``simulate_device`` or ``FP8KV_SIMULATE_DEVICE``) takes precedence.
-    Cached: cheap enough for the hot path.
+    Simulation (``simulate_device``, then ``FP8KV_SIMULATE_DEVICE``) takes precedence
+    over ``device``. Cached per device (and interpreter setting): cheap enough for the
+    hot path. A real probe never initialises more than ``torch.cuda`` already has.
     """
     if _simulated_override:
-        return simulated(_simulated_override[-1])
+        return _simulated_override[-1]
     env = os.environ.get("FP8KV_SIMULATE_DEVICE")
     if env:
         return simulated(env)

@@ -1,0 +1,51 @@
+"""fp8kv's conformance kit: what a backend must satisfy, usable from any test suite.
+
+One import for a plugin author::
+
+    from fp8kv.testing import check_backend
+
+    def test_my_backend_conforms():
+        check_backend("mybackend")          # or the backend object itself
+
+Contents:
+
+* :mod:`fp8kv.testing.tolerance`: the derived attention tolerance
+  (:func:`attention_tolerance`, :func:`assert_attention_close`, :func:`paged_attention_bounds`).
+* :mod:`fp8kv.testing.strategies`: Hypothesis strategies for workloads (:func:`workloads`,
+  :class:`Workload`).
+* :mod:`fp8kv.testing.conformance`: :func:`check_backend`.
+
+The tolerance needs only torch; the strategies and the checker need Hypothesis (a test
+dependency), so they are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from .tolerance import (
+    assert_attention_close,
+    attention_error_bound,
+    attention_tolerance,
+    logit_bound,
+    paged_attention_bounds,
+    ulp,
+)
+
+_LAZY = {
+    "Workload": "strategies",
+    "workloads": "strategies",
+    "check_backend": "conformance",
+    "ConformanceReport": "conformance",
+}
+
+__all__ = [
+    "ConformanceReport", "Workload", "assert_attention_close", "attention_error_bound", "attention_tolerance",
+    "check_backend", "logit_bound", "paged_attention_bounds", "ulp", "workloads",
+]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

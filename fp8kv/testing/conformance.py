@@ -1,0 +1,269 @@
+"""``check_backend``: cross-check a backend against the reference on Hypothesis-drawn workloads.
+
+For every drawn :class:`~fp8kv.testing.strategies.Workload` and each op, the backend's own
+``fp8kv_supports`` on the probed device decides what is checked:
+
+* it **claims** the request:
+
+  - ``write_kv`` (through :func:`fp8kv.write_kv` with ``backend=<name>``) into a poisoned
+    cache must give caches *and* scales byte-identical to :func:`fp8kv.reference.write_kv`;
+    nothing outside the mapped slots may change, padding slots are skipped, the inputs
+    are not modified;
+  - ``paged_attention`` (decode or chunked prefill, through :func:`fp8kv.paged_attention`
+    with ``out`` pre-filled with NaN) must match the reference within the derived tolerance
+    of :mod:`fp8kv.testing.tolerance`, write every output element and leave the cache alone;
+
+* it **refuses** the request: forcing it must raise :class:`fp8kv.Fp8KVError` containing
+  its reason, and leave the cache unchanged.
+
+Usage from a plugin's test suite::
+
+    from fp8kv.testing import check_backend
+
+    def test_conformance():
+        report = check_backend("mybackend", examples=50, head_sizes=(64, 128))
+        print(report.summary())
+
+Do not call it from inside a ``@given`` test (Hypothesis does not nest). Run it on the
+real device: under ``FP8KV_SIMULATE_DEVICE`` the backend would be asked about a device the
+tensors are not on.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import HealthCheck, example, given, settings
+
+from .. import reference
+from ..api import paged_attention, write_kv
+from ..cache import KVCache
+from ..errors import Fp8KVError
+from ..hookspecs import OPS
+from ..probe import DeviceInfo, probe
+from ..registry import Backend, registry, unregister_backend
+from .strategies import Workload, workloads
+from .tolerance import assert_attention_close, paged_attention_bounds
+
+__all__ = ["ConformanceReport", "check_attention", "check_backend", "check_refusal", "check_write"]
+
+
+@dataclass
+class ConformanceReport:
+    """What :func:`check_backend` exercised.
+
+    Attributes:
+        backend: the backend's name; device: where it ran.
+        examples: workloads drawn (Hypothesis' generation and replay runs included).
+        served: op -> requests checked against the reference.
+        refused: op -> requests refused (and checked to raise when forced).
+        reasons: refusal reason -> count.
+    """
+
+    backend: str
+    device: DeviceInfo
+    examples: int = 0
+    served: Counter = field(default_factory=Counter)
+    refused: Counter = field(default_factory=Counter)
+    reasons: Counter = field(default_factory=Counter)
+
+    def summary(self) -> str:
+        ops = ", ".join(f"{op}: {self.served[op]} checked, {self.refused[op]} refused" for op in OPS)
+        top = "; ".join(f"{r} (x{n})" for r, n in self.reasons.most_common(3))
+        return (f"backend {self.backend!r} on {self.device.name}: {self.examples} workloads; {ops}"
+                + (f"; top refusals: {top}" if top else ""))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+def _first_difference(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
+    """None if byte-identical, else where and what differs."""
+    g, w = _bytes(got), _bytes(want)
+    if torch.equal(g, w):
+        return None
+    ne = (g != w).nonzero()
+    idx = tuple(int(i) for i in ne[0])
+    return (f"{name} differs at {int(ne.shape[0])} positions, first at index {list(idx)}: "
+            f"got {got[idx].item()!r} (0x{int(g[idx]):x}), expected {want[idx].item()!r} (0x{int(w[idx]):x})")
+
+
+def _unmapped_changed(before: KVCache, after: KVCache, mapped: list[int]) -> str | None:
+    """Describe a change outside the mapped slots, or None."""
+    keep = torch.ones(before.num_slots, dtype=torch.bool)
+    keep[torch.tensor(mapped, dtype=torch.long)] = False
+    for which in ("key", "value"):
+        a = _bytes(before.token_view(which)).cpu()[keep]
+        b = _bytes(after.token_view(which)).cpu()[keep]
+        if not torch.equal(a, b):
+            slot = int(keep.nonzero()[(a != b).flatten(1).any(1).nonzero()[0, 0]])
+            return f"{which}_cache changed at unmapped slot {slot} (padding or untouched slot written)"
+    if before.scale_granularity == "token_head":
+        for which in ("key", "value"):
+            a = _bytes(before.scale_per_slot(which)).cpu()[keep]
+            b = _bytes(after.scale_per_slot(which)).cpu()[keep]
+            if not torch.equal(a, b):
+                slot = int(keep.nonzero()[(a != b).any(1).nonzero()[0, 0]])
+                return f"{which[0]}_scale changed at unmapped slot {slot}"
+    return None
+
+
+def check_write(backend: Backend, wl: Workload, device: torch.device) -> None:
+    """``write_kv`` through ``backend`` is byte-identical to the reference (AssertionError if not)."""
+    t = wl.tensors(device)
+    key0, value0 = t.key.clone(), t.value.clone()
+    want = wl.allocate_cache(device)
+    reference.write_kv(want, t.key, t.value, t.slot_mapping)
+    got = wl.allocate_cache(device)
+    before = got.clone()
+    write_kv(got, t.key, t.value, t.slot_mapping, backend=backend.name)
+    where = f"backend {backend.name!r}, {wl.request('write_kv', device.type).describe()}: "
+    if not (torch.equal(_bytes(key0), _bytes(t.key)) and torch.equal(_bytes(value0), _bytes(t.value))):
+        raise AssertionError(where + "write_kv modified its key/value inputs")
+    changed = _unmapped_changed(before, got, wl.mapped_slots())
+    if changed:
+        raise AssertionError(where + changed)
+    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+        diff = _first_difference(name, getattr(got, name), getattr(want, name))
+        if diff:
+            raise AssertionError(where + "write not bit-exact with the reference: " + diff)
+
+
+def _reference_attention(wl: Workload, t, cache: KVCache) -> torch.Tensor:
+    out = torch.empty_like(t.query)
+    qsl = t.query_start_loc if t.query_start_loc is not None else \
+        torch.arange(wl.num_seqs + 1, dtype=torch.int32, device=t.query.device)
+    scale = wl.softmax_scale if wl.softmax_scale is not None else wl.head_size**-0.5
+    reference.paged_attention(t.query, cache, t.block_tables, t.seq_lens, qsl, max(wl.max_query_len, 1),
+                              scale, wl.causal, wl.sliding_window, wl.soft_cap, out)
+    return out
+
+
+def check_attention(backend: Backend, wl: Workload, device: torch.device) -> None:
+    """``paged_attention`` through ``backend`` matches the reference within the derived tolerance."""
+    wl = wl.without_specials()
+    t = wl.tensors(device)
+    cache = wl.allocate_cache(device)
+    reference.write_kv(cache, t.key, t.value, t.slot_mapping)
+    snapshot = cache.clone()
+    out = torch.full_like(t.query, float("nan"))
+    res = paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
+                          out=out, backend=backend.name, **wl.attention_kwargs())
+    where = f"backend {backend.name!r}, {wl.request('paged_attention', device.type).describe()}: "
+    if res is not out:
+        raise AssertionError(where + "paged_attention did not return the given out tensor")
+    if not cache.same_bytes(snapshot):
+        raise AssertionError(where + "paged_attention modified the cache")
+    ref = _reference_attention(wl, t, cache)
+    bounds = paged_attention_bounds(t.query, cache, t.block_tables, t.seq_lens, t.query_start_loc,
+                                    softmax_scale=wl.softmax_scale, causal=wl.causal,
+                                    sliding_window=wl.sliding_window, logits_soft_cap=wl.soft_cap)
+    assert_attention_close(out, ref, **bounds, context=where)
+
+
+def check_refusal(backend: Backend, wl: Workload, device: torch.device, op: str, reason: str) -> None:
+    """Forcing ``backend`` on a request it refuses raises Fp8KVError with ``reason``; cache unchanged."""
+    wl = wl.without_specials()
+    t = wl.tensors(device)
+    cache = wl.allocate_cache(device)
+    if op == "paged_attention":
+        reference.write_kv(cache, t.key, t.value, t.slot_mapping)
+    snapshot = cache.clone()
+    where = f"backend {backend.name!r} refuses {wl.request(op, device.type).describe()} ({reason!r}) but "
+    try:
+        if op == "write_kv":
+            write_kv(cache, t.key, t.value, t.slot_mapping, backend=backend.name)
+        else:
+            paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
+                            backend=backend.name, **wl.attention_kwargs())
+    except Fp8KVError as exc:
+        if reason not in str(exc):
+            raise AssertionError(where + f"the error does not give that reason: {exc}") from exc
+    else:
+        raise AssertionError(where + "forcing it did not raise Fp8KVError")
+    if not cache.same_bytes(snapshot):
+        raise AssertionError(where + "the refused call changed the cache")
+
+
+def _resolve(backend: Any) -> tuple[Backend, bool]:
+    """The registered Backend for a name, class or object; True if we registered it here."""
+    reg = registry()
+    if isinstance(backend, Backend):
+        return backend, False
+    if isinstance(backend, str):
+        if backend not in reg.backends:
+            raise Fp8KVError(f"backend: got {backend!r}, expected one of {sorted(reg.backends)}")
+        return reg.backends[backend], False
+    for b in reg.backends.values():
+        if b.plugin is backend or (isinstance(backend, type) and type(b.plugin) is backend):
+            return b, False
+    return reg.add(backend), True
+
+
+def check_backend(
+    backend: Any,
+    *,
+    device: torch.device | str | None = None,
+    examples: int | None = None,
+    require_support: bool = True,
+    known: Iterable[Workload] = (),
+    **strategy_limits: Any,
+) -> ConformanceReport:
+    """Cross-check ``backend`` against the reference for exactly what it claims to support.
+
+    Args:
+        backend: a registered backend's name, a registered :class:`~fp8kv.registry.Backend`,
+            or a plugin object/class (registered for the duration of the check if it is not).
+        device: where to run (default: ``cuda`` if available, else ``cpu``); the backend is
+            asked ``fp8kv_supports`` with ``fp8kv.probe(device)``.
+        examples: Hypothesis ``max_examples`` (default: the active settings profile's).
+        require_support: fail if the backend claimed none of the drawn requests (usually
+            a sign that ``strategy_limits`` or the device do not fit the backend).
+        known: workloads always checked first (``@example``s): keep every failure the
+            kit ever found here, e.g. ``known=[Workload(...)]`` pasted from its report.
+        **strategy_limits: passed to :func:`fp8kv.testing.strategies.workloads`
+            (``max_seqs``, ``max_seq_len``, ``head_sizes``, ``kv_dtypes``, ``io_dtypes`` ...).
+    Returns:
+        a :class:`ConformanceReport`. Raises AssertionError (with Hypothesis' falsifying
+        :class:`Workload`) on the first non-conforming behaviour.
+    """
+    dev = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    info = probe(dev)
+    be, ours = _resolve(backend)
+    report = ConformanceReport(be.name, info)
+    base = settings.default
+    run_settings = settings(
+        base, max_examples=examples if examples is not None else base.max_examples, deadline=None,
+        suppress_health_check=[*base.suppress_health_check, HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+
+    def conformance(wl: Workload) -> None:
+        report.examples += 1
+        for op in OPS:
+            req = wl.request(op, dev.type)
+            reason = be.check_supports(info, req)
+            if reason is None:
+                report.served[op] += 1
+                (check_write if op == "write_kv" else check_attention)(be, wl, dev)
+            else:
+                report.refused[op] += 1
+                report.reasons[reason] += 1
+                check_refusal(be, wl, dev, op, reason)
+
+    for wl in reversed(list(known)):
+        conformance = example(wl=wl)(conformance)
+    conformance = run_settings(given(wl=workloads(**strategy_limits))(conformance))
+    try:
+        conformance()
+    finally:
+        if ours:
+            unregister_backend(be.name)
+    if require_support and not sum(report.served.values()):
+        raise AssertionError(f"backend {be.name!r} claimed none of the {report.examples} drawn requests on "
+                             f"{info.name}: {report.summary()}")
+    return report
