@@ -33,7 +33,7 @@ from functools import cache
 
 import torch
 
-from .formats import Fp8Format, check_scale, get_format, to_float32
+from .formats import Fp8Format, check_scale, divide_by_scale, get_format
 
 __all__ = [
     "CodecConstants",
@@ -338,4 +338,4 @@ def encode(
     """
     f = get_format(fmt)
     s = check_scale(scale).to(x.device)
-    return encode_f32_bits(to_float32(x) / s, f)
+    return encode_f32_bits(divide_by_scale(x, s), f)

@@ -126,6 +126,17 @@ def to_float32(x: torch.Tensor) -> torch.Tensor:
     return x32
 
 
+def divide_by_scale(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``to_float32(x) / scale`` (IEEE division), NaN elements kept as they are, sign included.
+
+    A division on x86 keeps a NaN operand's sign, one on CUDA returns the canonical positive
+    NaN; keeping ``x``'s NaN makes ``-NaN`` quantize to the negative NaN byte everywhere
+    (torch's float32 -> bfloat16 conversion itself produces ``-NaN``, 0xFFFF).
+    """
+    x32 = to_float32(x)
+    return torch.where(torch.isnan(x32), x32, x32 / scale)
+
+
 def quantize_scaled(x32: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """Cast already-divided float32 values to ``fmt``: clamp (NaN passes), then RNE cast."""
     return x32.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
@@ -147,7 +158,7 @@ def quantize(
     if not x.is_floating_point():
         raise bad_argument("x", x.dtype, "a floating-point tensor")
     s = check_scale(scale).to(x.device)
-    return quantize_scaled(to_float32(x) / s, fmt)
+    return quantize_scaled(divide_by_scale(x, s), fmt)
 
 
 def dequantize(

@@ -11,7 +11,7 @@ import torch
 
 from ._version import __version__
 from .cache import KVCache
-from .formats import quantize_scaled, to_float32
+from .formats import divide_by_scale, quantize_scaled
 from .hookspecs import BackendInfo, Request, hookimpl
 from .probe import DeviceInfo
 from .scales import token_head_scale
@@ -37,7 +37,7 @@ def _quantize_rows(cache: KVCache, which: str, x: torch.Tensor, slots: torch.Ten
         store.view(cache.num_slots, cache.num_kv_heads)[slots] = scale
     else:
         scale = cache.scale_per_slot(which)[:1]  # [1, H]
-    return quantize_scaled(to_float32(x) / scale[..., None], cache.fmt)
+    return quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt)
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:

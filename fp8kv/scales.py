@@ -47,7 +47,10 @@ def token_head_scale(x: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
         ``[num_tokens, H]`` float32.
     """
     a = torch.nan_to_num(x.to(torch.float32).abs(), nan=0.0, posinf=FLOAT32_MAX)
-    s = a.amax(dim=-1) / fmt.max
+    amax = a.amax(dim=-1)
+    # divide by a tensor: on CUDA torch turns "tensor / Python number" into a product with
+    # the reciprocal, which is not the one correctly rounded division this promises
+    s = amax / torch.full_like(amax, fmt.max)
     return s.clamp_min(MIN_DYNAMIC_SCALE)
 
 

@@ -1,1 +1,19 @@
-"""fp8kv's Triton backend (work in progress)."""
+"""fp8kv's Triton backend: fused FP8 cache write and paged attention.
+
+NVIDIA sm80+ GPUs, and the CPU through Triton's interpreter (``TRITON_INTERPRET=1``).
+Registered through the ``fp8kv.backends`` entry point as ``triton``
+(:class:`fp8kv_triton.plugin.TritonBackend`). Modules:
+
+* :mod:`~fp8kv_triton.capabilities`: what is served where, and which codec (native cast or
+  the integer-bit encoder) each architecture and format uses;
+* :mod:`~fp8kv_triton.codec`: the ``@triton.jit`` encoder/decoders;
+* :mod:`~fp8kv_triton.write`: the fused quantize-and-scatter kernel;
+* :mod:`~fp8kv_triton.attention`: paged attention (decode, chunked prefill, split-KV).
+
+Triton itself is imported only when a kernel module is, so the plugin loads (and says
+why it cannot serve) where Triton is missing.
+"""
+
+from fp8kv._version import __version__
+
+__all__ = ["__version__"]

@@ -1,0 +1,148 @@
+"""The fused cache write: quantize ``key``/``value`` and scatter them into the paged cache.
+
+One kernel launch writes K and V. Program ``i`` takes ``BLOCK_R`` consecutive rows of the
+flattened ``[num_tokens * H, D]`` input (row ``r`` is token ``r // H``, head ``r % H``), so
+its loads are contiguous, and stores each row's ``D`` bytes at its slot:
+
+* ``slot = slot_mapping[token]``; negative slots (padding) are masked out entirely, so
+  nothing outside the mapped slots is touched;
+* NHD ``[num_blocks, block_size, H, D]`` and HND ``[num_blocks, H, block_size, D]`` differ only
+  in the strides passed in;
+* ``token_head``: ``scale = max(amax(|x|) / fmt.max, 2^-126)`` per row (NaN ignored, inf
+  as the float32 max), one correctly rounded division, stored at ``k_scale[block, offset, h]``;
+* ``x / scale`` is a correctly rounded division (``tl.math.div_rn``: Triton's ``/`` is an
+  approximate division on NVIDIA GPUs), NaN inputs kept with their sign (as
+  :func:`fp8kv.formats.divide_by_scale`), then the encoder of the codec policy.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8kv.cache import KVCache
+
+from .codec import ENC_NATIVE, codec_args, encode_f32_bits, encode_native
+
+
+@triton.jit
+def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, slot, valid, h, dst_row, d, dmask,
+                   H, D, stride_sh, SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr,
+                   F_MANT: tl.constexpr,
+                   F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
+                   F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
+                   F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """Quantize ``BLOCK_R`` rows of one tensor (K or V) and store codes (and dynamic scales)."""
+    m2 = valid[:, None] & dmask[None, :]
+    if SRC_KIND == 0:  # float32
+        x = tl.load(src_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
+        x_sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+    else:
+        # 16-bit inputs arrive as int16 bits: bfloat16 is widened by a shift (Triton's CPU
+        # interpreter converts bfloat16 subnormals wrongly), and the sign of a NaN is read
+        # from the bits (a GPU float16 -> float32 conversion returns the positive NaN)
+        raw = tl.load(src_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0)
+        if SRC_KIND == 2:
+            x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = raw.to(tl.float16, bitcast=True).to(tl.float32)
+        x_sign = (raw.to(tl.int32) >> 15) & 1
+    if TOKEN_SCALES:
+        a = tl.abs(x)
+        a = tl.where(a != a, 0.0, a)  # NaN counts as 0
+        a = tl.minimum(a, 3.4028234663852886e38)  # inf counts as the float32 max
+        amax = tl.max(a, axis=1)
+        scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + F_MAX), 1.1754943508222875e-38)
+        tl.store(scale_ptr + slot * H + h, scale, mask=valid)
+    else:
+        scale = tl.load(scale_ptr + h * stride_sh, mask=valid, other=1.0)  # stride 0: per-tensor
+    y = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
+    if ENC == 1:
+        q = encode_native(y, F_KIND, F_MAX, F_NANBYTE)
+    else:
+        q = encode_f32_bits(y, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ)
+    if not F_FNUZ:
+        # NaN keeps the sign of the input (a GPU division returns the positive canonical NaN,
+        # and a float select on it may be folded away by the compiler: patch the integer code)
+        q = tl.where(x != x, (x_sign << 7) | F_NANBYTE, q)
+    tl.store(dst_ptr + dst_row[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
+
+
+@triton.jit(do_not_specialize=["num_rows", "H", "page"])
+def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
+                     num_rows, H, D, stride_block, stride_tok, stride_head, stride_sh, page, page_shift,
+                     PAGE_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr,
+                     F_MANT: tl.constexpr,
+                     F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
+                     F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
+                     F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < num_rows
+    t = rows // H
+    h = rows % H
+    slot = tl.load(slot_ptr + t, mask=rmask, other=-1).to(tl.int64)
+    valid = rmask & (slot >= 0)
+    if PAGE_POW2:
+        blk = slot >> page_shift
+        off = slot & (page - 1)
+    else:
+        blk = slot // page
+        off = slot % page
+    dst_row = blk * stride_block + off * stride_tok + h * stride_head
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    _quantize_rows(key_ptr, kc_ptr, ks_ptr, rows, slot, valid, h, dst_row, d, dmask, H, D, stride_sh,
+                   SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE,
+                   F_FNUZ, F_KIND, F_MAX)
+    _quantize_rows(value_ptr, vc_ptr, vs_ptr, rows, slot, valid, h, dst_row, d, dmask, H, D, stride_sh,
+                   SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE,
+                   F_FNUZ, F_KIND, F_MAX)
+
+
+def cache_strides(cache: KVCache) -> tuple[int, int, int]:
+    """(block, token-in-block, head) strides of the cache tensors, in elements (= bytes)."""
+    s = cache.key_cache.stride()
+    if cache.layout == "NHD":
+        return s[0], s[1], s[2]
+    return s[0], s[2], s[1]
+
+
+def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
+             encoder: int, block_rows: int | None = None, num_warps: int | None = None) -> None:
+    """Quantize and scatter ``key``/``value [T, H, D]`` into ``cache`` at ``slot_mapping [T]``.
+
+    Args:
+        cache: the layer's cache (K/V codes and, for ``token_head``, scales written in place).
+        key, value: contiguous ``[T, H, D]`` float32/float16/bfloat16 on the cache's device.
+        slot_mapping: ``[T]`` int32/int64; negative entries are skipped.
+        encoder: :data:`fp8kv_triton.codec.ENC_INTEGER` or ``ENC_NATIVE`` (the policy's choice).
+        block_rows / num_warps: launch overrides (benchmarks).
+    """
+    T, H, D = key.shape
+    rows = T * H
+    if rows == 0:
+        return
+    block_d = max(16, triton.next_power_of_2(D))
+    if block_rows is None:
+        block_rows = max(1, min(64, 4096 // block_d))
+    if num_warps is None:
+        num_warps = 4
+    a = codec_args(cache.fmt)
+    sb, st, sh = cache_strides(cache)
+    page = cache.block_size
+    grid = (triton.cdiv(rows, block_rows),)
+    src_kind = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[key.dtype]
+    if src_kind:
+        key, value = key.view(torch.int16), value.view(torch.int16)
+    _write_kv_kernel[grid](
+        key, value, slot_mapping, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
+        cache.k_scale, cache.v_scale, rows, H, D, sb, st, sh, 1 if cache.scale_granularity == "head" else 0,
+        page, page.bit_length() - 1,
+        PAGE_POW2=page & (page - 1) == 0, BLOCK_R=block_rows, BLOCK_D=block_d, SRC_KIND=src_kind,
+        TOKEN_SCALES=cache.scale_granularity == "token_head", ENC=int(encoder == ENC_NATIVE),
+        F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits, F_MAXBITS=a.max_f32_bits,
+        F_MAXSHIFT=a.max_shift, F_NANBYTE=a.nan_byte, F_FNUZ=a.fnuz, F_KIND=a.fp8_kind, F_MAX=a.fmt_max,
+        num_warps=num_warps,
+    )

@@ -1,0 +1,362 @@
+"""The Triton backend through Triton's CPU interpreter (``TRITON_INTERPRET=1``, set by conftest).
+
+The same kernels as on the GPU, with the codec paths the GPU uses where native casts are not
+proven (the integer-bit encoder and the integer decoders); tiny shapes. What is checked:
+
+* the ``@triton.jit`` integer encoder equals torch's casts on every fp16/bf16 pattern, on the
+  rounding ties (127.8 -> 128 in e4m3) and on Hypothesis-drawn float32 patterns, in all four
+  formats; every integer decoder gives the exact value of all 256 bytes;
+* writes are byte-identical to the reference (layouts, granularities, input dtypes, NaN signs,
+  subnormal inputs, padding, non-power-of-two block sizes) and touch nothing else;
+* attention matches the reference within the derived tolerance on the cases that exercise each
+  kernel path (split-KV and its merge, the one-half P product above 1024 keys, windows,
+  soft-cap, non-causal, GQA groups that are not powers of two, float32 queries), and the kit;
+* the plugin's capability answers and codec policy, per (simulated) device.
+
+GPU runs of the same kernels: tests/test_triton_gpu.py.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import fp8kv
+from fp8kv.formats import FORMATS, quantize_scaled
+from fp8kv.hookspecs import Request
+from fp8kv.probe import simulated, triton_interpreter
+from fp8kv.testing import assert_attention_close, paged_attention_bounds
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available() or not triton_interpreter(),
+                                reason="CPU interpreter tests (TRITON_INTERPRET=1, no CUDA)")
+
+ALL = list(FORMATS.values())
+IDS = [f.name for f in ALL]
+fmt_param = pytest.mark.parametrize("fmt", ALL, ids=IDS)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
+
+
+# ---------------------------------------------------------------------------------- codec
+
+
+def _all_halves() -> torch.Tensor:
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    return torch.cat([bits.view(torch.float16).float(), bits.view(torch.bfloat16).float()])
+
+
+@fmt_param
+def test_integer_encoder_matches_torch_on_every_half_pattern(fmt):
+    from fp8kv_triton.codec import ENC_INTEGER, encode_tensor
+
+    x = _all_halves()
+    got = encode_tensor(x, fmt, ENC_INTEGER)
+    want = quantize_scaled(x, fmt).view(torch.uint8)
+    bad = (got != want).nonzero().flatten()
+    assert bad.numel() == 0, f"{bad.numel()} differ, first x={x[bad[0]].item()!r}"
+
+
+@pytest.mark.parametrize(("fmt_name", "x", "byte"), [
+    ("fp8_e4m3", 127.8, 0x70),        # the rounding carries into the exponent: 128 (interpreter cast: 64)
+    ("fp8_e4m3", 464.0, 0x7E),        # tie at the top saturates to 448
+    ("fp8_e4m3", -0.0, 0x80),
+    ("fp8_e4m3fnuz", -0.0, 0x00),     # fnuz has no -0
+    ("fp8_e4m3fnuz", -1e-30, 0x00),
+    ("fp8_e5m2", 57344.0 * 1.25, 0x7B),  # saturating, never inf
+    ("fp8_e5m2", -math.inf, 0xFB),
+    ("fp8_e5m2fnuz", math.nan, 0x80),
+    ("fp8_e4m3", 2.0**-10, 0x00),     # exactly half the smallest subnormal: ties to even (0)
+    ("fp8_e4m3", 3 * 2.0**-10, 0x02),  # 1.5 subnormal steps: ties to even (2)
+])
+def test_integer_encoder_edge_values(fmt_name, x, byte):
+    from fp8kv_triton.codec import ENC_INTEGER, encode_tensor
+
+    fmt = FORMATS[fmt_name]
+    t = torch.tensor([x], dtype=torch.float32)
+    got = int(encode_tensor(t, fmt, ENC_INTEGER)[0])
+    assert got == byte == int(quantize_scaled(t, fmt).view(torch.uint8)[0])
+
+
+@given(bits=st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=64),
+       fmt=st.sampled_from(ALL))
+@example(bits=[0x42FF999A, -0x3D00666A, 0x7FC00001, -0x00400000, 0x00000001], fmt=FORMATS["fp8_e4m3"])
+def test_integer_encoder_matches_torch_on_float32_patterns(bits, fmt):
+    from fp8kv_triton.codec import ENC_INTEGER, encode_tensor
+
+    x = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    assert torch.equal(encode_tensor(x, fmt, ENC_INTEGER), quantize_scaled(x, fmt).view(torch.uint8))
+
+
+@fmt_param
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_integer_decoders_are_exact(fmt, out_dtype):
+    from fp8kv_triton.codec import decode_tensor
+    from fp8kv_triton.modes import DEC_GENERIC, integer_decoder
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(fmt.torch_dtype).double()
+    for mode in sorted({DEC_GENERIC, integer_decoder(fmt.name)}):
+        got = decode_tensor(codes, fmt, out_dtype, mode).double()
+        ok = (got == want) | (got.isnan() & want.isnan())
+        assert bool(ok.all()), f"mode {mode}: bytes {(~ok).nonzero().flatten().tolist()[:4]}"
+
+
+# ---------------------------------------------------------------------------------- write
+
+
+def _write_case(fmt: str, gran: str, layout: str, dtype: torch.dtype, bs: int = 4, seed: int = 0):
+    """A poisoned cache, inputs with specials (NaN of both signs, inf, zero and subnormal rows)."""
+    g = torch.Generator().manual_seed(seed)
+    T, H, D, nb = 13, 2, 24, 6
+    kw = {}
+    if gran == "tensor":
+        kw = dict(k_scale=0.37, v_scale=1e-3)
+    elif gran == "head":
+        kw = dict(k_scale=torch.tensor([0.05, 3.0]), v_scale=torch.tensor([2.0**-10, 0.7]))
+    cache = fp8kv.KVCache.allocate(nb, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran, **kw)
+    for t in (cache.key_cache, cache.value_cache):
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8, generator=g))
+    if gran == "token_head":
+        cache.k_scale.uniform_(0.5, 2.0, generator=g)
+        cache.v_scale.uniform_(0.5, 2.0, generator=g)
+    key = torch.randn(T, H, D, generator=g) * torch.logspace(-3, 5, D)
+    value = torch.randn(T, H, D, generator=g) * 30
+    key[0, 0, :3] = torch.tensor([math.inf, -math.inf, math.nan])
+    key[1] = 0.0
+    value[2, 1] = -0.0
+    key[3, 0] = torch.randn(D, generator=g) * 1e-39  # float32 (and bfloat16) subnormals
+    key, value = key.to(dtype), value.to(dtype)
+    neg_nan = {torch.float32: -0x400000, torch.float16: -0x200, torch.bfloat16: -0x40}[dtype]
+    key.view(torch.int32 if dtype == torch.float32 else torch.int16)[4, 1, 5] = neg_nan
+    slots = torch.randperm(nb * bs, generator=g)[:T]
+    slots[[5, 9]] = -1
+    return cache, key, value, slots
+
+
+@fmt_param
+@pytest.mark.parametrize("gran", ["tensor", "head", "token_head"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["f32", "f16", "bf16"])
+def test_write_is_byte_identical_with_the_reference(fmt, gran, layout, dtype):
+    cache, key, value, slots = _write_case(fmt.name, gran, layout, dtype)
+    want = cache.clone()
+    fp8kv.write_kv(want, key, value, slots, backend="reference")
+    fp8kv.write_kv(cache, key, value, slots.to(torch.int32), backend="triton")
+    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+        a, b = _bytes(getattr(cache, name)), _bytes(getattr(want, name))
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
+
+
+def test_write_with_a_block_size_that_is_not_a_power_of_two():
+    cache, key, value, slots = _write_case("fp8_e4m3", "token_head", "HND", torch.bfloat16, bs=3)
+    want = cache.clone()
+    fp8kv.write_kv(want, key, value, slots, backend="reference")
+    fp8kv.write_kv(cache, key, value, slots, backend="triton")
+    assert cache.same_bytes(want)
+
+
+def test_negative_nan_keeps_its_sign():
+    """torch turns NaN into 0xFFFF (-NaN) when converting float32 to bfloat16; the byte must be 0xFF."""
+    x = torch.full((300, 1, 16), math.nan).to(torch.bfloat16)
+    assert int(x.view(torch.int16)[0, 0, 0]) == -1
+    cache = fp8kv.KVCache.allocate(20, 16, 1, 16)
+    fp8kv.write_kv(cache, x, x, torch.arange(300), backend="triton")
+    assert bool((cache.key_cache.view(torch.uint8)[:18, :12] == 0xFF).all())
+
+
+# ------------------------------------------------------------------------------ attention
+
+
+def _attention_case(*, fmt="fp8_e4m3", gran="tensor", layout="NHD", dtype=torch.float16, H=2, group=2, D=16,
+                    bs=4, seq_lens=(37, 5), q_lens=(1, 1), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in seq_lens]
+    nb = sum(need) + 2
+    perm = torch.randperm(nb, generator=g)
+    tables = torch.full((len(seq_lens), max(need) + 1), -1, dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[at:at + k]
+        at += k
+    kw = {}
+    if gran == "tensor":
+        kw = dict(k_scale=0.03, v_scale=0.2)
+    elif gran == "head":
+        kw = dict(k_scale=torch.rand(H, generator=g) * 0.05 + 0.01, v_scale=torch.rand(H, generator=g) + 0.1)
+    cache = fp8kv.KVCache.allocate(nb, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran, **kw)
+    slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(seq_lens)])
+    mag = torch.logspace(-2, 1, len(slots))[torch.randperm(len(slots), generator=g)][:, None, None]
+    key = torch.randn(len(slots), H, D, generator=g) * 3 * mag
+    value = torch.randn(len(slots), H, D, generator=g) * mag
+    fp8kv.write_kv(cache, key, value, slots, backend="reference")
+    query = torch.randn(sum(q_lens), H * group, D, generator=g).to(dtype)
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return cache, query, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl
+
+
+def _check_attention(case, *, causal=True, window=None, cap=None, config=None):
+    """Run the kernel (optionally with a launch ``config``) and compare with the reference."""
+    from fp8kv_triton.attention import choose_config, paged_attention
+    from fp8kv_triton.modes import integer_decoder
+
+    cache, query, tables, lens, qsl = case
+    max_q = int((qsl[1:] - qsl[:-1]).max())
+    scale = query.shape[-1] ** -0.5
+    out = torch.full_like(query, math.nan)
+    cfg = None
+    if config is not None:
+        base = choose_config(query.device, group=query.shape[1] // cache.num_kv_heads,
+                             head_size=cache.head_size, num_seqs=len(lens), num_kv_heads=cache.num_kv_heads,
+                             max_query_len=max_q, max_keys=tables.shape[1] * cache.block_size, interpret=True)
+        cfg = replace(base, **config)
+    paged_attention(query, cache, tables, lens, qsl, max_q, scale, causal, window, cap, out,
+                    decode_mode=integer_decoder(cache.kv_dtype), interpret=True, config=cfg)
+    ref = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, causal=causal,
+                                sliding_window=window, logits_soft_cap=cap, backend="reference")
+    bounds = paged_attention_bounds(query, cache, tables, lens, qsl, causal=causal, sliding_window=window,
+                                    logits_soft_cap=cap)
+    assert_attention_close(out, ref, **bounds)
+    return out
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(),
+    dict(fmt="fp8_e5m2", gran="token_head", layout="HND", dtype=torch.bfloat16, group=3, D=40),
+    dict(fmt="fp8_e4m3fnuz", gran="head", dtype=torch.float32, H=1, group=4, bs=3, seq_lens=(20, 9),
+         q_lens=(20, 3)),
+    dict(fmt="fp8_e5m2fnuz", gran="token_head", dtype=torch.float16, H=1, group=1, bs=1, seq_lens=(11,),
+         q_lens=(6,)),
+], ids=["decode", "e5m2-token_head-gqa3-d40", "fnuz-prefill-f32-bs3", "e5m2fnuz-bs1"])
+def test_attention_paths(kwargs):
+    _check_attention(_attention_case(**kwargs))
+
+
+@pytest.mark.parametrize(("causal", "window", "cap"), [
+    (True, 7, None), (True, None, 5.0), (False, None, None), (False, 1, 30.0), (True, 1, 0.5)])
+def test_attention_options(causal, window, cap):
+    case = _attention_case(gran="token_head", dtype=torch.bfloat16, seq_lens=(70, 9), q_lens=(9, 2), bs=16)
+    _check_attention(case, causal=causal, window=window, cap=cap)
+
+
+@pytest.mark.parametrize("gran", ["tensor", "token_head"])
+def test_split_kv_partials_merge(gran):
+    case = _attention_case(gran=gran, seq_lens=(300, 40, 1), q_lens=(1, 1, 1), bs=16)
+    _check_attention(case, config=dict(num_splits=1, keys_per_split=320))
+    _check_attention(case, config=dict(num_splits=5, keys_per_split=64))
+    _check_attention(case, window=50, config=dict(num_splits=5, keys_per_split=64))
+
+
+def test_rows_with_over_1024_keys_use_a_single_float16_p():
+    """Above FULL_P_KEYS keys per row the P @ V product has one float16 half; still within the bound."""
+    from fp8kv_triton.attention import FULL_P_KEYS
+
+    case = _attention_case(H=1, group=2, D=16, bs=16, seq_lens=(FULL_P_KEYS + 40,), q_lens=(3,))
+    _check_attention(case)
+
+
+def test_token_head_tiles_of_zero_vectors_far_below_the_max_stay_finite():
+    """Regression: a tile whose weights p * v_scale were all subnormal made 1 / rowmax overflow (NaN)."""
+    H, D = 1, 16
+    cache = fp8kv.KVCache.allocate(32, 4, H, D, scale_granularity="token_head")
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(100, H, D, generator=g), torch.randn(100, H, D, generator=g) * 1e-3
+    k[:50] *= -3
+    k[0] = 5
+    v[60:] = 0  # zero vectors: scale 2^-126
+    fp8kv.write_kv(cache, k, v, torch.arange(100), backend="reference")
+    q = torch.randn(1, 4, D, generator=g) * 3
+    tables = torch.arange(25, dtype=torch.int32)[None]
+    lens = torch.tensor([100], dtype=torch.int32)
+    out = fp8kv.paged_attention(q, cache, tables, lens, backend="triton")
+    assert not bool(out.isnan().any())
+    ref = fp8kv.paged_attention(q, cache, tables, lens, backend="reference")
+    assert_attention_close(out, ref, **paged_attention_bounds(q, cache, tables, lens))
+
+
+def test_bfloat16_subnormal_queries():
+    cache, query, tables, lens, qsl = _attention_case(dtype=torch.bfloat16)
+    query = (query.float() * 1e-38).to(torch.bfloat16)
+    _check_attention((cache, query, tables, lens, qsl))
+
+
+def test_conformance_kit():
+    from fp8kv.testing import check_backend
+
+    report = check_backend("triton", max_seqs=2, max_seq_len=32, head_sizes=(16, 32))
+    assert report.served["write_kv"] and report.served["paged_attention"]
+
+
+# ------------------------------------------------------------------------- plugin, policy
+
+
+def _req(op="paged_attention", fmt="fp8_e4m3", D=128, device_type="cuda", features=frozenset()):
+    return Request(op, fmt, "NHD", "tensor", D, torch.bfloat16, device_type, frozenset(features))
+
+
+def test_supports_on_simulated_devices():
+    from fp8kv_triton.capabilities import supports
+
+    assert supports(simulated("sm70"), _req()) == "sm70: needs sm80+ (bf16 tensor-core dots)"
+    assert "NVIDIA GPUs only" in supports(simulated("gfx942"), _req())
+    assert "FP8 queries" in supports(simulated("sm90"), _req(features={"fp8_query"}))
+    assert "head_size 512" in supports(simulated("sm90"), _req(D=512))
+    # a GPU request while TRITON_INTERPRET is set (this test session) is refused with the reason
+    assert "TRITON_INTERPRET" in supports(simulated("sm90"), _req())
+    for fmt in FORMATS:
+        assert supports(simulated("cpu"), _req(fmt=fmt, device_type="cpu")) is None
+
+
+def test_supports_cpu_without_the_interpreter(monkeypatch):
+    from fp8kv_triton.capabilities import supports
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "TRITON_INTERPRET=1" in supports(simulated("cpu"), _req(device_type="cpu"))
+    assert supports(simulated("sm80"), _req(fmt="fp8_e4m3")) is None  # e4m3 on Ampere: integer encoder
+
+
+def test_codec_policy():
+    from fp8kv_triton.capabilities import codec_for
+    from fp8kv_triton.modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
+
+    e4, e5, e4z, e5z = (FORMATS[n] for n in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz"))
+    c = codec_for("sm80", e4, interpret=False)
+    assert (c.encoder, c.decoder) == (ENC_INTEGER, DEC_E4M3) and "no e4m3 cast" in c.why
+    c = codec_for("sm86", e5, interpret=False)
+    assert (c.encoder, c.decoder) == (ENC_INTEGER, DEC_E5M2) and "#5925" in c.why
+    c = codec_for("sm90", e4, interpret=False)
+    assert (c.encoder, c.decoder) == (ENC_NATIVE, DEC_NATIVE)
+    c = codec_for("sm90", e5, interpret=False)
+    assert (c.encoder, c.decoder) == (ENC_NATIVE, DEC_E5M2)
+    assert codec_for("sm90", e5z, interpret=False).decoder == DEC_GENERIC
+    assert codec_for("sm90", e4z, interpret=False).encoder == ENC_INTEGER
+    assert codec_for("sm89", e4, interpret=False).encoder == ENC_INTEGER  # not proven there yet
+    c = codec_for("sm90", e4, interpret=True)
+    assert c.encoder == ENC_INTEGER and "#8322" in c.why
+
+
+def test_codec_override(monkeypatch):
+    from fp8kv_triton.capabilities import codec_for
+    from fp8kv_triton.modes import ENC_INTEGER
+
+    monkeypatch.setenv("FP8KV_TRITON_CODEC", "integer")
+    assert codec_for("sm90", FORMATS["fp8_e4m3"], interpret=False).encoder == ENC_INTEGER
+
+
+def test_registered_and_selected_on_the_cpu():
+    info = fp8kv.available_backends()["triton"].info
+    assert (info.name, info.priority, info.fast) == ("triton", 100, True)
+    sel = fp8kv.select_backend(_req(device_type="cpu"), "cpu")
+    assert sel.backend.name == "triton"
+    from fp8kv_triton.capabilities import describe
+
+    lines = describe(simulated("sm80"))
+    assert lines[0].startswith("fp8_e4m3: encode integer bits") and len(lines) == 4
