@@ -37,7 +37,7 @@ WRITE_CASES = {
     "value mismatch": (lambda: (kv()[0], kv(dtype=torch.float16)[1], torch.arange(3)), "value", "key"),
     "slot dtype": (lambda: (*kv(), torch.arange(3).float()), "slot_mapping", "dtype"),
     "slot count": (lambda: (*kv(), torch.arange(4)), "slot_mapping", "one per token"),
-    "slot range": (lambda: (*kv(), torch.tensor([0, 1, NB * BS])), "slot_mapping", f"< num_blocks * block_size"),
+    "slot range": (lambda: (*kv(), torch.tensor([0, 1, NB * BS])), "slot_mapping", "< num_blocks * block_size"),
     "slot twice": (lambda: (*kv(), torch.tensor([5, -1, 5])), "slot_mapping", "at most once"),
     "non-contiguous": (lambda: (torch.randn(3, D, H).transpose(1, 2), kv()[1], torch.arange(3)), "key",
                        "contiguous"),
