@@ -85,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     for fmt, gran in combos:
         static = {}
         if gran != "token_head":
-            static = dict(k_scale=calibrate(key, fmt, granularity=gran), v_scale=calibrate(value, fmt, granularity=gran))
+            static = dict(k_scale=calibrate(key, fmt, granularity=gran),
+                          v_scale=calibrate(value, fmt, granularity=gran))
         cache = fp8kv.KVCache.allocate(num_blocks, bs, H, D, kv_dtype=fmt, scale_granularity=gran, device=device,
                                        **static)
         t0 = time.perf_counter()
