@@ -1,0 +1,612 @@
+"""The transformers side of :mod:`fp8kv.integrations.transformers` (imports transformers).
+
+How a forward step flows, for each decoder layer ``l`` of a model whose
+``config._attn_implementation`` is ``"fp8kv"`` and whose ``past_key_values`` is an
+:class:`FP8PagedCache`:
+
+1. the model's mask builder calls :func:`fp8kv_mask`, which returns the ``[B, q_len]``
+   padding flags of the step's columns (or None when there is no padding);
+2. the attention module calls ``cache.update(k, v, l)``: the cache counts the columns and
+   returns ``k``/``v`` unchanged (the new columns only: nothing is concatenated or
+   dequantized), and marks itself as the active cache of layer ``l``;
+3. the attention module calls :func:`fp8kv_attention_forward`, which writes the step's
+   tokens with :func:`fp8kv.write_kv` (padding columns get slot -1 and are never written)
+   and computes attention with :func:`fp8kv.paged_attention` over the FP8 cache (the
+   prompt as chunked prefill with ``query_start_loc``, then one-token decode steps).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from ..api import paged_attention, write_kv
+from ..cache import KVCache
+from ..errors import Fp8KVError, bad_argument
+from ..scales import GRANULARITIES, calibrate
+from ._paging import BlockPool, StepPlan
+
+ATTN_IMPLEMENTATION = "fp8kv"
+"""The name registered with transformers' attention and mask interfaces."""
+
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+_ACTIVE: contextvars.ContextVar[tuple[FP8PagedCache, int] | None] = contextvars.ContextVar(
+    "fp8kv_active_cache", default=None)
+
+
+# ------------------------------------------------------------------------------------ model shape
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cache needs to know about a model: layers, KV heads, head size."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_size: int
+    layer_types: tuple[str, ...]
+
+
+def _text_config(config):
+    get = getattr(config, "get_text_config", None)
+    if get is None:
+        return config
+    try:
+        return get(decoder=True)
+    except TypeError:
+        return get()
+
+
+def model_shape(config) -> ModelShape:
+    """Read layers / heads / head size / layer types from a transformers config.
+
+    Raises :class:`fp8kv.Fp8KVError` naming what is missing or unsupported.
+    """
+    cfg = _text_config(config)
+    name = type(cfg).__name__
+    if getattr(cfg, "is_encoder_decoder", False):
+        raise Fp8KVError(f"model: got an encoder-decoder ({name}), expected a decoder-only model "
+                         "(fp8kv caches causal self-attention only)")
+    if getattr(cfg, "is_causal", True) is False:
+        raise Fp8KVError(f"model: got {name} with is_causal=False, expected causal self-attention")
+    missing = [a for a in ("num_hidden_layers", "num_attention_heads") if getattr(cfg, a, None) is None]
+    if missing:
+        raise Fp8KVError(f"model: {name} has no {' / '.join(missing)}, expected a decoder config "
+                         "with num_hidden_layers, num_attention_heads (and num_key_value_heads, head_dim)")
+    for a in ("v_head_dim", "qk_rope_head_dim", "kv_lora_rank"):
+        if getattr(cfg, a, None) is not None:
+            raise Fp8KVError(f"model: {name} has {a} (multi-head latent attention or K/V head sizes that "
+                             "differ), expected one head size for K and V")
+    if getattr(cfg, "kv_sharing_modes", None) is not None or getattr(cfg, "num_kv_shared_layers", 0):
+        raise Fp8KVError(f"model: {name} shares KV caches between layers, which fp8kv does not support")
+    n_layers = int(cfg.num_hidden_layers)
+    hq = int(cfg.num_attention_heads)
+    hkv = int(getattr(cfg, "num_key_value_heads", None) or hq)
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
+    layer_types = tuple(getattr(cfg, "layer_types", None) or ("full_attention",) * n_layers)
+    bad = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    if bad:
+        raise Fp8KVError(f"model: {name} has layer types {bad}, expected only {list(SUPPORTED_LAYER_TYPES)} "
+                         "(no linear/recurrent, chunked or shared-KV layers)")
+    if getattr(cfg, "attention_chunk_size", None) is not None:
+        raise Fp8KVError(f"model: {name} uses chunked attention (attention_chunk_size), which fp8kv does not "
+                         "support (sliding windows and full attention only)")
+    return ModelShape(n_layers, hq, hkv, int(head), layer_types)
+
+
+def check_model(model) -> ModelShape:
+    """Check that ``model`` can run with the fp8kv attention; return its :class:`ModelShape`.
+
+    A supported model is a decoder-only transformers model whose attention modules go
+    through transformers' attention interface (``ALL_ATTENTION_FUNCTIONS``), carry a
+    ``layer_idx`` and use causal full or sliding-window attention with one head size.
+    """
+    config = getattr(model, "config", None)
+    if config is None:
+        raise Fp8KVError(f"model: got {type(model).__name__} without a .config, expected a transformers "
+                         "PreTrainedModel")
+    shape = model_shape(config)
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is not None and not can_set():
+        raise Fp8KVError(f"model: {type(model).__name__} does not route attention through transformers' "
+                         "AttentionInterface (ALL_ATTENTION_FUNCTIONS), so attn_implementation='fp8kv' "
+                         "cannot be plugged in")
+    attn = [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    if not attn:
+        raise Fp8KVError(f"model: {type(model).__name__} has no attention modules with a layer_idx, "
+                         "expected '*Attention' modules carrying layer_idx (transformers' standard layout)")
+    idx = sorted(int(m.layer_idx) for m in attn)
+    if idx != list(range(shape.num_layers)):
+        raise Fp8KVError(f"model: attention modules have layer_idx {idx[:8]}{'...' if len(idx) > 8 else ''}, "
+                         f"expected one per layer 0..{shape.num_layers - 1}")
+    for m in attn:
+        if getattr(m, "is_causal", True) is False:
+            raise Fp8KVError(f"model: {type(m).__name__} (layer {m.layer_idx}) is not causal")
+        hd = getattr(m, "head_dim", shape.head_size)
+        if hd != shape.head_size:
+            raise Fp8KVError(f"model: {type(m).__name__} has head_dim {hd}, expected {shape.head_size}")
+    return shape
+
+
+# ------------------------------------------------------------------------------------ scales
+
+
+def _one_scale(value, name: str):
+    if value is None:
+        return None
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value, dtype=torch.float32)
+    return t.detach().to(torch.float32).cpu()
+
+
+def _per_layer(value, num_layers: int, name: str) -> list[torch.Tensor | None]:
+    """Normalise a scale argument to one entry (or None) per layer.
+
+    ``value``: None, a number or 0-d/``(H,)`` tensor (every layer), a sequence of those
+    (one per layer) or a mapping layer -> scale.
+    """
+    if value is None:
+        return [None] * num_layers
+    if isinstance(value, Mapping):
+        extra = sorted(k for k in value if not (isinstance(k, int) and 0 <= k < num_layers))
+        if extra:
+            raise bad_argument(name, f"layers {extra}", f"layer indices in [0, {num_layers})")
+        return [_one_scale(value.get(i), name) for i in range(num_layers)]
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        if len(value) != num_layers:
+            raise bad_argument(name, f"{len(value)} entries", f"one per layer ({num_layers})")
+        return [_one_scale(v, name) for v in value]
+    if isinstance(value, (int, float, torch.Tensor)):
+        s = _one_scale(value, name)
+        return [s] * num_layers
+    raise bad_argument(name, type(value).__name__, "None, a number, a tensor, or one per layer (list/dict)")
+
+
+def _plan_settings(plan, num_layers: int) -> tuple[str, str, str | None, list, list]:
+    """(kv_dtype, scale_granularity, layout, k_scales, v_scales) from a duck-typed plan.
+
+    The plan is what :func:`fp8kv.resolve_kv_cache` returns: ``kv_dtype``,
+    ``scale_granularity``, optional ``layout``, and per-layer scales through
+    ``layer_scales(layer)`` or the ``k_scales`` / ``v_scales`` dicts.
+    """
+    kv_dtype = getattr(plan, "kv_dtype", None)
+    gran = getattr(plan, "scale_granularity", None)
+    if kv_dtype is None or kv_dtype == "auto" or gran is None:
+        raise bad_argument("plan", f"kv_dtype={kv_dtype!r}, scale_granularity={gran!r}",
+                           "an FP8 plan (from fp8kv.resolve_kv_cache with an FP8 kv_cache_dtype)")
+    ks: list = [None] * num_layers
+    vs: list = [None] * num_layers
+    if gran != "token_head":
+        layer_scales = getattr(plan, "layer_scales", None)
+        for i in range(num_layers):
+            if layer_scales is not None:
+                k, v = layer_scales(i)
+            else:
+                k = getattr(plan, "k_scales", {}).get(i)
+                v = getattr(plan, "v_scales", {}).get(i)
+            ks[i], vs[i] = _one_scale(k, "k_scale"), _one_scale(v, "v_scale")
+    return kv_dtype, gran, getattr(plan, "layout", None), ks, vs
+
+
+# ------------------------------------------------------------------------------------ cache
+
+
+class FP8PagedLayer(CacheLayerMixin):
+    """One layer's entry in :class:`FP8PagedCache`: its :class:`fp8kv.KVCache` and counters.
+
+    ``update`` only counts columns and hands the new K/V back; the attention function
+    writes them into the FP8 cache (it alone knows which columns are padding).
+    """
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, owner: FP8PagedCache, layer_idx: int):
+        super().__init__()
+        self.owner = owner
+        self.layer_idx = layer_idx
+        self.kv: KVCache | None = None
+        self.columns = 0
+        self.steps = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.columns += key_states.shape[-2]
+        return key_states, value_states
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.columns + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.columns
+
+    def get_max_length(self) -> int:
+        return -1 if self.owner.max_cache_len is None else self.owner.max_cache_len
+
+    def reset(self) -> None:
+        self.columns = 0
+        self.steps = 0
+
+    def offload(self):
+        raise NotImplementedError("FP8PagedCache does not offload layers")
+
+    def prefetch(self):
+        raise NotImplementedError("FP8PagedCache does not offload layers")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("FP8PagedCache does not support beam search (reorder_cache); "
+                                  "use greedy or sampling")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError("FP8PagedCache cannot be cropped (assisted/speculative decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("FP8PagedCache cannot repeat its batch (contrastive search)")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("FP8PagedCache cannot select batch rows (contrastive search)")
+
+
+class FP8PagedCache(Cache):
+    """A transformers ``Cache`` that stores K/V in one paged :class:`fp8kv.KVCache` per layer.
+
+    Use it with a model whose attention implementation is ``"fp8kv"`` (see
+    :func:`fp8kv.integrations.transformers.enable`)::
+
+        cache = FP8PagedCache.from_model(model)            # e4m3, per-token-head scales
+        out = model.generate(**inputs, past_key_values=cache)
+
+    Args:
+        config: the model config (layers, heads and head size are read from it).
+        kv_dtype: FP8 storage format (default ``"fp8_e4m3"``, or the plan's).
+        scale_granularity: ``"token_head"`` (default: dynamic, one scale per token and KV
+            head), ``"head"`` or ``"tensor"`` (static: give ``k_scales`` / ``v_scales``, e.g.
+            from :func:`calibrate_kv_scales`, or they default to 1.0 with a warning).
+        k_scales / v_scales: static dequant scales: one number/tensor for every layer, a
+            list with one per layer, or a dict layer -> scale; shape ``()`` or ``(H,)``.
+        plan: an :class:`fp8kv.KVCachePlan` (from :func:`fp8kv.resolve_kv_cache`); supplies
+            kv_dtype, granularity, layout and per-layer scales (explicit arguments must agree).
+        layout: ``"NHD"`` (default) or ``"HND"``.
+        block_size: tokens per page (default 16).
+        max_cache_len: tokens per sequence to pre-allocate for (fixed pool; exceeding it is
+            an error). None (default): the block pool grows by doubling when it runs out.
+        backend: fp8kv backend for write_kv and paged_attention (``"auto"`` or a name).
+    """
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """Tokens per sequence pre-allocated for (None: the pool grows)."""
+        return self._max_cache_len
+
+    def __init__(self, config, *, kv_dtype: str | None = None, scale_granularity: str | None = None,
+                 k_scales=None, v_scales=None, plan=None, layout: str | None = None, block_size: int = 16,
+                 max_cache_len: int | None = None, backend: str = "auto"):
+        shape = model_shape(config)
+        self.shape = shape
+        n = shape.num_layers
+        if plan is not None:
+            p_dtype, p_gran, p_layout, p_k, p_v = _plan_settings(plan, n)
+            for name, given, planned in (("kv_dtype", kv_dtype, p_dtype), ("scale_granularity",
+                                          scale_granularity, p_gran), ("layout", layout, p_layout)):
+                if given is not None and planned is not None and given != planned:
+                    raise bad_argument(name, repr(given), f"{planned!r} (from the plan) or None")
+            if k_scales is not None or v_scales is not None:
+                raise bad_argument("k_scales/v_scales", "scales and a plan", "one of the two (the plan's "
+                                   "scales are used)")
+            kv_dtype, scale_granularity, layout = p_dtype, p_gran, layout or p_layout
+            ks, vs = p_k, p_v
+        else:
+            ks, vs = _per_layer(k_scales, n, "k_scales"), _per_layer(v_scales, n, "v_scales")
+        self.kv_dtype = kv_dtype or "fp8_e4m3"
+        self.scale_granularity = scale_granularity or "token_head"
+        if self.scale_granularity not in GRANULARITIES:
+            raise bad_argument("scale_granularity", repr(self.scale_granularity), f"one of {GRANULARITIES}")
+        self.layout = layout or "NHD"
+        if self.scale_granularity == "token_head":
+            if any(s is not None for s in ks + vs):
+                raise bad_argument("k_scales/v_scales", "static scales", "None with scale_granularity="
+                                   "'token_head' (scales are computed at write time)")
+        else:
+            missing = [i for i in range(n) if ks[i] is None or vs[i] is None]
+            if missing:
+                warnings.warn(f"fp8kv: no {self.scale_granularity} k/v scales for {len(missing)} of {n} "
+                              "layers; using 1.0 (uncalibrated). Calibrate them with calibrate_kv_scales() "
+                              "or use scale_granularity='token_head'.", UserWarning, stacklevel=2)
+        self.k_scales, self.v_scales = ks, vs
+        self.backend = backend
+        self._max_cache_len = max_cache_len
+        self.pool = BlockPool(block_size, max_cache_len=max_cache_len)
+        self.plan = plan
+        super().__init__(layers=[FP8PagedLayer(self, i) for i in range(n)])
+
+    @classmethod
+    def from_model(cls, model, **kwargs) -> FP8PagedCache:
+        """A cache for ``model`` (its config); kwargs as for the constructor, defaulting to
+        the ones given to :func:`enable` for this model."""
+        defaults = dict(getattr(model, "_fp8kv_cache_kwargs", {}))
+        defaults.update(kwargs)
+        return cls(model.config, **defaults)
+
+    # -- transformers Cache API ---------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Count the step's columns for ``layer_idx`` and return ``key_states``/``value_states``
+        (``[B, H, q_len, D]``) unchanged; the attention function stores them."""
+        out = self.layers[layer_idx].update(key_states, value_states)
+        _ACTIVE.set((self, layer_idx))
+        return out
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch (allocations are kept and reused)."""
+        super().reset()
+        self.pool.reset()
+
+    # -- introspection ----------------------------------------------------------------
+    @property
+    def seq_lens(self) -> list[int]:
+        """Tokens stored per row (padding excluded)."""
+        return list(self.pool.seq_lens)
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """Block ids of each row."""
+        return [list(t) for t in self.pool.tables]
+
+    def layer_cache(self, layer_idx: int) -> KVCache | None:
+        """The :class:`fp8kv.KVCache` of one layer (None before its first step)."""
+        return self.layers[layer_idx].kv
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached token costs over all layers (codes plus dynamic scales)."""
+        return sum(kv.bytes_per_token for kv in self._allocated())
+
+    @property
+    def bf16_bytes_per_token(self) -> int:
+        """What a bf16 cache spends per token over the same layers."""
+        return sum(4 * kv.num_kv_heads * kv.head_size for kv in self._allocated())
+
+    @property
+    def constant_bytes(self) -> int:
+        """Bytes that do not grow with tokens (static scales)."""
+        return sum(kv.constant_bytes for kv in self._allocated())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every layer's cache and scales (allocated capacity)."""
+        return sum(kv.nbytes for kv in self._allocated())
+
+    def _allocated(self) -> list[KVCache]:
+        return [layer.kv for layer in self.layers if layer.kv is not None]
+
+    # -- the step ---------------------------------------------------------------------
+    def _layer_kv(self, layer: FP8PagedLayer, num_kv_heads: int, head_size: int,
+                  device: torch.device) -> KVCache:
+        """The layer's KVCache with at least the pool's capacity (allocating or growing it)."""
+        kv = layer.kv
+        want = self.pool.capacity
+        if kv is not None and kv.num_blocks >= want:
+            return kv
+        i = layer.layer_idx
+        static = self.scale_granularity != "token_head"
+        new = KVCache.allocate(
+            want, self.pool.block_size, num_kv_heads, head_size, kv_dtype=self.kv_dtype, layout=self.layout,
+            scale_granularity=self.scale_granularity,
+            k_scale=(1.0 if self.k_scales[i] is None else self.k_scales[i]) if static else None,
+            v_scale=(1.0 if self.v_scales[i] is None else self.v_scales[i]) if static else None,
+            device=device,
+        )
+        if kv is not None:  # grow: copy the FP8 bytes (and dynamic scales) of the old blocks
+            n = kv.num_blocks
+            new.key_cache.view(torch.uint8)[:n].copy_(kv.key_cache.view(torch.uint8))
+            new.value_cache.view(torch.uint8)[:n].copy_(kv.value_cache.view(torch.uint8))
+            if not static:
+                new.k_scale[:n].copy_(kv.k_scale)
+                new.v_scale[:n].copy_(kv.v_scale)
+        layer.kv = new
+        return new
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               valid: torch.Tensor | None, *, scaling: float | None, sliding_window: int | None,
+               softcap: float | None) -> torch.Tensor:
+        """Write the step's tokens of ``layer_idx`` and attend over the FP8 cache.
+
+        Args:
+            query: ``[B, Hq, q_len, D]``; key / value: ``[B, H, q_len, D]`` (the new columns).
+            valid: ``[B, q_len]`` bool (False = padding, never written) or None.
+        Returns:
+            ``[B, q_len, Hq, D]`` in the query dtype (zeros at padding columns).
+        """
+        B, Hq, q_len, D = query.shape
+        H = key.shape[1]
+        layer = self.layers[layer_idx]
+        new_step = layer.steps == self.pool.steps
+        if not new_step and layer.steps != self.pool.steps - 1:
+            raise Fp8KVError(f"layers out of step: layer {layer_idx} has run {layer.steps} steps, the cache "
+                             f"{self.pool.steps}; every layer must run once per forward")
+        plan: StepPlan = self.pool.step(valid, B, q_len, query.device, new=new_step)
+        layer.steps += 1
+        kv = self._layer_kv(layer, H, D, query.device)
+        k = key.transpose(1, 2).reshape(B * q_len, H, D).contiguous()
+        v = value.transpose(1, 2).reshape(B * q_len, H, D).contiguous()
+        write_kv(kv, k, v, plan.slot_mapping, backend=self.backend)
+        q = query.transpose(1, 2).reshape(B * q_len, Hq, D)
+        if plan.token_index is not None:
+            q = q.index_select(0, plan.token_index)
+        out = paged_attention(
+            q.contiguous(), kv, plan.block_tables, plan.seq_lens, query_start_loc=plan.query_start_loc,
+            max_query_len=plan.max_query_len, softmax_scale=scaling, sliding_window=sliding_window,
+            logits_soft_cap=softcap, backend=self.backend,
+        )
+        if plan.token_index is not None:
+            full = out.new_zeros((B * q_len, Hq, D))
+            full.index_copy_(0, plan.token_index, out)
+            out = full
+        return out.view(B, q_len, Hq, D)
+
+
+# ------------------------------------------------------------------------------------ interfaces
+
+
+def fp8kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+               mask_function=None, attention_mask: torch.Tensor | None = None,
+               **kwargs) -> torch.Tensor | None:
+    """The mask the fp8kv attention takes: the step's ``[B, q_len]`` padding flags, or None.
+
+    Registered with transformers' ``AttentionMaskInterface``; ``attention_mask`` is the 2D
+    padding mask of the whole sequence, whose last ``q_length`` columns are the step's.
+    """
+    if mask_function is not None and getattr(mask_function, "__name__", "") == "bidirectional_mask_function":
+        raise Fp8KVError("attention mask: got a bidirectional mask, expected causal attention "
+                         "(fp8kv's paged attention is causal)")
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] < q_length:
+        raise bad_argument("attention_mask", f"shape {tuple(attention_mask.shape)}",
+                           f"a 2D padding mask [batch, >= {q_length}] (past and new columns)")
+    valid = attention_mask[:, -q_length:].to(torch.bool)
+    if bool(valid.all()):
+        return None
+    return valid
+
+
+def fp8kv_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers attention function (``attn_implementation="fp8kv"``) over an FP8 paged cache.
+
+    Args:
+        module: the attention module (its ``layer_idx`` selects the cache layer).
+        query: ``[B, Hq, q_len, D]``; key / value: ``[B, H, q_len, D]`` as returned by
+            :meth:`FP8PagedCache.update` (the step's columns only).
+        attention_mask: what :func:`fp8kv_mask` returned: ``[B, q_len]`` bool or None.
+        scaling: softmax scale (default ``D ** -0.5``); sliding_window / softcap: as the model
+            passes them (Mistral, Gemma 2...).
+    Returns:
+        ``([B, q_len, Hq, D], None)``: no attention weights are materialised.
+    """
+    layer_idx = getattr(module, "layer_idx", None)
+    active = _ACTIVE.get()
+    if active is None or active[1] != layer_idx:
+        raise Fp8KVError(
+            "past_key_values: the model uses attn_implementation='fp8kv', which needs an "
+            "fp8kv.integrations.transformers.FP8PagedCache passed as past_key_values (e.g. "
+            "model.generate(..., past_key_values=FP8PagedCache.from_model(model))); got none for layer "
+            f"{layer_idx}. To run without it, switch back with disable(model).")
+    _ACTIVE.set(None)
+    cache = active[0]
+    if key.shape[-2] != query.shape[-2]:
+        raise Fp8KVError(f"key: got {key.shape[-2]} positions for {query.shape[-2]} queries, expected the "
+                         "step's new columns only (FP8PagedCache.update returns them unchanged)")
+    if dropout and module.training:
+        raise Fp8KVError(f"dropout: got {dropout} in training mode, expected inference (dropout 0)")
+    for name in ("s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise Fp8KVError(f"{name}: got attention sinks, which fp8kv's paged attention does not support")
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.dtype != torch.bool):
+        raise bad_argument("attention_mask", f"{attention_mask.dim()}D {attention_mask.dtype}",
+                           "the [batch, q_len] bool flags that the 'fp8kv' mask function builds "
+                           "(4D or custom masks are not supported)")
+    if sliding_window is not None and sliding_window <= 0:
+        sliding_window = None
+    out = cache.attend(layer_idx, query, key, value, attention_mask, scaling=scaling,
+                       sliding_window=None if sliding_window is None else int(sliding_window),
+                       softcap=None if not softcap else float(softcap))
+    return out, None
+
+
+def register() -> str:
+    """Register the ``"fp8kv"`` attention and mask functions with transformers; return the name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, fp8kv_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, fp8kv_mask)
+    assert ATTN_IMPLEMENTATION in ALL_ATTENTION_FUNCTIONS
+    assert ATTN_IMPLEMENTATION in ALL_MASK_ATTENTION_FUNCTIONS
+    return ATTN_IMPLEMENTATION
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def enable(model, **cache_kwargs) -> FP8PagedCache:
+    """Set ``model`` up for FP8 generation in one call; return a fresh :class:`FP8PagedCache`.
+
+    Checks the model (:func:`check_model`), registers the ``"fp8kv"`` attention, switches the
+    model to it (remembering the previous implementation for :func:`disable`) and returns
+    ``FP8PagedCache.from_model(model, **cache_kwargs)``. The kwargs are remembered, so
+    ``FP8PagedCache.from_model(model)`` makes more caches like it (one per generate call,
+    or call ``cache.reset()`` between calls).
+    """
+    check_model(model)
+    register()
+    cache = FP8PagedCache(model.config, **cache_kwargs)  # validate the kwargs before switching
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        model._fp8kv_previous_attn = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise Fp8KVError(f"model: {type(model).__name__} refused attn_implementation='fp8kv' "
+                         f"(it stays {model.config._attn_implementation!r})")
+    model._fp8kv_cache_kwargs = dict(cache_kwargs)
+    return cache
+
+
+def disable(model, attn_implementation: str | None = None) -> None:
+    """Switch ``model`` back to its previous attention (or ``attn_implementation``)."""
+    target = attn_implementation or getattr(model, "_fp8kv_previous_attn", None) or "sdpa"
+    model.set_attn_implementation(target)
+
+
+@torch.no_grad()
+def calibrate_kv_scales(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                        kv_dtype: str = "fp8_e4m3", granularity: str = "tensor", margin: float = 1.0,
+                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Static per-layer k/v scales from the K/V ``model`` produces on calibration text.
+
+    Runs one unquantized forward (SDPA attention, a transformers ``DynamicCache``) over
+    ``input_ids`` ``[B, T]`` and applies :func:`fp8kv.calibrate` to each layer's K and V of
+    the non-padding tokens: ``amax * margin`` maps to the format's max.
+
+    Returns:
+        ``(k_scales, v_scales)``: one float32 tensor per layer, shape ``()`` (tensor) or
+        ``(H,)`` (head); pass them as ``FP8PagedCache(..., k_scales=..., v_scales=...)``.
+    """
+    from transformers.cache_utils import DynamicCache
+
+    previous = model.config._attn_implementation
+    if previous == ATTN_IMPLEMENTATION:
+        model.set_attn_implementation(getattr(model, "_fp8kv_previous_attn", None) or "sdpa")
+    try:
+        cache = DynamicCache(config=model.config)
+        model(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+    finally:
+        if previous == ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    keep = None if attention_mask is None else attention_mask.to(torch.bool).reshape(-1)
+    ks, vs = [], []
+    for layer in cache.layers:
+        per = []
+        for t in (layer.keys, layer.values):  # [B, H, T, D]
+            x = t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])
+            if keep is not None:
+                x = x[keep.to(x.device)]
+            per.append(calibrate(x, kv_dtype, granularity=granularity, margin=margin))
+        ks.append(per[0])
+        vs.append(per[1])
+    return ks, vs

@@ -1,0 +1,420 @@
+"""transformers integration on tiny randomly initialised models (no download, CPU, seconds).
+
+The oracle is transformers itself: a ``DynamicCache`` whose layers fake-quantize K/V with
+fp8kv's own quantize/dequantize (same format, same scales) under SDPA attention. The
+fp8kv path (FP8 paged cache + ``fp8kv.paged_attention``, reference backend) must give
+the same logits, tokens and samples.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", reason="needs the optional extra 'hf' (transformers)")
+
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers.cache_utils import Cache, DynamicLayer  # noqa: E402
+
+import fp8kv  # noqa: E402
+from fp8kv.formats import dequantize, get_format, quantize  # noqa: E402
+from fp8kv.integrations import _hf  # noqa: E402
+from fp8kv.integrations.transformers import (  # noqa: E402
+    FP8PagedCache,
+    calibrate_kv_scales,
+    check_model,
+    disable,
+    enable,
+    model_shape,
+)
+from fp8kv.scales import token_head_scale  # noqa: E402
+
+BACKEND = "reference"
+H, D, LAYERS = 2, 16, 2
+
+
+def tiny_config(**kw) -> LlamaConfig:
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                num_attention_heads=4, num_key_value_heads=H, head_dim=D, max_position_embeddings=256,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def tiny_llama(seed: int = 0, **kw) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_config(**kw)).eval()
+    # larger weights than the default init, so logits are spread and greedy is stable
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+# ------------------------------------------------------------------------------------ oracle
+
+
+class FakeQuantLayer(DynamicLayer):
+    """A DynamicLayer storing quantize->dequantize(K/V): what an FP8 cache would hold."""
+
+    def __init__(self, fmt: str, k_scale=None, v_scale=None):
+        super().__init__()
+        self.fmt, self.k_scale, self.v_scale = get_format(fmt), k_scale, v_scale
+
+    def _fq(self, x: torch.Tensor, scale) -> torch.Tensor:  # x [B, H, T, D]
+        if scale is None:  # token_head
+            s = token_head_scale(x.transpose(1, 2), self.fmt).transpose(1, 2)[..., None]
+        else:
+            s = torch.as_tensor(scale, dtype=torch.float32).reshape(1, -1, 1, 1)
+        return dequantize(quantize(x, self.fmt, s), s, x.dtype)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return super().update(self._fq(key_states, self.k_scale), self._fq(value_states, self.v_scale))
+
+
+def oracle_cache(fmt: str, k_scales=None, v_scales=None) -> Cache:
+    ks = k_scales or [None] * LAYERS
+    vs = v_scales or [None] * LAYERS
+    return Cache(layers=[FakeQuantLayer(fmt, ks[i], vs[i]) for i in range(LAYERS)])
+
+
+def run_oracle(model, fn, attn: str = "sdpa"):
+    """Run ``fn()`` with the model on ``attn``, then restore the attention it had."""
+    prev = model.config._attn_implementation
+    model.set_attn_implementation(attn)
+    try:
+        return fn()
+    finally:
+        model.set_attn_implementation(prev)
+
+
+def padded_batch():
+    """Two rows: 7 tokens, and 4 tokens left-padded to 7."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 128, (2, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    ids[1, :3] = 0
+    return ids, mask
+
+
+def teacher_forced_logits(model, cache, ids, mask, n_decode=4):
+    """Logits of a prefill over ``ids`` then ``n_decode`` one-token steps (fixed tokens)."""
+    out = [model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits]
+    for t in range(n_decode):
+        step = torch.full((ids.shape[0], 1), 10 + t)
+        mask = torch.cat([mask, torch.ones_like(step)], dim=1)
+        out.append(model(input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True).logits)
+    return out
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+def test_import_does_not_load_transformers():
+    code = ("import sys, fp8kv.integrations.transformers as t, fp8kv.integrations.hf_eval, fp8kv.cli; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'; "
+            "assert t.ATTN_IMPLEMENTATION == 'fp8kv'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("granularity,layout", [("token_head", "NHD"), ("head", "HND"), ("tensor", "NHD")])
+@torch.no_grad()
+def test_logits_match_fake_quant_oracle(kv_dtype, granularity, layout):
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    ks = vs = None
+    if granularity != "token_head":
+        ks, vs = calibrate_kv_scales(model, ids, mask, kv_dtype=kv_dtype, granularity=granularity)
+    want = run_oracle(model, lambda: teacher_forced_logits(model, oracle_cache(kv_dtype, ks, vs), ids, mask))
+    cache = enable(model, kv_dtype=kv_dtype, scale_granularity=granularity, layout=layout, k_scales=ks,
+                   v_scales=vs, block_size=4, backend=BACKEND)
+    got = teacher_forced_logits(model, cache, ids, mask)
+    for step, (w, g) in enumerate(zip(want, got, strict=True)):
+        real = mask[:, -w.shape[1]:].bool() if step == 0 else torch.ones(2, 1, dtype=torch.bool)
+        torch.testing.assert_close(g[real], w[real], atol=2e-4, rtol=1e-4, msg=f"step {step}")
+    assert cache.seq_lens == [7 + 4, 4 + 4]
+    kv = cache.layer_cache(0)
+    assert (kv.kv_dtype, kv.layout, kv.scale_granularity) == (kv_dtype, layout, granularity)
+
+
+@torch.no_grad()
+def test_padding_is_never_written_and_batched_equals_single(monkeypatch):
+    model = tiny_llama()
+    prompts = [torch.randint(3, 128, (n,), generator=torch.Generator().manual_seed(n)) for n in (6, 3, 5)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros(3, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    seen = []
+    real_write = _hf.write_kv
+
+    def spy(cache, key, value, slot_mapping, **kw):
+        seen.append(slot_mapping.clone())
+        return real_write(cache, key, value, slot_mapping, **kw)
+
+    monkeypatch.setattr(_hf, "write_kv", spy)
+    cache = enable(model, block_size=4, backend=BACKEND)
+    new = 6
+    batched = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, past_key_values=cache)
+    prefill = seen[0].view(3, width)
+    assert torch.equal(prefill < 0, mask == 0)  # exactly the padding columns get slot -1
+    assert all(bool((s >= 0).all()) for s in seen[LAYERS:])  # decode steps write every row
+    assert cache.seq_lens == [len(p) + new - 1 for p in prompts]
+    for layer in range(LAYERS):  # written slots (scale != init 1.0) = the rows' tokens
+        kv = cache.layer_cache(layer)
+        assert int((kv.k_scale != 1.0).all(dim=-1).sum()) == sum(cache.seq_lens)
+    for i, p in enumerate(prompts):
+        single = model.generate(input_ids=p[None], max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                                past_key_values=FP8PagedCache.from_model(model))
+        assert batched[i, width:].tolist() == single[0, len(p):].tolist(), f"row {i}"
+
+
+@torch.no_grad()
+def test_greedy_and_sampling_match_oracle():
+    model = tiny_llama(seed=3)
+    ids, mask = padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=12, min_new_tokens=12)
+    g_want = run_oracle(model, lambda: model.generate(**kw, do_sample=False,
+                                                      past_key_values=oracle_cache("fp8_e4m3")))
+    torch.manual_seed(7)
+    s_want = run_oracle(model, lambda: model.generate(**kw, do_sample=True, top_k=0, temperature=1.5,
+                                                      past_key_values=oracle_cache("fp8_e4m3")))
+    enable(model, backend=BACKEND)
+    g_got = model.generate(**kw, do_sample=False, past_key_values=FP8PagedCache.from_model(model))
+    torch.manual_seed(7)
+    s_got = model.generate(**kw, do_sample=True, top_k=0, temperature=1.5,
+                           past_key_values=FP8PagedCache.from_model(model))
+    assert torch.equal(g_got, g_want)
+    assert torch.equal(s_got, s_want)
+    assert not torch.equal(s_got, g_got)  # sampling did sample
+
+
+@torch.no_grad()
+def test_pool_grows_by_doubling_and_keeps_the_bytes():
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(5))
+    kw = dict(input_ids=ids, max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    enable(model, backend=BACKEND)
+    grown = FP8PagedCache.from_model(model, block_size=2)
+    fixed = FP8PagedCache.from_model(model, block_size=2, max_cache_len=64)
+    a = model.generate(**kw, past_key_values=grown)
+    b = model.generate(**kw, past_key_values=fixed)
+    assert torch.equal(a, b)
+    need = 2 * -(-(5 + 39) // 2)  # blocks for two rows of 44 tokens
+    assert grown.pool.capacity >= need and grown.pool.growths <= 6  # 2 -> 4 -> ... doubling, not per token
+    assert fixed.pool.growths == 0 and fixed.pool.capacity == 2 * 32
+    assert grown.layer_cache(0).num_blocks == grown.pool.capacity
+
+
+@torch.no_grad()
+def test_max_cache_len_is_enforced():
+    model = tiny_llama()
+    cache = enable(model, max_cache_len=8, backend=BACKEND)
+    with pytest.raises(fp8kv.Fp8KVError, match="max_cache_len"):
+        model.generate(input_ids=torch.randint(3, 128, (1, 6)), max_new_tokens=5, min_new_tokens=5,
+                       do_sample=False, past_key_values=cache)
+    assert cache.get_max_length() == 8
+
+
+@torch.no_grad()
+def test_chunked_prefill_matches_oracle():
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 11), generator=torch.Generator().manual_seed(2))
+    kw = dict(input_ids=ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, prefill_chunk_size=4,
+              output_logits=True, return_dict_in_generate=True)
+    want = run_oracle(model, lambda: model.generate(**kw, past_key_values=oracle_cache("fp8_e4m3")))
+    cache = enable(model, backend=BACKEND)
+    got = model.generate(**kw, past_key_values=cache)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(want.logits), atol=2e-4, rtol=1e-4)
+    assert cache.pool.steps == 3 + 4  # 3 prefill chunks, 4 decode steps
+
+
+@torch.no_grad()
+def test_reset_makes_the_cache_reusable_and_batch_changes_need_it():
+    model = tiny_llama()
+    cache = enable(model, backend=BACKEND)
+    ids = torch.randint(3, 128, (1, 4), generator=torch.Generator().manual_seed(4))
+    first = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    cache.reset()
+    again = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, past_key_values=cache)
+    assert torch.equal(first, again)
+    with pytest.raises(fp8kv.Fp8KVError, match="batch size"):
+        model(input_ids=torch.randint(3, 128, (2, 1)), past_key_values=cache)
+
+
+def test_sliding_window_model_matches_oracle():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                        num_attention_heads=4, num_key_value_heads=H, head_dim=D, sliding_window=3,
+                        max_position_embeddings=256, pad_token_id=0)
+    model = MistralForCausalLM(cfg).eval()
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = run_oracle(model, lambda: teacher_forced_logits(model, oracle_cache("fp8_e4m3"), ids, mask))
+        cache = enable(model, backend=BACKEND)
+        got = teacher_forced_logits(model, cache, ids, mask)
+        model.config.sliding_window = None  # the same model without its window: logits must differ
+        full = run_oracle(model, lambda: teacher_forced_logits(model, oracle_cache("fp8_e4m3"), ids, mask))
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(full[-1], want[-1], atol=1e-3)  # the window matters here
+
+
+def test_soft_cap_and_alternating_windows_match_oracle():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                       num_attention_heads=4, num_key_value_heads=H, head_dim=D, sliding_window=3,
+                       attn_logit_softcapping=2.0, final_logit_softcapping=None, query_pre_attn_scalar=D,
+                       max_position_embeddings=256, pad_token_id=0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    ids = torch.randint(3, 128, (1, 8), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():  # Gemma 2's soft-capping needs eager attention in transformers
+        want = run_oracle(model, lambda: teacher_forced_logits(model, oracle_cache("fp8_e4m3"), ids, mask),
+                          attn="eager")
+        cache = enable(model, backend=BACKEND)
+        got = teacher_forced_logits(model, cache, ids, mask)
+        for m in model.modules():
+            if hasattr(m, "attn_logit_softcapping"):
+                m.attn_logit_softcapping = None
+        fq = oracle_cache("fp8_e4m3")
+        uncapped = run_oracle(model, lambda: teacher_forced_logits(model, fq, ids, mask), attn="eager")
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-4, rtol=1e-4)
+    assert not torch.allclose(uncapped[-1], want[-1], atol=1e-3)  # the cap matters here
+
+
+def test_bytes_per_token():
+    model = tiny_llama()
+    ids = torch.randint(3, 128, (1, 3))
+    per_tok = enable(model, backend=BACKEND)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=per_tok)
+    assert per_tok.bf16_bytes_per_token == LAYERS * 2 * H * D * 2
+    assert per_tok.bytes_per_token == LAYERS * (2 * H * D + 2 * H * 4)  # + float32 scale per token-head
+    assert per_tok.bytes_per_token / per_tok.bf16_bytes_per_token == pytest.approx(0.5 + 2 / D)
+    with pytest.warns(UserWarning, match="uncalibrated"):
+        static = FP8PagedCache.from_model(model, scale_granularity="tensor")
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=static)
+    assert static.bytes_per_token / static.bf16_bytes_per_token == 0.5
+    assert static.constant_bytes == LAYERS * 2 * 4
+
+
+@torch.no_grad()
+def test_calibrate_kv_scales_matches_amax():
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    ks, vs = calibrate_kv_scales(model, ids, mask, kv_dtype="fp8_e4m3", granularity="head")
+    assert len(ks) == len(vs) == LAYERS and all(s.shape == (H,) for s in ks + vs)
+    cache = Cache(layers=[DynamicLayer() for _ in range(LAYERS)])
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    real = mask.bool()
+    for i in range(LAYERS):
+        keys = cache.layers[i].keys.transpose(1, 2)[real]  # [tokens, H, D]
+        torch.testing.assert_close(ks[i] * 448.0, keys.abs().amax(dim=(0, 2)))
+    assert model.config._attn_implementation == "sdpa"  # left as it was
+
+
+def test_plan_configures_the_cache():
+    model = tiny_llama()
+    plan = types.SimpleNamespace(
+        kv_dtype="fp8_e5m2", scale_granularity="head", layout="HND",
+        layer_scales=lambda i: (torch.full((H,), 0.5 + i), torch.full((H,), 0.25)))
+    cache = FP8PagedCache.from_model(model, plan=plan, backend=BACKEND)
+    enable(model, backend=BACKEND)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 3)), past_key_values=cache)
+    kv = cache.layer_cache(1)
+    assert (kv.kv_dtype, kv.scale_granularity, kv.layout) == ("fp8_e5m2", "head", "HND")
+    assert kv.k_scale.tolist() == [1.5, 1.5] and kv.v_scale.tolist() == [0.25, 0.25]
+    with pytest.raises(fp8kv.Fp8KVError, match="from the plan"):
+        FP8PagedCache.from_model(model, plan=plan, kv_dtype="fp8_e4m3")
+    with pytest.raises(fp8kv.Fp8KVError, match="FP8 plan"):
+        FP8PagedCache.from_model(model, plan=types.SimpleNamespace(kv_dtype="auto", scale_granularity=None))
+
+
+def test_resolve_kv_cache_plan_if_available():
+    resolve = getattr(fp8kv, "resolve_kv_cache", None)
+    if resolve is None:
+        pytest.skip("fp8kv.resolve_kv_cache is not available in this checkout")
+    model = tiny_llama()
+    plan = resolve("fp8_e5m2", checkpoint=model.config.to_dict(), device="cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # default 1.0 scales are expected here
+        cache = FP8PagedCache.from_model(model, plan=plan, backend=BACKEND)
+    enable(model, backend=BACKEND)
+    with torch.no_grad():
+        model(input_ids=torch.randint(3, 128, (1, 3)), past_key_values=cache)
+    assert cache.layer_cache(0).kv_dtype == "fp8_e5m2"
+    assert cache.layer_cache(0).scale_granularity == plan.scale_granularity
+
+
+@torch.no_grad()
+def test_without_an_fp8kv_cache_the_error_says_what_to_pass():
+    model = tiny_llama()
+    enable(model, backend=BACKEND)
+    with pytest.raises(fp8kv.Fp8KVError, match="FP8PagedCache"):
+        model.generate(input_ids=torch.randint(3, 128, (1, 4)), max_new_tokens=2)
+    disable(model)
+    assert model.config._attn_implementation == "sdpa"
+    model.generate(input_ids=torch.randint(3, 128, (1, 4)), max_new_tokens=2)
+
+
+def test_unsupported_models_are_named():
+    ns = types.SimpleNamespace
+    base = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                hidden_size=64)
+    with pytest.raises(fp8kv.Fp8KVError, match="encoder-decoder"):
+        model_shape(ns(**base, is_encoder_decoder=True))
+    with pytest.raises(fp8kv.Fp8KVError, match="linear_attention"):
+        model_shape(ns(**base, layer_types=["full_attention", "linear_attention"]))
+    with pytest.raises(fp8kv.Fp8KVError, match="kv_lora_rank"):
+        model_shape(ns(**base, kv_lora_rank=32))
+    with pytest.raises(fp8kv.Fp8KVError, match="num_attention_heads"):
+        model_shape(ns(num_hidden_layers=2))
+    with pytest.raises(fp8kv.Fp8KVError, match="attention_chunk_size"):
+        model_shape(ns(**base, attention_chunk_size=8))
+    with pytest.raises(fp8kv.Fp8KVError, match="PreTrainedModel"):
+        check_model(torch.nn.Linear(2, 2))
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(T5Config(vocab_size=32, d_model=16, d_kv=4, d_ff=16, num_layers=1,
+                                             num_heads=2, decoder_start_token_id=0))
+    with pytest.raises(fp8kv.Fp8KVError, match="encoder-decoder"):
+        enable(t5)
+
+
+def test_shape_of_smollm2_like_config():
+    shape = model_shape(tiny_config(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                    head_dim=64, hidden_size=576))
+    assert (shape.num_layers, shape.num_q_heads, shape.num_kv_heads, shape.head_size) == (30, 9, 3, 64)
+
+
+def test_eval_command_parses_without_loading_a_model():
+    from fp8kv.cli import build_parser
+
+    parser, modules = build_parser()
+    args = parser.parse_args(["eval", "--caches", "none", "fp8kv-e4m3-token_head", "--tokens", "8"])
+    assert args.command == "eval" and args.tokens == 8
