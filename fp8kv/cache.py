@@ -1,24 +1,32 @@
-"""The paged FP8 KV cache: layout, allocation, scales and memory accounting.
+"""The paged FP8 KV cache: layout, allocation, wrapping an engine's tensors, memory accounting.
 
-Layouts (``H`` = KV heads, ``D`` = head size):
+Layouts (``H`` = KV heads, ``D`` = head size) name the order of the dimensions:
 
 - ``NHD``: ``[num_blocks, block_size, H, D]`` (vLLM's flash layout)
 - ``HND``: ``[num_blocks, H, block_size, D]`` (FlashInfer / paged-attention v1 layout)
 
 A token at ``slot = block * block_size + offset`` lives in ``cache[block, offset]``
-(NHD) or ``cache[block, :, offset]`` (HND).
+(NHD) or ``cache[block, :, offset]`` (HND). Strides are free apart from ``D``'s, which is 1:
+K and V may be views of one engine tensor (``t[:, 0]`` and ``t[:, 1]``), two allocations
+with different paddings, a permutation (vLLM's HND storage seen as NHD), or a slice of the
+heads (a tensor-parallel rank); every backend honours each tensor's own strides.
+
+A :class:`KVCache` is validated when it is built and frozen afterwards, so a cache that
+passed stays valid. :meth:`KVCache.allocate` makes a new one; :meth:`KVCache.from_tensors`
+wraps an engine's memory without copying (``docs/engines.md`` has a recipe per engine).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import Fp8KVError, bad_argument
-from .formats import Fp8Format, check_scale, ensure_fp8
-from .scales import check_granularity
+from .errors import InvalidArgument, bad_argument
+from .formats import FORMATS, Fp8Format, check_scale, ensure_fp8, get_format
+from .scales import GRANULARITIES, check_granularity
 
 if TYPE_CHECKING:
     from .checkpoint import KVCachePlan
@@ -32,32 +40,166 @@ def check_layout(layout: str) -> str:
     return layout
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """What a backend, a metadata object and a request need to know about a cache (hashable).
+
+    Every layer of a model has the same spec, so one :class:`fp8kv.AttentionMetadata`
+    serves all of them.
+    """
+
+    kv_dtype: str
+    layout: str
+    scale_granularity: str
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_size: int
+    device: torch.device
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def describe(self) -> str:
+        return (f"{self.kv_dtype} {self.layout} {self.scale_granularity} num_blocks={self.num_blocks} "
+                f"block_size={self.block_size} H={self.num_kv_heads} D={self.head_size} on {self.device}")
+
+
+def _positive_int(name: str, v) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise bad_argument(name, repr(v), "a positive int")
+    return v
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, last]`` byte addresses ``t`` may touch."""
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size() - 1
+
+
+def _may_share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may address a common byte (exact for views of one tensor that
+    differ only by their offset, the engines' ``t[:, 0]`` / ``t[:, 1]``; otherwise by extents)."""
+    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    (a0, a1), (b0, b1) = _extent(a), _extent(b)
+    if a1 < b0 or b1 < a0:
+        return False
+    if a.shape != b.shape or a.stride() != b.stride() or a.element_size() != b.element_size():
+        return True
+    return _offset_reachable((b0 - a0) // a.element_size(), a.shape, a.stride())
+
+
+def _offset_reachable(delta: int, shape, stride) -> bool:
+    """Is ``delta = sum_k c_k stride_k + r`` for some ``|c_k| < shape_k`` (outer dims) and
+    ``|r| < shape[-1]`` (the contiguous last dim)? A pruned search: with nested strides each
+    level leaves at most two candidates."""
+    dims = sorted(((s, n) for s, n in zip(stride[:-1], shape[:-1], strict=True) if n > 1), reverse=True)
+    inner = shape[-1] - 1
+
+    def search(rest: int, k: int, budget: list[int]) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0:
+            return True  # too many branches: assume they may overlap
+        if k == len(dims):
+            return abs(rest) <= inner
+        bound = inner + sum((n - 1) * s for s, n in dims[k + 1:])
+        s, n = dims[k]
+        lo = max(-(n - 1), -((bound - rest) // s) if s else -(n - 1))
+        hi = min(n - 1, (rest + bound) // s if s else n - 1)
+        return any(search(rest - c * s, k + 1, budget) for c in range(lo, hi + 1))
+
+    return search(delta, 0, [4096])
+
+
+def _check_strides(name: str, t: torch.Tensor) -> None:
+    """``D`` contiguous and the outer dims non-overlapping (nested strides, any order)."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise bad_argument(name, f"strides {t.stride()}", "a stride of 1 for the last (head_size) dimension")
+    extent = t.shape[-1]
+    for s, n in sorted((s, n) for s, n in zip(t.stride()[:-1], t.shape[:-1], strict=True) if n > 1):
+        if s < extent:
+            raise bad_argument(name, f"shape {tuple(t.shape)} with strides {t.stride()}",
+                               "non-overlapping strides (every element its own bytes)")
+        extent = s * n
+    if any(s < 0 for s in t.stride()):
+        raise bad_argument(name, f"strides {t.stride()}", "non-negative strides")
+
+
+def _as_format(name: str, t, fmt: Fp8Format | None) -> tuple[torch.Tensor, Fp8Format]:
+    """``t`` as the format's float8 dtype (uint8 storage is viewed, never copied)."""
+    if not isinstance(t, torch.Tensor):
+        raise bad_argument(name, type(t).__name__, "a torch.Tensor")
+    if t.dtype == torch.uint8:
+        if fmt is None:
+            raise bad_argument("kv_dtype", None, f"a format name when {name} is uint8 storage")
+        return t.view(fmt.torch_dtype), fmt
+    by_dtype = {f.torch_dtype: f for f in FORMATS.values()}
+    if t.dtype not in by_dtype:
+        raise bad_argument(name, f"dtype {t.dtype}", "a float8 dtype or uint8 storage")
+    if fmt is not None and by_dtype[t.dtype] is not fmt:
+        raise bad_argument(name, f"dtype {t.dtype}",
+                           f"{fmt.torch_dtype} (kv_dtype={fmt.name!r}) or uint8 storage")
+    return t, by_dtype[t.dtype]
+
+
 def _static_scale(value, name: str, granularity: str, num_kv_heads: int, device) -> torch.Tensor:
-    """A validated float32 static scale of shape ``()`` (tensor) or ``(H,)`` (head)."""
+    """A validated float32 static scale of shape ``()`` (tensor) or ``(H,)`` (head).
+
+    A float32 tensor already on ``device`` with the right shape is used as is (zero-copy:
+    an engine may update it in place); anything else is converted.
+    """
+    given = value if isinstance(value, torch.Tensor) else None
     s = check_scale(1.0 if value is None else value, name)
+    want = () if granularity == "tensor" else (num_kv_heads,)
+    if given is not None and given.dtype == torch.float32 and given.device == torch.device(device):
+        if given.numel() == 1 and granularity == "tensor":
+            return given.reshape(())
+        if tuple(given.shape) == want:
+            return given
     if granularity == "tensor":
         if s.numel() != 1:
-            raise bad_argument(name, tuple(s.shape), "one value (shape () or (1,)) for per-tensor scales")
+            raise bad_argument(name, f"shape {tuple(s.shape)}", "one value (shape () or (1,)) for per-tensor scales")
         s = s.reshape(())
-    else:
-        if s.numel() == 1:
-            s = s.reshape(()).expand(num_kv_heads)
-        elif tuple(s.shape) != (num_kv_heads,):
-            raise bad_argument(name, tuple(s.shape), f"shape ({num_kv_heads},) for per-head scales")
+    elif s.numel() == 1:
+        s = s.reshape(()).expand(num_kv_heads)
+    elif tuple(s.shape) != want:
+        raise bad_argument(name, f"shape {tuple(s.shape)}", f"shape ({num_kv_heads},) for per-head scales")
     return s.to(device=device, dtype=torch.float32).contiguous().clone()
 
 
-@dataclass
+def _token_head_scale(value, name: str, shape: tuple[int, int, int], device) -> torch.Tensor:
+    """The engine's ``[num_blocks, block_size, H]`` float32 scale tensor, or a new one of ones."""
+    if value is None:
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    if not isinstance(value, torch.Tensor):
+        raise bad_argument(name, type(value).__name__,
+                           f"None or a float32 tensor of shape {list(shape)} (token_head scales are written "
+                           "by write_kv)")
+    if value.dtype != torch.float32 or tuple(value.shape) != shape or value.device != torch.device(device):
+        raise bad_argument(name, f"{value.dtype} {tuple(value.shape)} on {value.device}",
+                           f"float32 of shape {list(shape)} on {device}")
+    if any(s < 0 for s in value.stride()) or (value.numel() and torch._debug_has_internal_overlap(value) == 1):
+        raise bad_argument(name, f"strides {value.stride()}", "non-overlapping strides")
+    return value
+
+
+@dataclass(frozen=True)
 class KVCache:
-    """One layer's paged FP8 K and V cache with its scales.
+    """One layer's paged FP8 K and V cache with its scales. Frozen; validated when built.
 
     Attributes:
         key_cache / value_cache: float8 tensors, NHD ``[num_blocks, block_size, H, D]``
-            or HND ``[num_blocks, H, block_size, D]``.
+            or HND ``[num_blocks, H, block_size, D]``, each with its own strides (``D``'s is 1).
         k_scale / v_scale: float32 dequant multipliers: ``()`` (tensor), ``(H,)``
             (head) or ``(num_blocks, block_size, H)`` (token_head, written by write_kv).
         fmt: the storage format; ``kv_dtype`` is its name.
         layout: ``"NHD"`` or ``"HND"``; scale_granularity: see :mod:`fp8kv.scales`.
+        spec: the :class:`CacheSpec` (derived).
+
+    Build one with :meth:`allocate` or :meth:`from_tensors`; the constructor checks the
+    same things (shapes, dtypes, devices, strides, scale shapes, no shared bytes).
     """
 
     key_cache: torch.Tensor
@@ -67,8 +209,51 @@ class KVCache:
     fmt: Fp8Format
     layout: str
     scale_granularity: str
-    meta: dict = field(default_factory=dict)
+    spec: CacheSpec = dataclasses.field(init=False, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spec", self._validate())
+
+    def _validate(self) -> CacheSpec:
+        if not isinstance(self.fmt, Fp8Format):
+            raise bad_argument("fmt", type(self.fmt).__name__, "an fp8kv.Fp8Format")
+        check_layout(self.layout)
+        check_granularity(self.scale_granularity)
+        k, v = self.key_cache, self.value_cache
+        for name, t in (("key_cache", k), ("value_cache", v)):
+            if not isinstance(t, torch.Tensor):
+                raise bad_argument(name, type(t).__name__, "a torch.Tensor")
+            if t.dtype != self.fmt.torch_dtype:
+                raise bad_argument(name, f"dtype {t.dtype}", f"{self.fmt.torch_dtype} (kv_dtype={self.fmt.name!r})")
+            if t.dim() != 4 or 0 in t.shape:
+                order = "[num_blocks, block_size, H, D]" if self.layout == "NHD" else "[num_blocks, H, block_size, D]"
+                raise bad_argument(name, f"shape {tuple(t.shape)}", f"4 non-empty dimensions {order}")
+            _check_strides(name, t)
+        if v.shape != k.shape:
+            raise bad_argument("value_cache", f"shape {tuple(v.shape)}", f"key_cache's shape {tuple(k.shape)}")
+        if v.device != k.device:
+            raise bad_argument("value_cache", f"device {v.device}", f"key_cache's device {k.device}")
+        nb = k.shape[0]
+        bs, H = (k.shape[1], k.shape[2]) if self.layout == "NHD" else (k.shape[2], k.shape[1])
+        want = {"tensor": (), "head": (H,), "token_head": (nb, bs, H)}[self.scale_granularity]
+        for name, s in (("k_scale", self.k_scale), ("v_scale", self.v_scale)):
+            if not isinstance(s, torch.Tensor):
+                raise bad_argument(name, type(s).__name__, "a float32 tensor")
+            if s.dtype != torch.float32 or tuple(s.shape) != want or s.device != k.device:
+                raise bad_argument(name, f"{s.dtype} of shape {tuple(s.shape)} on {s.device}",
+                                   f"float32 of shape {want} on {k.device} for scale_granularity="
+                                   f"{self.scale_granularity!r}")
+        named = (("key_cache", k), ("value_cache", v), ("k_scale", self.k_scale), ("v_scale", self.v_scale))
+        for i, (na, a) in enumerate(named):
+            for nb_, b in named[i + 1:]:
+                read_only = na == "k_scale" and self.scale_granularity != "token_head"
+                if not read_only and _may_share_bytes(a, b):
+                    raise bad_argument(nb_, f"a tensor sharing memory with {na}",
+                                       "separate memory for key_cache, value_cache, k_scale and v_scale "
+                                       "(static k/v scales may share)")
+        return CacheSpec(self.fmt.name, self.layout, self.scale_granularity, nb, bs, H, k.shape[3], k.device)
+
+    # -- construction -------------------------------------------------------------
     @classmethod
     def allocate(
         cls,
@@ -99,35 +284,102 @@ class KVCache:
                 k_scale=k_scale, v_scale=v_scale)
         elif layer is not None:
             raise bad_argument("layer", repr(layer), "None without a plan (it picks the plan's scales)")
-        kv_dtype = "fp8_e4m3" if kv_dtype is None else kv_dtype
-        scale_granularity = "tensor" if scale_granularity is None else scale_granularity
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise bad_argument(name, repr(v), "a positive int")
+            _positive_int(name, v)
         device = torch.device(device) if device is not None else torch.device("cpu")
-        if kv_dtype == "fp8":
-            from .probe import probe
-
-            fmt = ensure_fp8(probe(device).fp8_alias)
-        else:
-            fmt = ensure_fp8(kv_dtype)
+        fmt = _resolve_format("fp8_e4m3" if kv_dtype is None else kv_dtype, device)
         check_layout(layout)
-        check_granularity(scale_granularity)
         shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"
                  else (num_blocks, num_kv_heads, block_size, head_size))
         key_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
         value_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
+        return cls._wrap(key_cache, value_cache, fmt, layout, scale_granularity, k_scale, v_scale)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor | None = None,
+        *,
+        kv_dtype: str | None = None,
+        layout: str = "NHD",
+        scale_granularity: str | None = None,
+        k_scale: torch.Tensor | float | None = None,
+        v_scale: torch.Tensor | float | None = None,
+        kv_dim: int = 1,
+    ) -> KVCache:
+        """Wrap an engine's own cache tensors, zero-copy (writes land in the engine's memory).
+
+        Args:
+            key_cache: K as ``[num_blocks, block_size, H, D]`` (NHD) or
+                ``[num_blocks, H, block_size, D]`` (HND), any strides with ``D``'s 1; or, when
+                ``value_cache`` is None, one tensor holding both with K/V at ``kv_dim``
+                (vLLM's flash cache and FlashInfer's single paged tensor
+                ``[num_blocks, 2, ...]``: ``kv_dim=1``). float8 or uint8 storage.
+            value_cache: V, same shape and dtype as K, its own strides (FlashInfer's
+                ``(k, v)`` pair from two allocations), or None (see ``key_cache``).
+            kv_dtype: the format; may be omitted for float8 tensors (taken from the dtype),
+                required for uint8 storage, which is viewed as the format's dtype.
+                ``"fp8"``: the platform's e4m3 of the tensors' device.
+            layout: the order of the dimensions (``"NHD"`` or ``"HND"``), not the storage order.
+            scale_granularity: ``tensor`` (default), ``head`` or ``token_head``.
+            k_scale / v_scale: static scales (float, or a float32 tensor of shape ``()``/``(H,)``,
+                kept zero-copy when already float32 on the device; default 1.0), or for
+                ``token_head`` the engine's ``[num_blocks, block_size, H]`` float32 tensors (None:
+                allocated).
+
+        Everything is checked here (first disagreeing field named): dtype against the format,
+        K/V shapes and devices, strides the backends serve, scale shapes, no shared bytes.
+        """
+        fmt = None if kv_dtype is None else _resolve_format(kv_dtype, getattr(key_cache, "device", "cpu"))
+        if value_cache is None:
+            if not isinstance(key_cache, torch.Tensor):
+                raise bad_argument("key_cache", type(key_cache).__name__, "a torch.Tensor")
+            if key_cache.dim() != 5 or not 0 <= kv_dim < 5 or key_cache.shape[kv_dim] != 2:
+                raise bad_argument("key_cache", f"shape {tuple(key_cache.shape)} (value_cache None, kv_dim={kv_dim})",
+                                   "one tensor with K and V along kv_dim (size 2), e.g. [num_blocks, 2, "
+                                   "block_size, H, D], or pass value_cache")
+            key_cache, value_cache = key_cache.select(kv_dim, 0), key_cache.select(kv_dim, 1)
+        k, fmt = _as_format("key_cache", key_cache, fmt)
+        v, _ = _as_format("value_cache", value_cache, fmt)
+        return cls._wrap(k, v, fmt, layout, scale_granularity, k_scale, v_scale)
+
+    @classmethod
+    def _wrap(cls, k, v, fmt, layout, scale_granularity, k_scale, v_scale) -> KVCache:
+        scale_granularity = "tensor" if scale_granularity is None else scale_granularity
+        check_layout(layout)
+        check_granularity(scale_granularity)
+        if k.dim() != 4:
+            raise bad_argument("key_cache", f"shape {tuple(k.shape)}", "4 dimensions")
+        H = k.shape[2] if layout == "NHD" else k.shape[1]
         if scale_granularity == "token_head":
-            if k_scale is not None or v_scale is not None:
-                raise Fp8KVError("k_scale/v_scale: got static scales, expected None with "
-                                 "scale_granularity='token_head' (scales are computed at write time)")
-            ks = torch.ones((num_blocks, block_size, num_kv_heads), dtype=torch.float32, device=device)
-            vs = ks.clone()
+            if not (k_scale is None or isinstance(k_scale, torch.Tensor)) or not (
+                    v_scale is None or isinstance(v_scale, torch.Tensor)):
+                raise InvalidArgument("k_scale/v_scale: got static scales, expected None with "
+                                      "scale_granularity='token_head' (scales are computed at write time)")
+            nb, bs = k.shape[0], (k.shape[1] if layout == "NHD" else k.shape[2])
+            ks = _token_head_scale(k_scale, "k_scale", (nb, bs, H), k.device)
+            vs = _token_head_scale(v_scale, "v_scale", (nb, bs, H), k.device)
         else:
-            ks = _static_scale(k_scale, "k_scale", scale_granularity, num_kv_heads, device)
-            vs = _static_scale(v_scale, "v_scale", scale_granularity, num_kv_heads, device)
-        return cls(key_cache, value_cache, ks, vs, fmt, layout, scale_granularity)
+            ks = _static_scale(k_scale, "k_scale", scale_granularity, H, k.device)
+            vs = _static_scale(v_scale, "v_scale", scale_granularity, H, k.device)
+        return cls(k, v, ks, vs, fmt, layout, scale_granularity)
+
+    def slice_heads(self, start: int, stop: int) -> KVCache:
+        """The KV heads ``[start, stop)`` as a cache of their own, zero-copy (a tensor-parallel
+        rank's share); per-head and per-token-head scales are sliced with them."""
+        H = self.num_kv_heads
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= H):
+            raise bad_argument("start/stop", f"{start!r}, {stop!r}", f"0 <= start < stop <= num_kv_heads={H}")
+        dim = 2 if self.layout == "NHD" else 1
+        k = self.key_cache.narrow(dim, start, stop - start)
+        v = self.value_cache.narrow(dim, start, stop - start)
+        if self.scale_granularity == "tensor":
+            ks, vs = self.k_scale, self.v_scale
+        else:
+            ks, vs = self.k_scale[..., start:stop], self.v_scale[..., start:stop]
+        return KVCache(k, v, ks, vs, self.fmt, self.layout, self.scale_granularity)
 
     # -- geometry -----------------------------------------------------------------
     @property
@@ -136,27 +388,27 @@ class KVCache:
 
     @property
     def num_blocks(self) -> int:
-        return self.key_cache.shape[0]
+        return self.spec.num_blocks
 
     @property
     def block_size(self) -> int:
-        return self.key_cache.shape[1 if self.layout == "NHD" else 2]
+        return self.spec.block_size
 
     @property
     def num_kv_heads(self) -> int:
-        return self.key_cache.shape[2 if self.layout == "NHD" else 1]
+        return self.spec.num_kv_heads
 
     @property
     def head_size(self) -> int:
-        return self.key_cache.shape[3]
+        return self.spec.head_size
 
     @property
     def num_slots(self) -> int:
-        return self.num_blocks * self.block_size
+        return self.spec.num_slots
 
     @property
     def device(self) -> torch.device:
-        return self.key_cache.device
+        return self.spec.device
 
     # -- memory accounting --------------------------------------------------------
     @property
@@ -176,8 +428,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Total bytes held: both caches and all scales."""
-        return self.key_cache.nbytes + self.value_cache.nbytes + self.k_scale.nbytes + self.v_scale.nbytes
+        """Bytes of all the cache's elements (codes and scales; an engine's padding not counted)."""
+        return (self.key_cache.numel() + self.value_cache.numel()) * self.key_cache.element_size() \
+            + (self.k_scale.numel() + self.v_scale.numel()) * 4
 
     @property
     def bf16_nbytes(self) -> int:
@@ -191,7 +444,7 @@ class KVCache:
 
     # -- views used by the reference and tests -----------------------------------
     def token_view(self, which: str = "key") -> torch.Tensor:
-        """The cache as ``[num_slots, H, D]`` (a copy for HND)."""
+        """The cache as ``[num_slots, H, D]`` (a copy unless NHD and contiguous)."""
         c = self.key_cache if which == "key" else self.value_cache
         if self.layout == "HND":
             c = c.transpose(1, 2)
@@ -210,8 +463,14 @@ class KVCache:
         return q * self.scale_per_slot(which)[..., None]
 
     def clone(self) -> KVCache:
+        """A deep copy (contiguous tensors, same values)."""
         return KVCache(self.key_cache.clone(), self.value_cache.clone(), self.k_scale.clone(),
-                       self.v_scale.clone(), self.fmt, self.layout, self.scale_granularity, dict(self.meta))
+                       self.v_scale.clone(), self.fmt, self.layout, self.scale_granularity)
+
+    def to(self, device: torch.device | str) -> KVCache:
+        """A copy on ``device``."""
+        return KVCache(self.key_cache.to(device), self.value_cache.to(device), self.k_scale.to(device),
+                       self.v_scale.to(device), self.fmt, self.layout, self.scale_granularity)
 
     def same_bytes(self, other: KVCache) -> bool:
         """True when both caches and scales are byte-identical."""
@@ -221,3 +480,16 @@ class KVCache:
             for a, b in ((self.key_cache, other.key_cache), (self.value_cache, other.value_cache),
                          (self.k_scale, other.k_scale), (self.v_scale, other.v_scale))
         )
+
+
+def _resolve_format(kv_dtype, device) -> Fp8Format:
+    if kv_dtype == "fp8":
+        from .probe import probe
+
+        return ensure_fp8(probe(torch.device(device)).fp8_alias)
+    if isinstance(kv_dtype, (Fp8Format, torch.dtype)):
+        return get_format(kv_dtype)
+    return ensure_fp8(kv_dtype)
+
+
+__all__ = ["GRANULARITIES", "LAYOUTS", "CacheSpec", "KVCache", "check_layout"]

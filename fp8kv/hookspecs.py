@@ -17,7 +17,11 @@ Lifecycle:
    :func:`fp8kv_supports` once and caches the answer; the highest ``priority`` backend
    answering ``None`` serves the call unless the caller forces one by name. An exception
    raised by ``fp8kv_supports`` counts as a refusal (and is reported as a fault).
-3. **Dispatch.** :func:`fp8kv_write_kv` / :func:`fp8kv_paged_attention` run the op.
+3. **Plan.** When a backend is chosen for a step's attention (:func:`fp8kv.plan_attention`),
+   its optional :func:`fp8kv_plan_attention` may return anything it wants to keep per step
+   (launch configuration, workspace buffers); it comes back as ``metadata.backend_plan``.
+4. **Dispatch.** :func:`fp8kv_write_kv` / :func:`fp8kv_paged_attention` run the op, once per
+   layer, with no host sync expected (the metadata carries every host-side number).
 
 Required hooks: ``fp8kv_backend_info``, ``fp8kv_supports`` and at least one op hook; a
 missing op hook means that op is refused (``"does not implement fp8kv_write_kv"``).
@@ -29,7 +33,7 @@ devices, ranges and scales are already checked, contiguity is as documented, and
 ``out`` is allocated. A backend only decides whether it can serve a request and
 then serves it exactly (writes bit-exact with :mod:`fp8kv.reference`, attention
 within the derived tolerance of :mod:`fp8kv.testing.tolerance`). An exception in an op
-hook is re-raised as :class:`fp8kv.registry.BackendFailure` naming the backend: claiming
+hook is re-raised as :class:`fp8kv.errors.BackendFailure` naming the backend: claiming
 support and then failing is a bug, never a silent fallback. Check a backend with
 ``fp8kv.testing.check_backend``.
 
@@ -46,7 +50,8 @@ import pluggy
 import torch
 
 if TYPE_CHECKING:
-    from .cache import KVCache
+    from .cache import CacheSpec, KVCache
+    from .metadata import AttentionMetadata
     from .probe import DeviceInfo
 
 PROJECT = "fp8kv"
@@ -114,6 +119,18 @@ class Request:
     device_type: str = "cpu"
     features: frozenset[str] = field(default_factory=frozenset)
 
+    @classmethod
+    def for_write(cls, spec: CacheSpec, io_dtype: torch.dtype) -> Request:
+        """The request of a ``write_kv`` of ``io_dtype`` K/V into a cache of ``spec``."""
+        return cls("write_kv", spec.kv_dtype, spec.layout, spec.scale_granularity, spec.head_size, io_dtype,
+                   spec.device.type)
+
+    @classmethod
+    def for_attention(cls, spec: CacheSpec, io_dtype: torch.dtype, features: frozenset[str] = frozenset()) -> Request:
+        """The request of a ``paged_attention`` with ``io_dtype`` queries over a cache of ``spec``."""
+        return cls("paged_attention", spec.kv_dtype, spec.layout, spec.scale_granularity, spec.head_size, io_dtype,
+                   spec.device.type, features)
+
     def describe(self) -> str:
         feats = ",".join(sorted(self.features)) or "-"
         return (f"{self.op} {self.kv_dtype} {self.layout} {self.scale_granularity} "
@@ -165,42 +182,47 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
+    def fp8kv_plan_attention(self, device: DeviceInfo, metadata: AttentionMetadata) -> object:
+        """Optional: prepare this backend's per-step state for ``metadata`` (called once per step,
+        after this backend was selected for its attention); the return value is kept as
+        ``metadata.backend_plan``. Decide from host-side numbers only (``metadata.max_query_len``,
+        ``num_seqs``, ``block_tables.shape``...): never read tensor values (no host sync). A backend
+        without this hook gets ``backend_plan = None``.
+        """
+
+    @hookspec(firstresult=True)
     def fp8kv_paged_attention(
         self,
         query: torch.Tensor,
         cache: KVCache,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        max_query_len: int,
-        softmax_scale: float,
-        causal: bool,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
+        metadata: AttentionMetadata,
         out: torch.Tensor,
+        lse: torch.Tensor | None,
     ) -> None:
-        """Paged attention over the FP8 cache, written into ``out``.
+        """Paged attention over the FP8 cache, written into ``out`` (and ``lse``).
 
         Args:
-            query: ``[num_tokens, Hq, D]``, Hq a multiple of H.
-            block_tables: ``[num_seqs, max_blocks]`` int32.
-            seq_lens: ``[num_seqs]`` int32: cached tokens per sequence incl. new ones.
-            query_start_loc: ``[num_seqs + 1]`` int32, monotone, last = num_tokens
-                (decode: ``arange(num_seqs + 1)``).
-            max_query_len: largest ``query_start_loc`` step (1 for decode).
-            softmax_scale: multiplies q·k before the soft-cap.
-            causal: the i-th of a sequence's q_len queries sits at position
-                ``seq_len - q_len + i`` and sees keys up to it; False: all keys.
-            sliding_window: ``W``: only the last W visible keys (incl. its own).
-            logits_soft_cap: ``c``: logits become ``c * tanh(logits / c)``.
-            out: ``[num_tokens, Hq, D]`` in the query dtype.
+            query: ``[num_tokens, Hq, D]``, contiguous, Hq a multiple of H.
+            cache: a cache with ``metadata.spec``.
+            metadata: the step (:class:`fp8kv.AttentionMetadata`): ``block_tables
+                [num_seqs, max_blocks]`` int32, ``seq_lens [num_seqs]`` int32 (cached tokens
+                per sequence incl. new ones), ``query_start_loc [num_seqs + 1]`` int32
+                (monotone, last = num_tokens; decode: ``arange``), ``max_query_len``,
+                ``max_seq_len``, ``options`` (``softmax_scale`` multiplies q·k before the
+                soft-cap; ``causal``: the i-th of a sequence's q_len queries sits at position
+                ``seq_len - q_len + i`` and sees keys up to it; ``sliding_window`` W: only the
+                last W visible keys, its own included; ``logits_soft_cap`` c: logits become
+                ``c * tanh(logits / c)``) and ``backend_plan`` (this backend's plan).
+            out: ``[num_tokens, Hq, D]`` in the query dtype, contiguous.
+            lse: None, or ``[num_tokens, Hq]`` float32 to receive each row's log-sum-exp
+                (natural log) of its scaled, soft-capped logits over its visible keys.
 
-        Write every element of ``out``; do not modify the cache. Only the first
-        ``seq_lens[i]`` positions of sequence ``i`` hold data: other slots of its blocks,
-        and blocks it does not list, may hold any bytes (NaN codes and NaN token_head
-        scales included) and must not affect the output; ``block_tables`` entries past
-        ``ceil(seq_lens[i] / block_size)`` may hold any value (0, -1) and must not be
-        dereferenced. Sequences with no query tokens are skipped. Compute from the
-        dequantized values in float32 (see :mod:`fp8kv.testing.tolerance` for what
-        "matches the reference" means).
+        Write every element of ``out`` (and ``lse``); do not modify the cache. Do not read
+        tensor values on the host (no sync). Only the first ``seq_lens[i]`` positions of
+        sequence ``i`` hold data: other slots of its blocks, and blocks it does not list, may
+        hold any bytes (NaN codes and NaN token_head scales included) and must not affect the
+        output; ``block_tables`` entries past ``ceil(seq_lens[i] / block_size)`` may hold any
+        value (0, -1) and must not be dereferenced. Sequences with no query tokens are skipped.
+        Compute from the dequantized values in float32 (see :mod:`fp8kv.testing.tolerance`
+        for what "matches the reference" means).
         """

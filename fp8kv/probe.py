@@ -28,6 +28,7 @@ from functools import cache
 
 import torch
 
+from . import settings
 from .errors import bad_argument
 
 
@@ -182,7 +183,7 @@ def _importable(module: str) -> bool:
 
 def triton_interpreter() -> bool:
     """True when Triton kernels run through its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return settings.triton_interpreter()
 
 
 def _cpu_name() -> str:
@@ -235,7 +236,7 @@ def probe(device: torch.device | str | None = None) -> DeviceInfo:
     """
     if _simulated_override:
         return _simulated_override[-1]
-    env = os.environ.get("FP8KV_SIMULATE_DEVICE")
+    env = settings.simulated_device()
     if env:
         return simulated(env)
     if device is None:

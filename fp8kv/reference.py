@@ -7,6 +7,8 @@ documented tolerance (:mod:`fp8kv.testing.tolerance`).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ._version import __version__
@@ -15,6 +17,9 @@ from .formats import divide_by_scale, quantize_scaled
 from .hookspecs import BackendInfo, Request, hookimpl
 from .probe import DeviceInfo
 from .scales import token_head_scale
+
+if TYPE_CHECKING:
+    from .metadata import AttentionMetadata
 
 
 def _scatter(cache_tensor: torch.Tensor, layout: str, block_size: int, slots: torch.Tensor,
@@ -33,8 +38,8 @@ def _quantize_rows(cache: KVCache, which: str, x: torch.Tensor, slots: torch.Ten
     """Quantize ``x [n, H, D]`` for ``slots``; for token_head also store the new scales."""
     if cache.scale_granularity == "token_head":
         scale = token_head_scale(x, cache.fmt)  # [n, H]
-        store = cache.k_scale if which == "key" else cache.v_scale
-        store.view(cache.num_slots, cache.num_kv_heads)[slots] = scale
+        store = cache.k_scale if which == "key" else cache.v_scale  # [num_blocks, block_size, H], any strides
+        store[slots // cache.block_size, slots % cache.block_size] = scale
     else:
         scale = cache.scale_per_slot(which)[:1]  # [1, H]
     return quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt)
@@ -72,29 +77,36 @@ def visible_mask(seq_len: int, q_len: int, causal: bool, sliding_window: int | N
     return mask
 
 
-def paged_attention(query, cache: KVCache, block_tables, seq_lens, query_start_loc, max_query_len,
-                    softmax_scale, causal, sliding_window, logits_soft_cap, out) -> None:
-    """Reference paged attention (see :meth:`fp8kv.hookspecs.BackendSpec.fp8kv_paged_attention`)."""
+def paged_attention(query: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, out: torch.Tensor,
+                    lse: torch.Tensor | None = None) -> None:
+    """Reference paged attention (see :meth:`fp8kv.hookspecs.BackendSpec.fp8kv_paged_attention`).
+
+    ``out [T, Hq, D]`` gets ``softmax(q·k'·scale) v'`` in float32 (then the output dtype);
+    ``lse [T, Hq]``, if given, the natural-log log-sum-exp of each row's logits.
+    """
+    opts = metadata.options
     group = query.shape[1] // cache.num_kv_heads
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    starts = metadata.host_query_start_loc or metadata.query_start_loc.tolist()
+    lens = metadata.host_seq_lens or metadata.seq_lens.tolist()
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = starts[i], starts[i + 1]
         if q_hi == q_lo:
             continue
         pos = torch.arange(seq_len, device=query.device)
-        slots = block_tables[i].to(torch.long)[pos // cache.block_size] * cache.block_size \
+        slots = metadata.block_tables[i].to(torch.long)[pos // cache.block_size] * cache.block_size \
             + pos % cache.block_size
         k = _gather_dequantized(cache, "key", slots).repeat_interleave(group, dim=1)  # [L, Hq, D]
         v = _gather_dequantized(cache, "value", slots).repeat_interleave(group, dim=1)
         q = query[q_lo:q_hi].to(torch.float32)  # [ql, Hq, D]
-        logits = torch.einsum("qhd,khd->hqk", q, k) * softmax_scale
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
-        mask = visible_mask(seq_len, q_hi - q_lo, causal, sliding_window, query.device)
+        logits = torch.einsum("qhd,khd->hqk", q, k) * opts.softmax_scale
+        if opts.logits_soft_cap is not None:
+            logits = opts.logits_soft_cap * torch.tanh(logits / opts.logits_soft_cap)
+        mask = visible_mask(seq_len, q_hi - q_lo, opts.causal, opts.sliding_window, query.device)
         logits = logits.masked_fill(~mask, float("-inf"))
         probs = torch.softmax(logits, dim=-1)
         out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+        if lse is not None:
+            lse[q_lo:q_hi] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
 
 
 class ReferenceBackend:
@@ -116,7 +128,5 @@ class ReferenceBackend:
         write_kv(cache, key, value, slot_mapping)
 
     @hookimpl
-    def fp8kv_paged_attention(self, query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                              softmax_scale, causal, sliding_window, logits_soft_cap, out) -> None:
-        paged_attention(query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                        softmax_scale, causal, sliding_window, logits_soft_cap, out)
+    def fp8kv_paged_attention(self, query, cache, metadata, out, lse) -> None:
+        paged_attention(query, cache, metadata, out, lse)

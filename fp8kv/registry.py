@@ -21,32 +21,33 @@ Selections are cached per (device, request, forced name), and so is every
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 import torch
 
-from .errors import Fp8KVError
+from . import settings
+from .errors import BackendFailure, Fp8KVError, InvalidArgument, PluginError, Unsupported
 from .hookspecs import OPS, PROJECT, BackendInfo, BackendSpec, Request
 from .probe import DeviceInfo, probe
+
+if TYPE_CHECKING:
+    from .cache import KVCache
+    from .metadata import AttentionMetadata
 
 ENTRY_POINT_GROUP = "fp8kv.backends"
 
 _OP_HOOKS = {"write_kv": "fp8kv_write_kv", "paged_attention": "fp8kv_paged_attention"}
 _REQUIRED_HOOKS = ("fp8kv_backend_info", "fp8kv_supports")
+_OPTIONAL_HOOKS = ("fp8kv_plan_attention",)
 
 
-class BackendFailure(RuntimeError):
-    """A backend claimed support for a request and then failed serving it (names the backend)."""
-
-
-class DuplicateBackendError(Fp8KVError):
+class DuplicateBackendError(PluginError):
     """Two installed backends share one name (the message names both distributions)."""
 
 
@@ -75,40 +76,46 @@ class Fault:
 LoadFault = Fault  # the name used by the first version
 
 
-def _caller(impl: pluggy.HookImpl) -> Callable[..., Any]:
-    """Call a hook implementation with only the arguments it declares (pluggy's rule)."""
-    fn, names = impl.function, impl.argnames
-    return lambda **kw: fn(**{n: kw[n] for n in names})
-
-
 @dataclass
 class Backend:
-    """One registered backend: its info and its hook implementations.
+    """One registered backend: its info and its hook implementations, called through typed methods.
 
     Attributes:
         info: what it says about itself.
         plugin: the registered object.
         distribution: the distribution it came from (``"<runtime>"`` if registered in code).
-        hooks: hook name -> callable taking the spec's keyword arguments (missing op
-            hooks are absent: that op is refused).
+        impls: hook name -> the plugin's ``pluggy.HookImpl`` (missing op hooks are absent:
+            that op is refused).
     """
 
     info: BackendInfo
     plugin: Any
     distribution: str
-    hooks: dict[str, Callable[..., Any]]
+    impls: dict[str, pluggy.HookImpl]
     on_fault: Callable[[Fault], None] | None = None
 
     @property
     def name(self) -> str:
         return self.info.name
 
+    def implements(self, hook: str) -> bool:
+        return hook in self.impls
+
+    def _invoke(self, hook: str, args: dict[str, Any]) -> Any:
+        """Call the plugin's implementation of ``hook`` with the arguments it declares (pluggy's rule)."""
+        impl = self.impls[hook]
+        return impl.function(*[args[n] for n in impl.argnames])
+
+    # -- the hooks, typed ---------------------------------------------------------------
+    def backend_info(self) -> BackendInfo:
+        return self._invoke("fp8kv_backend_info", {})
+
     def check_supports(self, device: DeviceInfo, request: Request) -> str | None:
         """The plugin's raw answer: None or its reason. Exceptions propagate (for the kit)."""
         hook = _OP_HOOKS.get(request.op)
-        if hook is not None and hook not in self.hooks:
+        if hook is not None and hook not in self.impls:
             return f"does not implement {hook}"
-        reason = self.hooks["fp8kv_supports"](device=device, request=request)
+        reason = self._invoke("fp8kv_supports", {"device": device, "request": request})
         if reason is None:
             return None
         if not isinstance(reason, str):
@@ -125,24 +132,37 @@ class Backend:
                 self.on_fault(Fault(self.name, self.distribution, error, "fp8kv_supports"))
             return f"fp8kv_supports raised {error}"
 
-    def _call(self, hook: str, **kwargs) -> None:
-        if hook not in self.hooks:
+    def write_kv(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Run the plugin's ``fp8kv_write_kv``."""
+        self._guarded("fp8kv_write_kv", {"cache": cache, "key": key, "value": value, "slot_mapping": slot_mapping})
+
+    def plan_attention(self, device: DeviceInfo, metadata: AttentionMetadata) -> Any:
+        """Run the plugin's ``fp8kv_plan_attention`` if it has one (else None)."""
+        if "fp8kv_plan_attention" not in self.impls:
+            return None
+        return self._guarded("fp8kv_plan_attention", {"device": device, "metadata": metadata})
+
+    def paged_attention(self, query: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, out: torch.Tensor,
+                        lse: torch.Tensor | None) -> None:
+        """Run the plugin's ``fp8kv_paged_attention``."""
+        self._guarded("fp8kv_paged_attention",
+                      {"query": query, "cache": cache, "metadata": metadata, "out": out, "lse": lse})
+
+    def _guarded(self, hook: str, args: dict[str, Any]) -> Any:
+        """Call an op hook; any failure becomes an error naming this backend."""
+        if hook not in self.impls:
             raise BackendFailure(f"backend {self.name!r} ({self.distribution}) does not implement {hook}")
         try:
-            self.hooks[hook](**kwargs)
+            return self._invoke(hook, args)
+        except BackendFailure:
+            raise
         except Fp8KVError as exc:
-            raise Fp8KVError(f"backend {self.name!r} ({self.distribution}) in {hook}: {exc}") from exc
+            raise type(exc)(f"backend {self.name!r} ({self.distribution}) in {hook}: {exc}") from exc
         except Exception as exc:
             raise BackendFailure(
                 f"backend {self.name!r} ({self.distribution}) claimed support and failed in {hook}: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
-
-    def write_kv(self, cache, key, value, slot_mapping) -> None:
-        self._call("fp8kv_write_kv", cache=cache, key=key, value=value, slot_mapping=slot_mapping)
-
-    def paged_attention(self, **kwargs) -> None:
-        self._call("fp8kv_paged_attention", **kwargs)
 
 
 @dataclass(frozen=True)
@@ -231,17 +251,18 @@ class Registry:
             self.pm.register(plugin)
             try:
                 self.pm.check_pending()
-                hooks = {}
-                for hook in (*_REQUIRED_HOOKS, *_OP_HOOKS.values()):
-                    impls = [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin is plugin]
-                    if impls:
-                        hooks[hook] = _caller(impls[0])
+                impls = {}
+                for hook in (*_REQUIRED_HOOKS, *_OP_HOOKS.values(), *_OPTIONAL_HOOKS):
+                    found = [i for i in getattr(self.pm.hook, hook).get_hookimpls() if i.plugin is plugin]
+                    if found:
+                        impls[hook] = found[0]
                     elif hook in _REQUIRED_HOOKS:
                         raise TypeError(f"backend plugin {plugin!r} does not implement {hook}")
-                if not any(h in hooks for h in _OP_HOOKS.values()):
+                if not any(h in impls for h in _OP_HOOKS.values()):
                     raise TypeError(f"backend plugin {plugin!r} implements neither fp8kv_write_kv nor "
                                     "fp8kv_paged_attention")
-                info = _check_info(hooks["fp8kv_backend_info"](), plugin)
+                backend = Backend(None, plugin, distribution, impls, on_fault=self.record)  # type: ignore[arg-type]
+                info = _check_info(backend.backend_info(), plugin)
                 if info.name in self.backends:
                     other = self.backends[info.name]
                     raise DuplicateBackendError(
@@ -250,7 +271,7 @@ class Registry:
             except Exception:
                 self.pm.unregister(plugin)
                 raise
-            backend = Backend(info, plugin, distribution, hooks, on_fault=self.record)
+            backend.info = info
             self.backends[info.name] = backend
             self._cache.clear()
             self._answers.clear()
@@ -259,7 +280,7 @@ class Registry:
     def remove(self, name: str) -> None:
         with self._lock:
             if name not in self.backends:
-                raise Fp8KVError(f"backend: got {name!r}, expected one of {sorted(self.backends)}")
+                raise InvalidArgument(f"backend: got {name!r}, expected one of {sorted(self.backends)}")
             backend = self.backends.pop(name)
             self.pm.unregister(backend.plugin)
             self._cache.clear()
@@ -303,13 +324,13 @@ class Registry:
             if forced not in self.backends:
                 failed = [f for f in self.faults if f.name == forced and f.where == "load"]
                 if failed:
-                    raise Fp8KVError(f"backend {forced!r} is installed but failed to load: {failed[0].error}")
-                raise Fp8KVError(f"backend: got {forced!r}, expected one of {sorted(self.backends)} "
+                    raise Unsupported(f"backend {forced!r} is installed but failed to load: {failed[0].error}")
+                raise InvalidArgument(f"backend: got {forced!r}, expected one of {sorted(self.backends)} "
                                  "(or 'auto'); see `fp8kv probe`")
             backend = self.backends[forced]
             reason = self.answer(backend, device, request)
             if reason is not None:
-                raise Fp8KVError(f"backend {forced!r} cannot serve {request.describe()} on "
+                raise Unsupported(f"backend {forced!r} cannot serve {request.describe()} on "
                                  f"{device.name}: {reason}")
             return Selection(backend, {}, request, device, forced=True)
         reasons: dict[str, str] = {}
@@ -321,7 +342,7 @@ class Registry:
             else:
                 reasons[backend.name] = reason
         if not able:
-            raise Fp8KVError(f"no backend can serve {request.describe()} on {device.name}: "
+            raise Unsupported(f"no backend can serve {request.describe()} on {device.name}: "
                              + ("; ".join(f"{n}: {r}" for n, r in reasons.items()) or "none is installed"))
         for other in able[1:]:
             reasons[other.name] = f"can serve, lower priority than {able[0].name}"
@@ -332,8 +353,8 @@ class Registry:
         why = "; ".join(f"{n}: {r}" for n, r in fast.items()) or "no fast backend is installed"
         msg = (f"fp8kv: {sel.request.describe()} on {sel.device.name} falls back to the slow "
                f"{sel.backend.name!r} backend ({why})")
-        if os.environ.get("FP8KV_STRICT", "0") not in ("", "0"):
-            raise Fp8KVError(msg + "; FP8KV_STRICT=1 forbids this")
+        if settings.strict():
+            raise Unsupported(msg + "; FP8KV_STRICT=1 forbids this")
         if sel.request not in self._warned:
             self._warned.add(sel.request)
             warnings.warn(msg, RuntimeWarning, stacklevel=5)
@@ -377,7 +398,7 @@ def register_backend(obj: Any, *, distribution: str = "<runtime>") -> Backend:
     except (Fp8KVError, pluggy.PluginValidationError):
         raise
     except (TypeError, ValueError) as exc:
-        raise Fp8KVError(f"backend plugin {obj!r}: {exc}") from exc
+        raise PluginError(f"backend plugin {obj!r}: {exc}") from exc
 
 
 def unregister_backend(name: str) -> None:
@@ -399,7 +420,7 @@ def get_backend(name: str) -> Backend:
     """The registered backend ``name`` (raises :class:`Fp8KVError` naming the known ones)."""
     reg = registry()
     if name not in reg.backends:
-        raise Fp8KVError(f"backend: got {name!r}, expected one of {sorted(reg.backends)}")
+        raise InvalidArgument(f"backend: got {name!r}, expected one of {sorted(reg.backends)}")
     return reg.backends[name]
 
 
@@ -412,9 +433,9 @@ def select_backend(request: Request, device: DeviceInfo | torch.device | str | N
     On a GPU, landing on a non-fast backend warns once per request (``FP8KV_STRICT=1``: raises).
     """
     info = device if isinstance(device, DeviceInfo) else probe(device)
-    forced = backend if backend != "auto" else (os.environ.get("FP8KV_BACKEND") or None)
-    if forced == "auto":
-        forced = None
+    if not isinstance(backend, str):
+        raise InvalidArgument(f"backend: got {backend!r}, expected 'auto' or a backend name")
+    forced = backend if backend != "auto" else settings.forced_backend()
     return _REGISTRY.select(request, info, forced)
 
 

@@ -164,8 +164,7 @@ class FakeBackend:
         raise NotImplementedError
 
     @hookimpl
-    def fp8kv_paged_attention(self, query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                              softmax_scale, causal, sliding_window, logits_soft_cap, out) -> None:
+    def fp8kv_paged_attention(self, query, cache, metadata, out, lse) -> None:
         raise NotImplementedError
 
 

@@ -74,14 +74,17 @@ ATTN_CASES = {
     "query head size": (bad(query=lambda: torch.randn(2, 2 * H, D + 1)), "query", "head_size"),
     "query device": (bad(query=lambda: torch.empty(2, 2 * H, D, device="meta")), "query", "device"),
     "query tokens (decode)": (bad(query=lambda: torch.randn(3, 2 * H, D)), "query", "one per sequence"),
-    "table dtype": (bad(block_tables=lambda: torch.tensor([[0, 1], [2, 3]])), "block_tables", "dtype"),
+    "table dtype": (bad(block_tables=lambda: torch.tensor([[0, 1], [2, 3]], dtype=torch.int16)), "block_tables",
+                    "dtype"),
     "table rows": (bad(block_tables=lambda: torch.tensor([[0, 1]], dtype=torch.int32)), "block_tables",
                    "one per sequence"),
     "table range": (bad(block_tables=lambda: torch.tensor([[0, NB], [2, 3]], dtype=torch.int32)),
                     "block_tables", f"[0, {NB})"),
     "negative block": (bad(block_tables=lambda: torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32)),
                        "block_tables", f"[0, {NB})"),
-    "seq_lens dtype": (bad(seq_lens=lambda: torch.tensor([5, 3])), "seq_lens", "dtype"),
+    "seq_lens dtype": (bad(seq_lens=lambda: torch.tensor([5.0, 3.0])), "seq_lens", "dtype"),
+    "int64 table beyond int32": (bad(block_tables=lambda: torch.tensor([[0, 2**32], [2, 3]])), "index tensors",
+                                 "within int32"),
     "seq_lens beyond table": (bad(seq_lens=lambda: torch.tensor([9, 3], dtype=torch.int32)), "seq_lens",
                               "at most 8 tokens"),
     "seq_lens negative": (bad(seq_lens=lambda: torch.tensor([5, -1], dtype=torch.int32)), "seq_lens", ">= 0"),
@@ -116,6 +119,18 @@ def test_bad_attention_raises_and_leaves_cache_unchanged(cache, case):
     assert str(err.value).startswith(argname + ":"), str(err.value)
     assert expected in str(err.value)
     assert cache.same_bytes(before)
+
+
+def test_int64_index_tensors_are_accepted_and_converted_once(cache):
+    """vLLM and SGLang hand over int64 block tables and lengths: same result as int32."""
+    a = decode_args()
+    want = fp8kv.paged_attention(a["query"], cache, a["block_tables"], a["seq_lens"], backend="reference")
+    got = fp8kv.paged_attention(a["query"], cache, a["block_tables"].long(), a["seq_lens"].long(),
+                                backend="reference")
+    meta = fp8kv.plan_attention(cache, num_q_heads=2 * H, query_dtype=torch.float32,
+                                block_tables=a["block_tables"].long(), seq_lens=a["seq_lens"].long())
+    assert meta.block_tables.dtype == meta.seq_lens.dtype == torch.int32
+    assert torch.equal(got, want)
 
 
 def test_good_attention_call_passes(cache):

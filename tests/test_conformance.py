@@ -113,10 +113,8 @@ class Fake:
         reference.write_kv(cache, key, value, slot_mapping)
 
     @hookimpl
-    def fp8kv_paged_attention(self, query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                              softmax_scale, causal, sliding_window, logits_soft_cap, out):
-        reference.paged_attention(query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                  softmax_scale, causal, sliding_window, logits_soft_cap, out)
+    def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
+        reference.paged_attention(query, cache, metadata, out, lse)
 
 
 class Flash32(Fake):
@@ -130,9 +128,12 @@ class Flash32(Fake):
     v_scale_from_k = False
 
     @hookimpl
-    def fp8kv_paged_attention(self, query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                              softmax_scale, causal, sliding_window, logits_soft_cap, out):
+    def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
         LOG2E = 1.4426950408889634
+        block_tables, seq_lens, query_start_loc = metadata.block_tables, metadata.seq_lens, metadata.query_start_loc
+        o = metadata.options
+        softmax_scale, causal, sliding_window, logits_soft_cap = (o.softmax_scale, o.causal, o.sliding_window,
+                                                                  o.logits_soft_cap)
         g = query.shape[1] // cache.num_kv_heads
         kcode, vcode = cache.token_view("key").float(), cache.token_view("value").float()
         ks = cache.scale_per_slot("key")
@@ -170,6 +171,8 @@ class Flash32(Fake):
                 acc = acc * alpha[..., None] + torch.einsum("qhk,qhkd->qhd", pv, vv)
                 m = m_new
             out[lo:hi] = (acc / den[..., None]).to(out.dtype)
+            if lse is not None:
+                lse[lo:hi] = (m + torch.log2(den)) / LOG2E
 
 
 class DroppedKey(Flash32):

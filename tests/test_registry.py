@@ -57,10 +57,8 @@ class Fake:
         reference.write_kv(cache, key, value, slot_mapping)
 
     @hookimpl
-    def fp8kv_paged_attention(self, query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                              softmax_scale, causal, sliding_window, logits_soft_cap, out):
-        reference.paged_attention(query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                                  softmax_scale, causal, sliding_window, logits_soft_cap, out)
+    def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
+        reference.paged_attention(query, cache, metadata, out, lse)
 
 
 def req(op="write_kv", kv_dtype="fp8_e4m3", device_type="cpu", **kw) -> Request:

@@ -6,8 +6,14 @@ Kernel structure (``_attn_kernel``), grid ``(num_seqs * q_blocks, H, num_splits)
   token ``r // GROUP`` of its block and query head ``kv_head * GROUP + r % GROUP``, so every
   query head sharing the KV head is served by one pass over the K/V tiles (decode: the
   ``GROUP`` heads of one token; prefill: ``BLOCK_M // GROUP`` tokens times ``GROUP`` heads).
-* **Paging.** Each tile of ``BLOCK_N`` keys is gathered through the block table (one
-  block-table entry per key, cached), in either layout (strides).
+* **Paging and strides.** Each tile of ``BLOCK_N`` keys is gathered through the block table
+  (one block-table entry per key, cached). K and V are addressed through their own
+  (block, token-in-block, head) strides (:func:`fp8kv_triton.write.cache_strides`), so the
+  layouts NHD/HND and views (``t[:, 0]``/``t[:, 1]`` of one ``[num_blocks, 2, ...]`` tensor,
+  head slices, padded allocations) need no copy; only head_size must have stride 1.
+  ``token_head`` scales ``[num_blocks, block_size, H]`` are read through their own three
+  strides, static ``(H,)``/``()`` scales through their head stride (0 per-tensor; see
+  :func:`fp8kv_triton.write.scale_strides`). Offsets are int64.
 * **FP8 decode in registers.** Codes are decoded exactly to the query dtype (float16 or
   bfloat16: every FP8 value is exact in both) for ``q @ k^T``, and to float16 for
   ``p @ v``; float32 queries use float32 products in IEEE precision (never TF32).
@@ -29,6 +35,14 @@ Kernel structure (``_attn_kernel``), grid ``(num_seqs * q_blocks, H, num_splits)
 * **Split-KV.** With few sequences and long contexts the key range is cut into
   ``num_splits`` pieces of ``keys_per_split`` keys; each piece writes its unnormalised
   ``acc``, row max ``m`` and sum ``l`` and ``_reduce_kernel`` merges them.
+* **Log-sum-exp (optional).** With an ``lse [T, Hq]`` float32 output (constexpr
+  ``WRITE_LSE``; nothing extra is done without it) each row also gets the natural-log
+  ``logsumexp`` of its scaled, soft-capped logits over its visible keys, the softmax
+  normaliser. The logits the kernel holds are those times ``log2(e)`` in every case (the
+  factor is folded into ``qk_scale``, or applied after the soft-cap; per-token-head ``k_scale``
+  multiplies each column before), so ``lse = (m + log2(l)) * ln(2)`` from the final online
+  state; split-KV: from the merged ``(max_s m_s, sum_s 2^(m_s - max) l_s)`` in
+  ``_reduce_kernel``. Rows with no visible key get ``-inf``.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ import triton.language as tl
 from fp8kv.cache import KVCache
 
 from .codec import codec_args, decode
-from .write import cache_strides
+from .write import cache_strides, scale_strides
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
@@ -77,6 +91,18 @@ def _tanh(x):
 
 
 @triton.jit
+def _lse(m, l_sum):
+    """Natural-log log-sum-exp from the base-2 online-softmax state: ``(m + log2 l) ln 2``.
+
+    ``m`` is the row max of the logits the kernel holds, which are the (scaled, soft-capped)
+    logits times ``log2(e)`` whatever the scale granularity or soft-cap, and ``l`` the sum of
+    ``2^(s - m)``; rows without a visible key (``l == 0``) get ``-inf``.
+    """
+    l_safe = tl.where(l_sum > 0, l_sum, 1.0)
+    return tl.where(l_sum > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+
+
+@triton.jit
 def _pv_dot(w, v, acc, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr):
     """``acc + w @ v`` for float32 ``w [M, N]`` (entries in [0, 1]) and exact ``v [N, D]``.
 
@@ -96,10 +122,10 @@ def _pv_dot(w, v, acc, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr):
 
 @triton.jit
 def _tile(
-    start, offs_n, hi, bt_row, page, page_shift, stride_kb, stride_kt, stride_kh, kvh, PAGE_POW2: tl.constexpr
+    start, offs_n, hi, bt_row, page, page_shift, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2: tl.constexpr
 ):
-    """Key positions ``n`` of the tile at ``start``, their mask, block ids, offsets in block and
-    byte offsets of their (kv_head) rows in the cache."""
+    """Key positions ``n`` of the tile at ``start``, their mask, block ids and offsets in block
+    (int64), and the byte offsets of their rows in the K and V caches (from the kv_head's row)."""
     n = start + offs_n
     kmask = n < hi
     if PAGE_POW2:
@@ -109,12 +135,14 @@ def _tile(
         page_idx = n // page
         tib = n % page
     blk = tl.load(bt_row + page_idx, mask=kmask, other=0).to(tl.int64)
-    kv_off = blk * stride_kb + tib * stride_kt + kvh * stride_kh
-    return n, kmask, blk, tib, kv_off
+    tib = tib.to(tl.int64)
+    k_off = blk * stride_kb + tib * stride_kt
+    v_off = blk * stride_vb + tib * stride_vt
+    return n, kmask, blk, tib, k_off, v_off
 
 
 @triton.jit
-def _load_codes(KC, VC, kv_off, kmask, d, dmask, EVEN_D: tl.constexpr):
+def _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D: tl.constexpr):
     """FP8 codes of a tile: K as ``[BLOCK_D, BLOCK_N]`` (``q @ k`` operand), V as ``[BLOCK_N, BLOCK_D]``."""
     if EVEN_D:
         mask_t = kmask[None, :] & (d[:, None] >= 0)
@@ -122,8 +150,8 @@ def _load_codes(KC, VC, kv_off, kmask, d, dmask, EVEN_D: tl.constexpr):
     else:
         mask_t = kmask[None, :] & dmask[:, None]
         mask = kmask[:, None] & dmask[None, :]
-    kc = tl.load(KC + kv_off[None, :] + d[:, None], mask=mask_t, other=0)
-    vc = tl.load(VC + kv_off[:, None] + d[None, :], mask=mask, other=0)
+    kc = tl.load(KC + k_off[None, :] + d[:, None], mask=mask_t, other=0)
+    vc = tl.load(VC + v_off[:, None] + d[None, :], mask=mask, other=0)
     return kc, vc
 
 
@@ -147,9 +175,10 @@ def _attend(
     causal,
     pos,
     row_valid,
-    kvh,
-    H,
-    page,
+    stride_ksb,
+    stride_kst,
+    stride_vsb,
+    stride_vst,
     need_mask,
     USE_CAP: tl.constexpr,
     TOKEN_SCALES: tl.constexpr,
@@ -166,14 +195,18 @@ def _attend(
     F_MAXMAG: tl.constexpr,
     F_BIAS: tl.constexpr,
 ):
-    """One tile of online softmax: returns the updated row max ``m_i``, sum ``l_i`` and ``acc``."""
+    """One tile of online softmax: returns the updated row max ``m_i``, sum ``l_i`` and ``acc``.
+
+    ``KS``/``VS`` point at the kv_head's scale; per-token-head scales of key (``blk``, ``tib``)
+    are read at ``KS + blk * stride_ksb + tib * stride_kst`` (and likewise for V).
+    """
     k = decode(kc, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
     if QK_DT == tl.float32:
         s = tl.dot(q, k, input_precision="ieee")
     else:
         s = tl.dot(q, k)
     if TOKEN_SCALES:
-        ks = tl.load(KS + (blk * page + tib) * H + kvh, mask=kmask, other=1.0)
+        ks = tl.load(KS + blk * stride_ksb + tib * stride_kst, mask=kmask, other=1.0)
         s = s * (ks * qk_scale)[None, :]
     else:
         s = s * qk_scale
@@ -195,7 +228,7 @@ def _attend(
         v_dt: tl.constexpr = tl.float16
     v = decode(vc, v_dt, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
     if TOKEN_SCALES:
-        vs = tl.load(VS + (blk * page + tib) * H + kvh, mask=kmask, other=0.0)
+        vs = tl.load(VS + blk * stride_vsb + tib * stride_vst, mask=kmask, other=0.0)
         w = p * vs[None, :]
         r = tl.max(w, axis=1)
         r = tl.where(r > 0, r, 1.0)
@@ -222,8 +255,12 @@ def _attend_range(
     page_shift,
     stride_kb,
     stride_kt,
-    stride_kh,
-    kvh,
+    stride_vb,
+    stride_vt,
+    stride_ksb,
+    stride_kst,
+    stride_vsb,
+    stride_vst,
     KC,
     VC,
     KS,
@@ -234,7 +271,6 @@ def _attend_range(
     causal,
     pos,
     row_valid,
-    H,
     d,
     dmask,
     BLOCK_N: tl.constexpr,
@@ -256,12 +292,15 @@ def _attend_range(
     F_MAXMAG: tl.constexpr,
     F_BIAS: tl.constexpr,
 ):
-    """The loop over the key tiles ``[lo, hi)`` of one program (online softmax state in and out)."""
+    """The loop over the key tiles ``[lo, hi)`` of one program (online softmax state in and out).
+
+    ``KC``/``VC``/``KS``/``VS`` already point at the program's kv_head.
+    """
     for start in range(lo, hi, BLOCK_N):
-        n, kmask, blk, tib, kv_off = _tile(
-            start, offs_n, hi, bt_row, page, page_shift, stride_kb, stride_kt, stride_kh, kvh, PAGE_POW2
+        n, kmask, blk, tib, k_off, v_off = _tile(
+            start, offs_n, hi, bt_row, page, page_shift, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2
         )
-        kc, vc = _load_codes(KC, VC, kv_off, kmask, d, dmask, EVEN_D)
+        kc, vc = _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D)
         m_i, l_i, acc = _attend(
             q,
             kc,
@@ -281,9 +320,10 @@ def _attend_range(
             causal,
             pos,
             row_valid,
-            kvh,
-            H,
-            page,
+            stride_ksb,
+            stride_kst,
+            stride_vsb,
+            stride_vst,
             (start < all_lo) | (start + BLOCK_N > all_hi) | (start + BLOCK_N > hi),
             USE_CAP,
             TOKEN_SCALES,
@@ -309,7 +349,6 @@ def _attend_range(
         "soft_cap",
         "window",
         "T",
-        "H",
         "HQ",
         "group",
         "block_q",
@@ -331,6 +370,7 @@ def _attn_kernel(
     PACC,
     PM,
     PL,
+    LSE,
     sm_scale,
     soft_cap,
     window,
@@ -339,9 +379,16 @@ def _attn_kernel(
     stride_kb,
     stride_kt,
     stride_kh,
-    stride_sh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_ksb,
+    stride_kst,
+    stride_ksh,
+    stride_vsb,
+    stride_vst,
+    stride_vsh,
     T,
-    H,
     HQ,
     D,
     group,
@@ -360,6 +407,7 @@ def _attn_kernel(
     TOKEN_SCALES: tl.constexpr,
     Q_BITS: tl.constexpr,
     SPLIT: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
     QK_DT: tl.constexpr,
     PV_F32: tl.constexpr,
     PV_SPLIT: tl.constexpr,
@@ -375,8 +423,11 @@ def _attn_kernel(
 ):
     """One (query block, KV head, KV split) of paged attention; see the module docstring.
 
-    ``window`` is the sliding window (a huge value when there is none), ``causal`` 0/1;
-    static scales are read at ``KS + kv_head * stride_sh`` (stride 0: per-tensor).
+    ``window`` is the sliding window (a huge value when there is none), ``causal`` 0/1.
+    Strides in elements: ``stride_k{b,t,h}`` / ``stride_v{b,t,h}`` (block, token, head) of the
+    K / V caches, ``stride_ks{b,t,h}`` / ``stride_vs{b,t,h}`` of the K / V scales (static
+    scales: ``(0, 0, head stride)``, per-tensor all 0). ``LSE`` (``[T, HQ]`` float32, written
+    only with ``WRITE_LSE``; split-KV: by ``_reduce_kernel``) gets each row's log-sum-exp.
     """
     pid_q = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -419,11 +470,18 @@ def _attn_kernel(
         hi = tl.minimum(hi, (split + 1) * keys_per_split)
     lo = (lo // BLOCK_N) * BLOCK_N
 
+    # ---- this program's kv_head in the caches and scales (int64: large caches)
+    kvh64 = kvh.to(tl.int64)
+    KC = KC + kvh64 * stride_kh
+    VC = VC + kvh64 * stride_vh
+    KS = KS + kvh64 * stride_ksh
+    VS = VS + kvh64 * stride_vsh
+
     # ---- scales folded into the logits / output
     if TOKEN_SCALES:
         qk_scale = sm_scale
     else:
-        qk_scale = sm_scale * tl.load(KS + kvh * stride_sh)
+        qk_scale = sm_scale * tl.load(KS)
     if not USE_CAP:
         qk_scale = qk_scale * 1.4426950408889634
 
@@ -460,8 +518,12 @@ def _attn_kernel(
             page_shift,
             stride_kb,
             stride_kt,
-            stride_kh,
-            kvh,
+            stride_vb,
+            stride_vt,
+            stride_ksb,
+            stride_kst,
+            stride_vsb,
+            stride_vst,
             KC,
             VC,
             KS,
@@ -472,7 +534,6 @@ def _attn_kernel(
             causal,
             pos,
             row_valid,
-            H,
             d,
             dmask,
             BLOCK_N,
@@ -510,8 +571,12 @@ def _attn_kernel(
             page_shift,
             stride_kb,
             stride_kt,
-            stride_kh,
-            kvh,
+            stride_vb,
+            stride_vt,
+            stride_ksb,
+            stride_kst,
+            stride_vsb,
+            stride_vst,
             KC,
             VC,
             KS,
@@ -522,7 +587,6 @@ def _attn_kernel(
             causal,
             pos,
             row_valid,
-            H,
             d,
             dmask,
             BLOCK_N,
@@ -554,8 +618,10 @@ def _attn_kernel(
         l_safe = tl.where(l_i > 0, l_i, 1.0)  # padding rows only
         o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
         if not TOKEN_SCALES:
-            o = o * tl.load(VS + kvh * stride_sh)
+            o = o * tl.load(VS)
         tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=row_valid[:, None] & dmask[None, :])
+        if WRITE_LSE:
+            tl.store(LSE + tok * HQ + qh, _lse(m_i, l_i), mask=row_valid)
 
 
 @triton.jit(do_not_specialize=["T", "HQ", "group", "num_splits"])
@@ -565,17 +631,20 @@ def _reduce_kernel(
     PL,
     VS,
     OUT,
+    LSE,
     T,
     HQ,
     D,
     group,
     num_splits,
-    stride_sh,
+    stride_vsh,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TOKEN_SCALES: tl.constexpr,
+    WRITE_LSE: tl.constexpr,
 ):
-    """Merge the split-KV partials of one (token, query head): ``sum_s w_s acc_s / sum_s w_s l_s``."""
+    """Merge the split-KV partials of one (token, query head): ``sum_s w_s acc_s / sum_s w_s l_s``
+    with ``w_s = 2^(m_s - max_s m_s)``; the merged pair is ``(max_s m_s, sum_s w_s l_s)``."""
     tok = tl.program_id(0).to(tl.int64)
     qh = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -591,10 +660,12 @@ def _reduce_kernel(
     acc = tl.load(PACC + part[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
     num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l_s * w, axis=0)
+    if WRITE_LSE:
+        tl.store(LSE + tok * HQ + qh, _lse(m_max, den))
     den = tl.where(den > 0, den, 1.0)
     o = tl.math.div_rn(num, den + tl.zeros_like(num))
     if not TOKEN_SCALES:
-        o = o * tl.load(VS + (qh // group) * stride_sh)
+        o = o * tl.load(VS + (qh // group) * stride_vsh)
     tl.store(OUT + (tok * HQ + qh) * D + d, o.to(OUT.dtype.element_ty), mask=dmask)
 
 
@@ -676,6 +747,7 @@ def paged_attention(
     logits_soft_cap: float | None,
     out: torch.Tensor,
     *,
+    lse: torch.Tensor | None = None,
     decode_mode: int,
     interpret: bool,
     config: AttnConfig | None = None,
@@ -684,11 +756,22 @@ def paged_attention(
 
     Arguments as in :meth:`fp8kv.hookspecs.BackendSpec.fp8kv_paged_attention`, plus the
     decoder ``decode_mode`` (from the codec policy) and an optional launch ``config``.
+    ``cache.key_cache``/``value_cache`` and the scales may be strided views with their own
+    strides (see :func:`fp8kv_triton.write.cache_strides` and ``scale_strides``).
+
+    ``lse``: optional contiguous float32 ``[T, Hq]``, filled with each row's natural-log
+    log-sum-exp ``logsumexp_k(softmax_scale * q . k'_k)`` (soft-capped if asked) over its
+    visible keys ``k'`` (dequantized), the normaliser of the softmax; ``-inf`` for a row that
+    sees no key. As in ``out``, rows of tokens outside every sequence (``t >= query_start_loc[-1]``)
+    are left unspecified (untouched, or garbage from the split-KV merge).
     """
     T, HQ, D = query.shape
     H = cache.num_kv_heads
     group = HQ // H
     S = seq_lens.shape[0]
+    if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (T, HQ) or not lse.is_contiguous()):
+        raise ValueError(f"lse: got {lse.dtype} {tuple(lse.shape)} strides {lse.stride()}, "
+                         f"expected a contiguous float32 [{T}, {HQ}]")
     if config is None:
         config = choose_config(
             query.device,
@@ -704,7 +787,8 @@ def paged_attention(
     block_q = max(1, config.block_m // group)
     q_blocks = triton.cdiv(max(max_query_len, 1), block_q)
     a = codec_args(cache.fmt)
-    sb, st, sh = cache_strides(cache)
+    k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
+    ks_strides, vs_strides = scale_strides(cache, "key"), scale_strides(cache, "value")
     split = config.num_splits > 1
     qk_dt = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}[query.dtype]
     q_arg, q_bits = query, False
@@ -721,7 +805,7 @@ def paged_attention(
     else:
         pacc = pm = pl = out  # unused
     token_scales = cache.scale_granularity == "token_head"
-    stride_sh = 1 if cache.scale_granularity == "head" else 0
+    lse_arg = out if lse is None else lse  # unused without WRITE_LSE
     page = cache.block_size
     pow2 = page & (page - 1) == 0
     grid = (S * q_blocks, H, config.num_splits)
@@ -738,17 +822,17 @@ def paged_attention(
         pacc,
         pm,
         pl,
+        lse_arg,
         float(softmax_scale),
         float(logits_soft_cap or 1.0),
         min(int(sliding_window or NO_WINDOW), NO_WINDOW),
         int(causal),
         block_tables.stride(0),
-        sb,
-        st,
-        sh,
-        stride_sh,
+        *k_strides,
+        *v_strides,
+        *ks_strides,
+        *vs_strides,
         T,
-        H,
         HQ,
         D,
         group,
@@ -767,6 +851,7 @@ def paged_attention(
         TOKEN_SCALES=token_scales,
         Q_BITS=q_bits,
         SPLIT=split,
+        WRITE_LSE=lse is not None and not split,
         QK_DT=qk_dt,
         PV_F32=query.dtype == torch.float32,
         PV_SPLIT=config.pv_split,
@@ -789,14 +874,16 @@ def paged_attention(
             pl,
             cache.v_scale,
             out,
+            lse_arg,
             T,
             HQ,
             D,
             group,
             config.num_splits,
-            stride_sh,
+            vs_strides[2],
             BLOCK_S=max(2, triton.next_power_of_2(config.num_splits)),
             BLOCK_D=block_d,
             TOKEN_SCALES=token_scales,
+            WRITE_LSE=lse is not None,
             num_warps=4,
         )

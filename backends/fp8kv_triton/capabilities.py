@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
 from dataclasses import dataclass
 
+from fp8kv import settings
 from fp8kv.formats import Fp8Format
 from fp8kv.hookspecs import Request
 from fp8kv.probe import DeviceInfo, triton_interpreter
@@ -89,7 +89,7 @@ def _codec_for(arch: str | None, fmt_name: str, interpret: bool, override: str) 
 
 def codec_for(arch: str | None, fmt: Fp8Format, *, interpret: bool) -> CodecChoice:
     """The codec for ``fmt`` on ``arch`` (``"sm90"``...; None = CPU). Reads ``FP8KV_TRITON_CODEC``."""
-    return _codec_for(arch, fmt.name, interpret, os.environ.get("FP8KV_TRITON_CODEC", "auto"))
+    return _codec_for(arch, fmt.name, interpret, settings.triton_codec())
 
 
 def _triton_importable() -> bool:

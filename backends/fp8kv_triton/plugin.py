@@ -1,8 +1,15 @@
-"""The Triton backend as an fp8kv plugin (entry point ``triton`` in ``fp8kv.backends``)."""
+"""The Triton backend as an fp8kv plugin (entry point ``triton`` in ``fp8kv.backends``).
+
+Per step, :meth:`TritonBackend.fp8kv_plan_attention` picks the codec and the launch
+configuration (tiles, KV split) from host-side sizes; per layer,
+:meth:`TritonBackend.fp8kv_paged_attention` launches the kernels with them, no host sync.
+"""
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +19,11 @@ from fp8kv.probe import DeviceInfo, triton_interpreter
 from . import __version__
 from .capabilities import codec_for, supports
 
+if TYPE_CHECKING:
+    from fp8kv.metadata import AttentionMetadata
+
+    from .attention import AttnConfig
+
 
 @functools.cache
 def _real_arch(device: torch.device) -> str | None:
@@ -20,6 +32,15 @@ def _real_arch(device: torch.device) -> str | None:
         return None
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """The per-step choices of the Triton attention: decoder, interpreter, launch configuration."""
+
+    decode_mode: int
+    interpret: bool
+    config: AttnConfig
 
 
 class TritonBackend:
@@ -46,12 +67,27 @@ class TritonBackend:
         write_kv(cache, key, value, slot_mapping, encoder=choice.encoder)
 
     @hookimpl
-    def fp8kv_paged_attention(self, query, cache, block_tables, seq_lens, query_start_loc, max_query_len,
-                              softmax_scale, causal, sliding_window, logits_soft_cap, out) -> None:
+    def fp8kv_plan_attention(self, metadata: AttentionMetadata) -> TritonPlan:
+        from .attention import choose_config
+
+        spec = metadata.spec
+        interpret = triton_interpreter()
+        from fp8kv.formats import FORMATS
+
+        choice = codec_for(_real_arch(spec.device), FORMATS[spec.kv_dtype], interpret=interpret)
+        config = choose_config(
+            spec.device, group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
+            num_seqs=metadata.num_seqs, num_kv_heads=spec.num_kv_heads, max_query_len=metadata.max_query_len,
+            max_keys=metadata.block_tables.shape[1] * spec.block_size, interpret=interpret)
+        return TritonPlan(choice.decoder, interpret, config)
+
+    @hookimpl
+    def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:
         from .attention import paged_attention
 
-        interpret = triton_interpreter()
-        choice = codec_for(_real_arch(cache.device), cache.fmt, interpret=interpret)
-        paged_attention(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, softmax_scale,
-                        causal, sliding_window, logits_soft_cap, out, decode_mode=choice.decoder,
-                        interpret=interpret)
+        plan: TritonPlan = metadata.backend_plan
+        opts = metadata.options
+        paged_attention(query, cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                        metadata.max_query_len, opts.softmax_scale, opts.causal, opts.sliding_window,
+                        opts.logits_soft_cap, out, lse=lse, decode_mode=plan.decode_mode, interpret=plan.interpret,
+                        config=plan.config)

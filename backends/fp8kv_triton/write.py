@@ -6,13 +6,18 @@ its loads are contiguous, and stores each row's ``D`` bytes at its slot:
 
 * ``slot = slot_mapping[token]``; negative slots (padding) are masked out entirely, so
   nothing outside the mapped slots is touched;
-* NHD ``[num_blocks, block_size, H, D]`` and HND ``[num_blocks, H, block_size, D]`` differ only
-  in the strides passed in;
+* K and V each have their own (block, token-in-block, head) strides (:func:`cache_strides`):
+  NHD ``[num_blocks, block_size, H, D]`` and HND ``[num_blocks, H, block_size, D]`` differ only
+  in them, and so do views (``t[:, 0]`` / ``t[:, 1]`` of one ``[num_blocks, 2, ...]``
+  allocation, head slices, padded rows); only the head_size dimension must have stride 1;
 * ``token_head``: ``scale = max(amax(|x|) / fmt.max, 2^-126)`` per row (NaN ignored, inf
-  as the float32 max), one correctly rounded division, stored at ``k_scale[block, offset, h]``;
+  as the float32 max), one correctly rounded division, stored at ``k_scale[block, offset, h]``
+  through that tensor's own strides (:func:`scale_strides`);
 * ``x / scale`` is a correctly rounded division (``tl.math.div_rn``: Triton's ``/`` is an
   approximate division on NVIDIA GPUs), NaN inputs kept with their sign (as
   :func:`fp8kv.formats.divide_by_scale`), then the encoder of the codec policy.
+
+Offsets are computed in int64 (block ids and strides of large caches overflow int32).
 """
 
 from __future__ import annotations
@@ -27,13 +32,19 @@ from .codec import ENC_NATIVE, codec_args, encode_f32_bits, encode_native
 
 
 @triton.jit
-def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, slot, valid, h, dst_row, d, dmask,
-                   H, D, stride_sh, SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr,
+def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dmask, D,
+                   stride_b, stride_t, stride_h, sc_b, sc_t, sc_h,
+                   SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr,
                    F_MANT: tl.constexpr,
                    F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
                    F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
                    F_KIND: tl.constexpr, F_MAX: tl.constexpr):
-    """Quantize ``BLOCK_R`` rows of one tensor (K or V) and store codes (and dynamic scales)."""
+    """Quantize ``BLOCK_R`` rows of one tensor (K or V) and store codes (and dynamic scales).
+
+    ``blk``, ``off``, ``h`` (int64 ``[BLOCK_R]``): each row's block, offset in block and head;
+    ``stride_*``: the cache tensor's (block, token, head) strides; ``sc_*``: the scale tensor's
+    (block, token, head) strides (static scales: ``(0, 0, head stride)``).
+    """
     m2 = valid[:, None] & dmask[None, :]
     if SRC_KIND == 0:  # float32
         x = tl.load(src_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
@@ -54,9 +65,9 @@ def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, slot, valid, h, dst_row, d
         a = tl.minimum(a, 3.4028234663852886e38)  # inf counts as the float32 max
         amax = tl.max(a, axis=1)
         scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + F_MAX), 1.1754943508222875e-38)
-        tl.store(scale_ptr + slot * H + h, scale, mask=valid)
+        tl.store(scale_ptr + blk * sc_b + off * sc_t + h * sc_h, scale, mask=valid)
     else:
-        scale = tl.load(scale_ptr + h * stride_sh, mask=valid, other=1.0)  # stride 0: per-tensor
+        scale = tl.load(scale_ptr + h * sc_h, mask=valid, other=1.0)  # stride 0: per-tensor
     y = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
     if ENC == 1:
         q = encode_native(y, F_KIND, F_MAX, F_NANBYTE)
@@ -66,18 +77,27 @@ def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, slot, valid, h, dst_row, d
         # NaN keeps the sign of the input (a GPU division returns the positive canonical NaN,
         # and a float select on it may be folded away by the compiler: patch the integer code)
         q = tl.where(x != x, (x_sign << 7) | F_NANBYTE, q)
+    dst_row = blk * stride_b + off * stride_t + h * stride_h
     tl.store(dst_ptr + dst_row[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
 
 
 @triton.jit(do_not_specialize=["num_rows", "H", "page"])
 def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                     num_rows, H, D, stride_block, stride_tok, stride_head, stride_sh, page, page_shift,
+                     num_rows, H, D,
+                     k_sb, k_st, k_sh, v_sb, v_st, v_sh,
+                     ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh,
+                     page, page_shift,
                      PAGE_POW2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr,
                      F_MANT: tl.constexpr,
                      F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
                      F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
                      F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """``BLOCK_R`` rows of ``key``/``value`` (flattened ``[T * H, D]``) into both caches.
+
+    ``k_s*`` / ``v_s*``: (block, token, head) strides of the K / V cache; ``ks_s*`` / ``vs_s*``:
+    those of the K / V scale tensors (see :func:`scale_strides`).
+    """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < num_rows
     t = rows // H
@@ -90,23 +110,50 @@ def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_pt
     else:
         blk = slot // page
         off = slot % page
-    dst_row = blk * stride_block + off * stride_tok + h * stride_head
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    _quantize_rows(key_ptr, kc_ptr, ks_ptr, rows, slot, valid, h, dst_row, d, dmask, H, D, stride_sh,
-                   SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE,
-                   F_FNUZ, F_KIND, F_MAX)
-    _quantize_rows(value_ptr, vc_ptr, vs_ptr, rows, slot, valid, h, dst_row, d, dmask, H, D, stride_sh,
-                   SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE,
-                   F_FNUZ, F_KIND, F_MAX)
+    _quantize_rows(key_ptr, kc_ptr, ks_ptr, rows, valid, blk, off, h, d, dmask, D, k_sb, k_st, k_sh,
+                   ks_sb, ks_st, ks_sh, SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
+                   F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
+    _quantize_rows(value_ptr, vc_ptr, vs_ptr, rows, valid, blk, off, h, d, dmask, D, v_sb, v_st, v_sh,
+                   vs_sb, vs_st, vs_sh, SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
+                   F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
 
 
-def cache_strides(cache: KVCache) -> tuple[int, int, int]:
-    """(block, token-in-block, head) strides of the cache tensors, in elements (= bytes)."""
-    s = cache.key_cache.stride()
+def cache_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
+    """(block, token-in-block, head) strides of ``cache.key_cache`` (``which="key"``) or
+    ``cache.value_cache`` (``"value"``), in elements (= bytes).
+
+    NHD is ``[num_blocks, block_size, H, D]``, HND ``[num_blocks, H, block_size, D]``; the two
+    tensors may be arbitrary views with different strides, but head_size must have stride 1.
+    """
+    if which not in ("key", "value"):
+        raise ValueError(f"which: got {which!r}, expected 'key' or 'value'")
+    t = cache.key_cache if which == "key" else cache.value_cache
+    s = t.stride()
+    if t.dim() != 4 or (t.shape[3] > 1 and s[3] != 1):
+        raise ValueError(f"{which} cache: got shape {tuple(t.shape)} strides {s}, "
+                         "expected 4 dims with a unit stride on head_size")
     if cache.layout == "NHD":
         return s[0], s[1], s[2]
     return s[0], s[2], s[1]
+
+
+def scale_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
+    """(block, token-in-block, head) strides of ``cache.k_scale`` / ``cache.v_scale``, in elements.
+
+    ``token_head``: the three strides of the ``[num_blocks, block_size, H]`` tensor; per-head
+    ``(H,)``: ``(0, 0, stride)``; per-tensor ``()``: ``(0, 0, 0)``. The kernels read the scale
+    of (block, offset, head) at ``blk * sb + off * st + head * sh``.
+    """
+    s = cache.k_scale if which == "key" else cache.v_scale
+    if cache.scale_granularity == "token_head":
+        if s.dim() != 3:
+            raise ValueError(f"{which} scale: got shape {tuple(s.shape)}, expected [num_blocks, block_size, H]")
+        return s.stride(0), s.stride(1), s.stride(2)
+    if s.dim() == 0 or s.numel() == 1:
+        return 0, 0, 0
+    return 0, 0, s.stride(-1)
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
@@ -115,6 +162,8 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
 
     Args:
         cache: the layer's cache (K/V codes and, for ``token_head``, scales written in place).
+            ``key_cache``/``value_cache`` (and the scale tensors) may be strided views with
+            different strides (see :func:`cache_strides`, :func:`scale_strides`).
         key, value: contiguous ``[T, H, D]`` float32/float16/bfloat16 on the cache's device.
         slot_mapping: ``[T]`` int32/int64; negative entries are skipped.
         encoder: :data:`fp8kv_triton.codec.ENC_INTEGER` or ``ENC_NATIVE`` (the policy's choice).
@@ -130,7 +179,8 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     if num_warps is None:
         num_warps = 4
     a = codec_args(cache.fmt)
-    sb, st, sh = cache_strides(cache)
+    k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
+    ks_strides, vs_strides = scale_strides(cache, "key"), scale_strides(cache, "value")
     page = cache.block_size
     grid = (triton.cdiv(rows, block_rows),)
     src_kind = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[key.dtype]
@@ -138,7 +188,7 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
         key, value = key.view(torch.int16), value.view(torch.int16)
     _write_kv_kernel[grid](
         key, value, slot_mapping, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
-        cache.k_scale, cache.v_scale, rows, H, D, sb, st, sh, 1 if cache.scale_granularity == "head" else 0,
+        cache.k_scale, cache.v_scale, rows, H, D, *k_strides, *v_strides, *ks_strides, *vs_strides,
         page, page.bit_length() - 1,
         PAGE_POW2=page & (page - 1) == 0, BLOCK_R=block_rows, BLOCK_D=block_d, SRC_KIND=src_kind,
         TOKEN_SCALES=cache.scale_granularity == "token_head", ENC=int(encoder == ENC_NATIVE),

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import textwrap
 
 import torch
 
+from .. import settings
 from ..formats import FORMATS
 from ..hookspecs import OPS, Request
 from ..probe import SIMULATED, DeviceInfo, probe, simulate_device
@@ -71,7 +71,7 @@ def build_report(device: DeviceInfo, reg: Registry | None = None) -> dict:
         "faults": [{"name": f.name, "distribution": f.distribution, "where": f.where, "error": f.error}
                    for f in reg.faults],
         "error": None if reg.error is None else str(reg.error),
-        "forced": os.environ.get("FP8KV_BACKEND") or None,
+        "forced": settings.forced_backend(),
         "support": support,
         "auto": auto,
     }

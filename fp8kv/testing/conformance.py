@@ -10,8 +10,9 @@ For every drawn :class:`~fp8kv.testing.strategies.Workload` and each op, the bac
     nothing outside the mapped slots may change, padding slots are skipped, the inputs
     are not modified;
   - ``paged_attention`` (decode or chunked prefill, through :func:`fp8kv.paged_attention`
-    with ``out`` pre-filled with NaN) must match the reference within the derived tolerance
-    of :mod:`fp8kv.testing.tolerance`, write every output element and leave the cache alone;
+    with ``out`` pre-filled with NaN and ``return_lse=True``) must match the reference within
+    the derived tolerance of :mod:`fp8kv.testing.tolerance` (the output and the log-sum-exp),
+    write every output element and leave the cache alone;
 
 * it **refuses** the request: forcing it must raise :class:`fp8kv.Fp8KVError` containing
   its reason, and leave the cache unchanged.
@@ -44,10 +45,11 @@ from ..api import paged_attention, write_kv
 from ..cache import KVCache
 from ..errors import Fp8KVError
 from ..hookspecs import OPS
+from ..metadata import plan_attention
 from ..probe import DeviceInfo, probe
 from ..registry import Backend, registry, unregister_backend
 from .strategies import Workload, workloads
-from .tolerance import assert_attention_close, paged_attention_bounds
+from .tolerance import assert_attention_close, assert_lse_close, paged_attention_bounds
 
 __all__ = ["ConformanceReport", "check_attention", "check_backend", "check_refusal", "check_write"]
 
@@ -134,36 +136,39 @@ def check_write(backend: Backend, wl: Workload, device: torch.device) -> None:
             raise AssertionError(where + "write not bit-exact with the reference: " + diff)
 
 
-def _reference_attention(wl: Workload, t, cache: KVCache) -> torch.Tensor:
+def _reference_attention(wl: Workload, t, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's output and log-sum-exp for the workload."""
+    meta = plan_attention(cache, num_q_heads=wl.num_q_heads, query_dtype=t.query.dtype, block_tables=t.block_tables,
+                          seq_lens=t.seq_lens, query_start_loc=t.query_start_loc, backend="reference",
+                          **wl.attention_kwargs())
     out = torch.empty_like(t.query)
-    qsl = t.query_start_loc if t.query_start_loc is not None else \
-        torch.arange(wl.num_seqs + 1, dtype=torch.int32, device=t.query.device)
-    scale = wl.softmax_scale if wl.softmax_scale is not None else wl.head_size**-0.5
-    reference.paged_attention(t.query, cache, t.block_tables, t.seq_lens, qsl, max(wl.max_query_len, 1),
-                              scale, wl.causal, wl.sliding_window, wl.soft_cap, out)
-    return out
+    lse = torch.empty(t.query.shape[:2], dtype=torch.float32, device=t.query.device)
+    reference.paged_attention(t.query, cache, meta, out, lse)
+    return out, lse
 
 
 def check_attention(backend: Backend, wl: Workload, device: torch.device) -> None:
-    """``paged_attention`` through ``backend`` matches the reference within the derived tolerance."""
+    """``paged_attention`` through ``backend`` matches the reference within the derived tolerance,
+    its output and its log-sum-exp (``return_lse=True``)."""
     wl = wl.without_specials()
     t = wl.tensors(device)
     cache = wl.allocate_cache(device)
     reference.write_kv(cache, t.key, t.value, t.slot_mapping)
     snapshot = cache.clone()
     out = torch.full_like(t.query, float("nan"))
-    res = paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
-                          out=out, backend=backend.name, **wl.attention_kwargs())
+    res, lse = paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
+                               out=out, return_lse=True, backend=backend.name, **wl.attention_kwargs())
     where = f"backend {backend.name!r}, {wl.request('paged_attention', device.type).describe()}: "
     if res is not out:
         raise AssertionError(where + "paged_attention did not return the given out tensor")
     if not cache.same_bytes(snapshot):
         raise AssertionError(where + "paged_attention modified the cache")
-    ref = _reference_attention(wl, t, cache)
+    ref, ref_lse = _reference_attention(wl, t, cache)
     bounds = paged_attention_bounds(t.query, cache, t.block_tables, t.seq_lens, t.query_start_loc,
                                     softmax_scale=wl.softmax_scale, causal=wl.causal,
                                     sliding_window=wl.sliding_window, logits_soft_cap=wl.soft_cap)
     assert_attention_close(out, ref, **bounds, context=where)
+    assert_lse_close(lse, ref_lse, **bounds, context=where)
 
 
 def check_refusal(backend: Backend, wl: Workload, device: torch.device, op: str, reason: str) -> None:

@@ -63,6 +63,14 @@ cases are rare, but a derived bound must cover them.
    infinity, so the tolerance there is ``inf``; a non-finite bound (non-finite K/V) is
    ``inf`` too, and NaN outputs must match NaN references.
 
+5. Log-sum-exp (``return_lse``). ``lse = log sum_j e^{s_j}`` is 1-Lipschitz in the max norm of
+   the logits, so each side's logit errors move it by at most ``delta``; the normalizer's
+   ``(2N + 2) u`` relative error moves its logarithm by at most as much; an approximate
+   ``log``/``log2`` adds ``4 u max(1, log2 N)``; forming ``m + log(l)`` (and the base change)
+   rounds relative to ``|lse|`` and ``|m| <= S``: ``4 u (|lse| + S + 1)``. Both sides:
+
+       |lse_kernel - lse_ref| <= 2 (delta + (2N + 2) u + 4 u max(1, log2 N)) + 4 u (|lse_ref| + S + 1).
+
 A backend that deliberately computes in lower precision (TF32 or bf16 matrix products)
 is outside the setting; it may pass its own ``unit_roundoff`` and must document it.
 
@@ -92,8 +100,10 @@ _ULP = {
 __all__ = [
     "U32",
     "assert_attention_close",
+    "assert_lse_close",
     "attention_error_bound",
     "attention_tolerance",
+    "lse_tolerance",
     "logit_bound",
     "paged_attention_bounds",
     "ulp",
@@ -137,10 +147,7 @@ def attention_error_bound(
     L = _as64(logit_bound, like)
     V = _as64(v_absmax, like)
     N = _as64(num_keys, like)
-    S = L if soft_cap is None else torch.clamp(L, max=float(soft_cap))
-    delta = (head_size + 4) * u * L + 8 * u * torch.clamp(S, min=1.0)
-    if soft_cap is not None:
-        delta = delta + 8 * u * float(soft_cap)
+    delta, _ = _logit_error(head_size, L, soft_cap, u)
     weights = 2 * torch.expm1(2 * delta)
     accumulation = (8 * N + 8) * u + 16 * u
     E = V * (weights + accumulation)
@@ -214,6 +221,57 @@ def assert_attention_close(
         f"num_keys={at(num_keys):g}, logit_bound={at(logit_bound):.6g}, v_absmax={at(v_absmax):.6g}, "
         f"head_size={head_size}, soft_cap={soft_cap}, out_dtype={out_dtype}"
     )
+
+
+def _logit_error(head_size: int, L: torch.Tensor, soft_cap: float | None, u: float) -> tuple[torch.Tensor, ...]:
+    """``(delta, S)`` of step 1 of the derivation."""
+    S = L if soft_cap is None else torch.clamp(L, max=float(soft_cap))
+    delta = (head_size + 4) * u * L + 8 * u * torch.clamp(S, min=1.0)
+    if soft_cap is not None:
+        delta = delta + 8 * u * float(soft_cap)
+    return delta, S
+
+
+def lse_tolerance(ref_lse: torch.Tensor, *, head_size: int, num_keys: Scalar, logit_bound: Scalar,
+                  soft_cap: float | None = None, unit_roundoff: float = U32) -> torch.Tensor:
+    """Per-row absolute tolerance of the log-sum-exp (step 5 of the derivation), float64 ``[T, Hq]``.
+
+    ``num_keys`` and ``logit_bound`` as returned by :func:`paged_attention_bounds`
+    (``[T, 1, 1]`` and ``[T, Hq, 1]``).
+    """
+    u = unit_roundoff
+    L = _as64(logit_bound, ref_lse)
+    N = _as64(num_keys, ref_lse)
+    L, N = (x.squeeze(-1) if x.dim() == 3 else x for x in (L, N))
+    delta, S = _logit_error(head_size, L, soft_cap, u)
+    log_n = torch.log2(torch.clamp(N, min=2.0))
+    tol = 2 * (delta + (2 * N + 2) * u + 4 * u * log_n) + 4 * u * (ref_lse.detach().to(torch.float64).abs() + S + 1)
+    return torch.where(torch.isfinite(tol), tol, torch.full_like(tol, math.inf))
+
+
+def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, *, head_size: int, num_keys: Scalar,
+                     logit_bound: Scalar, soft_cap: float | None = None, unit_roundoff: float = U32,
+                     context: str = "", **_unused) -> None:
+    """Raise AssertionError unless ``|lse - ref_lse| <= lse_tolerance(...)`` for every row.
+
+    Accepts the dict of :func:`paged_attention_bounds` as keywords (extra keys are ignored).
+    """
+    if lse.shape != ref_lse.shape or lse.dtype != torch.float32:
+        raise AssertionError(f"{context}lse is {lse.dtype} {tuple(lse.shape)}, expected float32 "
+                             f"{tuple(ref_lse.shape)}")
+    tol = lse_tolerance(ref_lse, head_size=head_size, num_keys=num_keys, logit_bound=logit_bound,
+                        soft_cap=soft_cap, unit_roundoff=unit_roundoff)
+    a, r = lse.detach().to(torch.float64), ref_lse.detach().to(torch.float64)
+    diff = (a - r).abs()
+    ok = (a == r) | (diff <= tol)
+    if bool(ok.all()):
+        return
+    ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / tol, nan=math.inf))
+    worst = int(torch.argmax(ratio.flatten()))
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape))
+    raise AssertionError(f"{context}log-sum-exp differs from the reference beyond the derived tolerance at "
+                         f"{int((~ok).sum())} of {ok.numel()} rows; worst at [token, head] = {list(idx)}: got "
+                         f"{float(a[idx])!r}, reference {float(r[idx])!r}, tol {float(tol[idx]):.6g}")
 
 
 def logit_bound(query: torch.Tensor, keys: torch.Tensor, softmax_scale: float,

@@ -1,0 +1,82 @@
+"""Every environment variable fp8kv reads: one place, typed, documented.
+
+Each accessor reads ``os.environ`` when called (so a test or a launcher may change a
+variable at run time) and refuses a malformed value with an error naming the variable.
+
+==========================  =========================================================
+variable                    meaning
+==========================  =========================================================
+``FP8KV_BACKEND``           force this backend wherever ``backend="auto"`` (``auto``
+                            or empty: choose). A name that cannot serve raises.
+``FP8KV_STRICT``            ``1``: landing on the slow reference backend on a GPU is an
+                            error instead of a warning. Default ``0``.
+``FP8KV_CHECK``             ``full`` (default): value checks (slot, block-table and
+                            length ranges) in :func:`fp8kv.plan_attention` and the
+                            one-shot calls; ``shapes``: skip them (no host sync).
+``FP8KV_SIMULATE_DEVICE``   pretend the device is this one (``sm70``, ``sm90``,
+                            ``gfx942``...) for selection and ``fp8kv probe``.
+``FP8KV_TRITON_CODEC``      Triton backend codec: ``auto`` (default), ``integer``
+                            (force the integer-bit encoder/decoders), ``native``
+                            (native casts on sm89+ even where not yet proven).
+``TRITON_INTERPRET``        Triton's own: ``1`` runs Triton kernels on the CPU; fp8kv
+                            reads it to decide whether the Triton backend serves CPU
+                            tensors.
+==========================  =========================================================
+"""
+
+from __future__ import annotations
+
+import os
+
+from .errors import InvalidArgument
+
+CHECK_MODES = ("full", "shapes")
+TRITON_CODECS = ("auto", "integer", "native")
+
+
+def _choice(var: str, default: str, choices: tuple[str, ...]) -> str:
+    value = os.environ.get(var, "") or default
+    if value not in choices:
+        raise InvalidArgument(f"{var}: got {value!r}, expected one of {choices}")
+    return value
+
+
+def forced_backend() -> str | None:
+    """``FP8KV_BACKEND``: the backend to force for ``backend="auto"``, or None."""
+    value = os.environ.get("FP8KV_BACKEND", "").strip()
+    return None if value in ("", "auto") else value
+
+
+def strict() -> bool:
+    """``FP8KV_STRICT``: a fall-back to a slow backend on a GPU raises instead of warning."""
+    value = os.environ.get("FP8KV_STRICT", "0").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise InvalidArgument(f"FP8KV_STRICT: got {value!r}, expected 0 or 1")
+
+
+def check_values() -> bool:
+    """``FP8KV_CHECK``: whether value checks (one host sync on a GPU) run by default."""
+    return _choice("FP8KV_CHECK", "full", CHECK_MODES) == "full"
+
+
+def simulated_device() -> str | None:
+    """``FP8KV_SIMULATE_DEVICE``: the simulated device name, or None."""
+    return os.environ.get("FP8KV_SIMULATE_DEVICE", "").strip() or None
+
+
+def triton_codec() -> str:
+    """``FP8KV_TRITON_CODEC``: ``auto``, ``integer`` or ``native``."""
+    return _choice("FP8KV_TRITON_CODEC", "auto", TRITON_CODECS)
+
+
+def triton_interpreter() -> bool:
+    """``TRITON_INTERPRET``: Triton kernels run on the CPU."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+VARIABLES = ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_CHECK", "FP8KV_SIMULATE_DEVICE", "FP8KV_TRITON_CODEC",
+             "TRITON_INTERPRET")
+"""Every variable read (the README lists them; tests check the two agree)."""
