@@ -197,7 +197,7 @@ class AttentionMetadata:
         seq_lens: ``[num_seqs]`` int32: cached tokens per sequence, the step's included.
         query_start_loc: ``[num_seqs + 1]`` int32 offsets of each sequence's queries.
         is_decode: one query per sequence (no ``query_start_loc`` was given).
-        slot_mapping: ``[num_tokens]`` int32/int64 slots of the step's K/V (or None).
+        slot_mapping: ``[num_written]`` int32/int64 slots of the step's K/V (or None).
         max_query_len / max_seq_len: upper bounds the kernels may rely on.
         options: the :class:`AttentionOptions`.
         request: the attention :class:`~fp8kv.hookspecs.Request`; ``attention``: its
@@ -330,8 +330,9 @@ def plan_attention(
         query_start_loc: ``[num_seqs + 1]`` offsets of each sequence's queries (chunked
             prefill, vLLM's ``cu_seqlens_q`` / FlashInfer's ``qo_indptr``); None: decode, one
             query per sequence.
-        slot_mapping: ``[num_tokens]`` slots of the step's new K/V for :func:`fp8kv.write_kv`
-            (``block * block_size + offset``, negative = padding, distinct); optional.
+        slot_mapping: ``[num_written]`` slots of the step's new K/V for :func:`fp8kv.write_kv`
+            (``block * block_size + offset``, negative = padding, distinct); optional. Usually one
+            per query token; may be longer when padding rows are written and skipped.
         num_tokens: query tokens of the step (decode: ``num_seqs``); read from
             ``query_start_loc[-1]`` when not given.
         max_query_len / max_seq_len: bounds, if the caller knows them (saves the sync when
@@ -470,8 +471,6 @@ def plan_attention(
     if max_seq_len is None:
         max_seq_len = host.get("max_seq_len", tables.shape[1] * bs)
     if slot_mapping is not None:
-        if slot_mapping.shape[0] != num_tokens:
-            raise bad_argument("slot_mapping", f"{slot_mapping.shape[0]} entries", f"one per token ({num_tokens})")
         slot_mapping = slot_mapping.clone()
 
     # ---- backend selection and the backend's plan

@@ -29,11 +29,13 @@ def sequence_kv(cache: fp8kv.KVCache, block_table: list[int], seq_len: int) -> t
 
 
 def dense_attention(query, cache, block_tables, seq_lens, query_start_loc, softmax_scale, causal=True,
-                    sliding_window=None, logits_soft_cap=None) -> torch.Tensor:
-    """Float64 ``[num_tokens, Hq, D]``."""
+                    sliding_window=None, logits_soft_cap=None, with_lse=False):
+    """Float64 ``[num_tokens, Hq, D]`` (and, ``with_lse``, the float64 ``[num_tokens, Hq]``
+    natural-log log-sum-exp of each row's logits)."""
     Hq = query.shape[1]
     group = Hq // cache.num_kv_heads
     out = torch.zeros(query.shape, dtype=torch.float64)
+    lse = torch.full(query.shape[:2], -math.inf, dtype=torch.float64)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         k, v = sequence_kv(cache, block_tables[i].tolist(), seq_len)
@@ -50,9 +52,10 @@ def dense_attention(query, cache, block_tables, seq_lens, query_start_loc, softm
                 if logits_soft_cap is not None:
                     logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
                 w = torch.exp(logits - logits.max())
+                lse[t, h] = logits.max() + torch.log(w.sum())
                 w = w / w.sum()
                 out[t, h] = (w[:, None] * v[keys, kv_head]).sum(0)
-    return out
+    return (out, lse) if with_lse else out
 
 
 def logit_magnitude(query, cache, block_tables, seq_lens, query_start_loc, softmax_scale) -> float:

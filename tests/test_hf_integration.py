@@ -119,7 +119,7 @@ def teacher_forced_logits(model, cache, ids, mask, n_decode=4):
 
 
 def test_import_does_not_load_transformers():
-    code = ("import sys, fp8kv.integrations.transformers as t, fp8kv.integrations.hf_eval, fp8kv.cli; "
+    code = ("import sys, fp8kv.integrations.transformers as t, fp8kv_bench.hf_eval, fp8kv.cli; "
             "assert 'transformers' not in sys.modules, 'transformers imported'; "
             "assert t.ATTN_IMPLEMENTATION == 'fp8kv'")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -158,9 +158,9 @@ def test_padding_is_never_written_and_batched_equals_single(monkeypatch):
     seen = []
     real_write = _hf.write_kv
 
-    def spy(cache, key, value, slot_mapping, **kw):
-        seen.append(slot_mapping.clone())
-        return real_write(cache, key, value, slot_mapping, **kw)
+    def spy(cache, key, value, meta, **kw):  # the step's metadata carries the slots
+        seen.append(meta.slot_mapping.clone())
+        return real_write(cache, key, value, meta, **kw)
 
     monkeypatch.setattr(_hf, "write_kv", spy)
     cache = enable(model, block_size=4, backend=BACKEND)
@@ -418,3 +418,22 @@ def test_eval_command_parses_without_loading_a_model():
     parser, modules = build_parser()
     args = parser.parse_args(["eval", "--caches", "none", "fp8kv-e4m3-token_head", "--tokens", "8"])
     assert args.command == "eval" and args.tokens == 8
+
+
+def test_one_metadata_per_step_is_shared_by_every_layer(monkeypatch):
+    """The step's checks and backend choice happen once (plan_attention), not once per layer."""
+    model = tiny_llama()
+    planned = []
+    real_plan = _hf.plan_attention
+
+    def spy(*args, **kw):
+        planned.append(real_plan(*args, **kw))
+        return planned[-1]
+
+    monkeypatch.setattr(_hf, "plan_attention", spy)
+    cache = enable(model, backend=BACKEND)
+    steps = 4
+    ids = torch.randint(3, 128, (2, 5), generator=torch.Generator().manual_seed(3))
+    model.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, past_key_values=cache)
+    assert len(planned) == steps  # one prefill + 3 decode steps, each shared by all LAYERS layers
+    assert LAYERS > 1

@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from ..api import paged_attention, write_kv
 from ..cache import KVCache
 from ..errors import Fp8KVError, bad_argument
+from ..metadata import AttentionMetadata, plan_attention
 from ..scales import GRANULARITIES, calibrate
 from ._paging import BlockPool, StepPlan
 
@@ -334,6 +335,8 @@ class FP8PagedCache(Cache):
         self._max_cache_len = max_cache_len
         self.pool = BlockPool(block_size, max_cache_len=max_cache_len)
         self.plan = plan
+        self._step_plan: StepPlan | None = None
+        self._step_metadata: dict = {}
         super().__init__(layers=[FP8PagedLayer(self, i) for i in range(n)])
 
     @classmethod
@@ -356,6 +359,7 @@ class FP8PagedCache(Cache):
         """Empty the cache for a new batch (allocations are kept and reused)."""
         super().reset()
         self.pool.reset()
+        self._step_plan, self._step_metadata = None, {}
 
     # -- introspection ----------------------------------------------------------------
     @property
@@ -422,6 +426,22 @@ class FP8PagedCache(Cache):
         layer.kv = new
         return new
 
+    def _metadata(self, plan: StepPlan, kv: KVCache, num_q_heads: int, dtype: torch.dtype, scaling: float | None,
+                  sliding_window: int | None, softcap: float | None) -> AttentionMetadata:
+        """The step's attention metadata, planned by the first layer and shared by the others
+        (one per distinct set of attention options: models mix windowed and global layers)."""
+        if self._step_plan is not plan:
+            self._step_plan, self._step_metadata = plan, {}
+        key = (kv.spec, num_q_heads, dtype, scaling, sliding_window, softcap)
+        meta = self._step_metadata.get(key)
+        if meta is None:
+            meta = self._step_metadata[key] = plan_attention(
+                kv, num_q_heads=num_q_heads, query_dtype=dtype, block_tables=plan.block_tables,
+                seq_lens=plan.seq_lens, query_start_loc=plan.query_start_loc, slot_mapping=plan.slot_mapping,
+                num_tokens=plan.num_tokens, max_query_len=plan.max_query_len, softmax_scale=scaling,
+                sliding_window=sliding_window, logits_soft_cap=softcap, backend=self.backend)
+        return meta
+
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                valid: torch.Tensor | None, *, scaling: float | None, sliding_window: int | None,
                softcap: float | None) -> torch.Tensor:
@@ -445,15 +465,12 @@ class FP8PagedCache(Cache):
         kv = self._layer_kv(layer, H, D, query.device)
         k = key.transpose(1, 2).reshape(B * q_len, H, D).contiguous()
         v = value.transpose(1, 2).reshape(B * q_len, H, D).contiguous()
-        write_kv(kv, k, v, plan.slot_mapping, backend=self.backend)
+        meta = self._metadata(plan, kv, Hq, query.dtype, scaling, sliding_window, softcap)
+        write_kv(kv, k, v, meta)
         q = query.transpose(1, 2).reshape(B * q_len, Hq, D)
         if plan.token_index is not None:
             q = q.index_select(0, plan.token_index)
-        out = paged_attention(
-            q.contiguous(), kv, plan.block_tables, plan.seq_lens, query_start_loc=plan.query_start_loc,
-            max_query_len=plan.max_query_len, softmax_scale=scaling, sliding_window=sliding_window,
-            logits_soft_cap=softcap, backend=self.backend,
-        )
+        out = paged_attention(q.contiguous(), kv, meta)
         if plan.token_index is not None:
             full = out.new_zeros((B * q_len, Hq, D))
             full.index_copy_(0, plan.token_index, out)
