@@ -101,15 +101,44 @@ def get_format(kv_dtype: str | Fp8Format | torch.dtype, *, arch: str | None = No
 
 
 def check_scale(scale: torch.Tensor | float, name: str = "scale") -> torch.Tensor:
-    """Return ``scale`` as a float32 tensor after checking every element is finite and > 0."""
-    t = torch.as_tensor(scale, dtype=torch.float32) if not isinstance(scale, torch.Tensor) else scale
+    """Return ``scale`` as a float32 tensor after checking every element is finite and > 0.
+
+    Accepts a Python number or a real float tensor (any float dtype, converted to float32:
+    a value that overflows float32 is refused as non-finite). Anything else raises
+    :class:`fp8kv.InvalidArgument` naming ``name``.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, torch.Tensor)):
+        raise bad_argument(name, f"{type(scale).__name__} {scale!r}"[:80], "a number or a float tensor")
+    t = torch.tensor(float(scale), dtype=torch.float32) if not isinstance(scale, torch.Tensor) else scale
     if not t.is_floating_point():
         raise bad_argument(name, t.dtype, "a floating-point scale")
-    t = t.to(torch.float32)
+    if t.device.type == "meta":
+        raise bad_argument(name, "a tensor on the meta device", "a tensor with values (cpu or cuda)")
+    if t.numel() == 0:
+        raise bad_argument(name, f"an empty tensor of shape {tuple(t.shape)}", "at least one scale")
+    t = t.detach().to(torch.float32)
     bad = ~(torch.isfinite(t) & (t > 0))
     if bool(bad.any()):
-        raise bad_argument(name, t.flatten()[bad.flatten()][:4].tolist(), "finite scales > 0")
+        raise bad_argument(name, t.flatten()[bad.flatten()][:4].tolist(), "finite scales > 0 (in float32)")
     return t
+
+
+def _as_float_tensor(name: str, x) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise bad_argument(name, type(x).__name__, "a torch.Tensor (convert lists with torch.tensor)")
+    if not x.is_floating_point():
+        raise bad_argument(name, f"dtype {x.dtype}", "a floating-point tensor")
+    if x.device.type == "meta":
+        raise bad_argument(name, "a tensor on the meta device", "a tensor with values (cpu or cuda)")
+    return x
+
+
+def _broadcast(x: torch.Tensor, s: torch.Tensor, name: str = "scale") -> None:
+    try:
+        torch.broadcast_shapes(x.shape, s.shape)
+    except RuntimeError:
+        raise bad_argument(name, f"shape {tuple(s.shape)}", f"a shape that broadcasts against {tuple(x.shape)}") \
+            from None
 
 
 def to_float32(x: torch.Tensor) -> torch.Tensor:
@@ -142,31 +171,57 @@ def quantize_scaled(x32: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return x32.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
 
 
+def _round_to_odd_float32(x64: torch.Tensor) -> torch.Tensor:
+    """float64 to float32 rounding to odd: truncate, then set the last bit if anything was lost.
+
+    Rounding that result to nearest even at FP8's few bits equals rounding ``x64`` directly
+    (round-to-odd at >= p + 2 bits makes a second rounding to p bits innocuous), so a
+    float64 input is rounded once, not twice. ``|x64|`` must fit float32 (callers clamp).
+    """
+    t = x64.to(torch.float32)
+    bits = t.view(torch.int32)
+    exact = t.to(torch.float64) == x64
+    above = t.to(torch.float64).abs() > x64.abs()
+    odd = torch.where(above, torch.where(bits & 1 == 1, bits, bits - 1), bits | 1)
+    return torch.where(exact | torch.isnan(x64), bits, odd).view(torch.float32)
+
+
 def quantize(
     x: torch.Tensor, kv_dtype: str | Fp8Format | torch.dtype, scale: torch.Tensor | float = 1.0
 ) -> torch.Tensor:
-    """Quantize ``x`` to FP8: ``fp8(clamp(float32(x) / scale, -max, +max))``.
+    """Quantize ``x`` to FP8: ``fp8(clamp(x / scale, -max, +max))``, rounded once.
 
     Args:
-        x: any float tensor (fp32, fp16, bf16).
+        x: a float tensor (fp32, fp16, bf16: divided in float32; float64: divided in
+            float64 and rounded once to FP8, never through an intermediate float32 rounding).
         kv_dtype: format name, alias ``"fp8"`` or torch float8 dtype.
         scale: float32 dequant multiplier, broadcastable against ``x``; finite and > 0.
     Returns:
         a tensor of ``fmt.torch_dtype`` with the broadcast shape of ``x`` and ``scale``.
     """
     fmt = get_format(kv_dtype)
-    if not x.is_floating_point():
-        raise bad_argument("x", x.dtype, "a floating-point tensor")
+    _as_float_tensor("x", x)
     s = check_scale(scale).to(x.device)
+    _broadcast(x, s)
+    if x.dtype == torch.float64:
+        y = torch.where(torch.isnan(x), x, x / s.to(torch.float64)).clamp(-fmt.max, fmt.max)
+        return _round_to_odd_float32(y).to(fmt.torch_dtype)
     return quantize_scaled(divide_by_scale(x, s), fmt)
 
 
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor | float = 1.0, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """Dequantize: ``float32(q) * scale``, then cast to ``dtype``."""
-    get_format(q.dtype)
+    """Dequantize: ``float32(q) * scale``, then cast to ``dtype`` (a float dtype)."""
+    if not isinstance(q, torch.Tensor):
+        raise bad_argument("q", type(q).__name__, "a float8 torch.Tensor")
+    if q.dtype not in {f.torch_dtype for f in FORMATS.values()}:
+        fp8 = [str(f.torch_dtype) for f in FORMATS.values()]
+        raise bad_argument("q", f"dtype {q.dtype}", f"one of the FP8 dtypes {fp8}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise bad_argument("dtype", repr(dtype), "a floating-point torch.dtype")
     s = check_scale(scale).to(q.device)
+    _broadcast(q, s)
     return (q.to(torch.float32) * s).to(dtype)
 
 

@@ -60,13 +60,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 OPS = ("write_kv", "paged_attention")
 """The operations a request can name."""
-FEATURES = ("chunked_prefill", "sliding_window", "soft_cap", "fp8_query", "non_causal")
+FEATURES = ("chunked_prefill", "sliding_window", "soft_cap", "non_causal")
 """Optional features a paged-attention request can ask for:
 
 * ``chunked_prefill``: ``query_start_loc`` given and some sequence has more than one query;
 * ``sliding_window`` / ``soft_cap``: those arguments are set;
 * ``non_causal``: ``causal=False``;
-* ``fp8_query``: the query is FP8 (reserved; no API path produces it yet).
 """
 
 

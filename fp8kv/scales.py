@@ -72,13 +72,19 @@ def calibrate(
         float32 scale(s), finite and > 0 (zero samples give ``MIN_DYNAMIC_SCALE``).
     """
     fmt = get_format(kv_dtype)
+    if not isinstance(samples, torch.Tensor) or not samples.is_floating_point():
+        raise bad_argument("samples", type(samples).__name__ if not isinstance(samples, torch.Tensor)
+                           else f"dtype {samples.dtype}", "a float tensor [num_tokens, H, D]")
     if samples.dim() != 3:
         raise bad_argument("samples", tuple(samples.shape), "[num_tokens, H, D]")
-    if not (margin >= 1.0 and margin < float("inf")):
-        raise bad_argument("margin", margin, "a finite number >= 1")
+    if samples.shape[0] == 0 or samples.shape[2] == 0:
+        raise bad_argument("samples", f"shape {tuple(samples.shape)}", "at least one token with head_size > 0")
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not (1.0 <= margin < float("inf")):
+        raise bad_argument("margin", repr(margin), "a finite number >= 1")
     if granularity not in ("tensor", "head"):
         raise bad_argument("granularity", repr(granularity), "'tensor' or 'head' (token_head is dynamic)")
     a = torch.nan_to_num(samples.to(torch.float32).abs(), nan=0.0, posinf=FLOAT32_MAX)
     amax = a.amax() if granularity == "tensor" else a.amax(dim=(0, 2))
-    scale = (amax * margin / fmt.max).clamp(MIN_DYNAMIC_SCALE, FLOAT32_MAX)
-    return check_scale(scale, "scale")
+    # in float64: amax * margin may exceed the float32 range while the scale does not
+    scale = (amax.to(torch.float64) * float(margin) / fmt.max).clamp(MIN_DYNAMIC_SCALE, FLOAT32_MAX)
+    return check_scale(scale.to(torch.float32), "scale")

@@ -134,7 +134,7 @@ def test_probe_command_with_only_the_reference_explains_the_small_table(isolated
     assert main(["probe"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("device: ") and "'fp8' means fp8_e4m3 here" in out
-    assert "reference  0.1.0  priority 0  slow  from fp8kv" in out
+    assert f"reference  {fp8kv.__version__}  priority 0  slow  from fp8kv" in out
     assert "reference  write_kv         ✓         ✓         ✓             ✓" in out
     assert "paged_attention  reference (slow)  reference (slow)" in out
     assert "Only slow backends are installed (reference)" in out

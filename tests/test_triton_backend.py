@@ -307,7 +307,6 @@ def test_supports_on_simulated_devices():
 
     assert supports(simulated("sm70"), _req()) == "sm70: needs sm80+ (bf16 tensor-core dots)"
     assert "NVIDIA GPUs only" in supports(simulated("gfx942"), _req())
-    assert "FP8 queries" in supports(simulated("sm90"), _req(features={"fp8_query"}))
     assert "head_size 512" in supports(simulated("sm90"), _req(D=512))
     # a GPU request while TRITON_INTERPRET is set (this test session) is refused with the reason
     assert "TRITON_INTERPRET" in supports(simulated("sm90"), _req())
@@ -360,3 +359,12 @@ def test_registered_and_selected_on_the_cpu():
 
     lines = describe(simulated("sm80"))
     assert lines[0].startswith("fp8_e4m3: encode integer bits") and len(lines) == 4
+
+
+def test_the_public_kernel_module_exposes_the_reusable_pieces():
+    """Other in-tree backends import fp8kv_triton.kernels only: every name it exports is public."""
+    import fp8kv_triton.kernels as kernels
+
+    assert all(not name.startswith("_") for name in kernels.__all__)
+    for name in ("write_kv", "paged_attention", "codec_for", "encode_f32_bits", "decode", "cache_strides"):
+        assert callable(getattr(kernels, name)), name

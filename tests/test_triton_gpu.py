@@ -351,3 +351,89 @@ def test_cuda_graph_capture_matches_eager(gran, monkeypatch):
     torch.cuda.synchronize()
     assert graphed.same_bytes(eager)
     assert torch.equal(out_graph.view(torch.int16), out_eager.view(torch.int16))
+
+
+def test_graph_of_a_planned_step_replays_after_an_in_place_refill():
+    """Capture per-layer calls on a metadata, refill the metadata's buffers with the next step's
+    page table and slots (AttentionMetadata.update), replay: same bytes and outputs as eager."""
+    H, Hq, D, bs, layers, B = 8, 32, 128, 16, 3, 4
+    nb = 64
+    caches = [fp8kv.KVCache.allocate(nb, bs, H, D, scale_granularity="token_head", device="cuda")
+              for _ in range(layers)]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for c in caches:
+        k = torch.randn(nb * bs, H, D, device="cuda", generator=g)
+        fp8kv.write_kv(c, k, -k, torch.arange(nb * bs, device="cuda"), backend="triton")
+
+    def step_tensors(seed):
+        gen = torch.Generator().manual_seed(seed)
+        tables = torch.randperm(nb, generator=gen)[: B * 8].view(B, 8).int()
+        lens = torch.randint(1, 8 * bs, (B,), generator=gen).int()
+        pos = lens.long() - 1
+        slots = tables.gather(1, (pos // bs)[:, None]).long().squeeze(1) * bs + pos % bs
+        return tables.cuda(), lens.cuda(), slots.cuda()
+
+    tables, lens, slots = step_tensors(1)
+    meta = fp8kv.plan_attention(caches[0], num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables,
+                                seq_lens=lens, slot_mapping=slots, max_seq_len=8 * bs, backend="triton")
+    key = torch.randn(B, H, D, device="cuda", generator=g).bfloat16()
+    query = torch.randn(B, Hq, D, device="cuda", generator=g).bfloat16()
+    outs = [torch.empty_like(query) for _ in range(layers)]
+
+    def run(cs, m):
+        for c, o in zip(cs, outs, strict=True):
+            fp8kv.write_kv(c, key, key, m)
+            fp8kv.paged_attention(query, c, m, out=o)
+
+    graphed = [c.clone() for c in caches]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run([c.clone() for c in caches], meta)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run(graphed, meta)
+    tables2, lens2, slots2 = step_tensors(2)
+    meta.update(block_tables=tables2, seq_lens=lens2, slot_mapping=slots2)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = [o.clone() for o in outs]
+    eager = [c.clone() for c in caches]
+    fresh = fp8kv.plan_attention(caches[0], num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables2,
+                                 seq_lens=lens2, slot_mapping=slots2, backend="triton")
+    run(eager, fresh)
+    for a, b, oa, ob in zip(graphed, eager, got, outs, strict=True):
+        assert a.same_bytes(b)
+        assert torch.equal(oa.view(torch.int16), ob.view(torch.int16))
+
+
+def test_per_layer_calls_never_sync_the_host():
+    """plan once (one sync), then write_kv / paged_attention per layer under sync-debug 'error'."""
+    H, Hq, D, bs = 8, 32, 128, 16
+    cache = fp8kv.KVCache.allocate(32, bs, H, D, scale_granularity="token_head", device="cuda")
+    tables = torch.arange(32, dtype=torch.int32, device="cuda").view(4, 8)
+    lens = torch.tensor([100, 7, 128, 64], dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, 3, 4, 10, 12], dtype=torch.int32, device="cuda")
+    slots = torch.arange(12, device="cuda")
+    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables, seq_lens=lens,
+                                query_start_loc=qsl, slot_mapping=slots, backend="triton")
+    key = torch.randn(12, H, D, device="cuda").bfloat16()
+    query = torch.randn(12, Hq, D, device="cuda").bfloat16()
+    fp8kv.paged_attention(query, cache, meta)  # compile the kernels first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            fp8kv.write_kv(cache, key, key, meta)
+            fp8kv.paged_attention(query, cache, meta, return_lse=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    # planning with validation off and the maxima given is sync-free too
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables,
+                             seq_lens=lens, query_start_loc=qsl, num_tokens=12, max_query_len=6, validate=False,
+                             backend="triton")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -105,10 +105,8 @@ def supports(device: DeviceInfo, request: Request) -> str | None:
     Decided from the fields of ``device`` (which may be simulated) and the environment.
     Served: every format (OCP natively or by integer bits, fnuz by integer bits), layouts
     NHD/HND, granularities tensor/head/token_head, head sizes 1..256, fp32/fp16/bf16 I/O,
-    features chunked_prefill, sliding_window, soft_cap, non_causal (not fp8_query).
+    features chunked_prefill, sliding_window, soft_cap, non_causal.
     """
-    if request.op == "paged_attention" and "fp8_query" in request.features:
-        return "FP8 queries are not implemented"
     if not 1 <= request.head_size <= MAX_HEAD_SIZE:
         return f"head_size {request.head_size} is outside 1..{MAX_HEAD_SIZE}"
     if request.device_type == "cpu":

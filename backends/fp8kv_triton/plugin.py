@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from fp8kv.formats import FORMATS
 from fp8kv.hookspecs import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo, triton_interpreter
 
@@ -72,8 +73,6 @@ class TritonBackend:
 
         spec = metadata.spec
         interpret = triton_interpreter()
-        from fp8kv.formats import FORMATS
-
         choice = codec_for(_real_arch(spec.device), FORMATS[spec.kv_dtype], interpret=interpret)
         config = choose_config(
             spec.device, group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from ..cache import CacheSpec
 from ..errors import Fp8KVError
 from ..formats import FNUZ_PLATFORMS, FORMATS, Fp8Format, get_format
 from ..hookspecs import Request
@@ -161,10 +162,9 @@ def _accepts(backend: Backend, dev: DeviceInfo, req: Request) -> str | None:
 
 def _requests(fmt: Fp8Format, granularity: str, cfg: CheckpointConfig, dev: DeviceInfo, layout: str,
               io_dtype: torch.dtype) -> tuple[Request, Request]:
-    dt = "cpu" if dev.torch_device == "cpu" else "cuda"
-    base = dict(kv_dtype=fmt.name, layout=layout, scale_granularity=granularity,
-                head_size=cfg.head_size or 128, io_dtype=io_dtype, device_type=dt)
-    return Request(op="write_kv", **base), Request(op="paged_attention", **base)
+    spec = CacheSpec(fmt.name, layout, granularity, 1, 16, cfg.num_kv_heads or 1, cfg.head_size or 128,
+                     torch.device("cpu" if dev.torch_device == "cpu" else "cuda"))
+    return Request.for_write(spec, io_dtype), Request.for_attention(spec, io_dtype)
 
 
 def _where_servable(reqs: tuple[Request, Request]) -> str:

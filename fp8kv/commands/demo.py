@@ -104,8 +104,7 @@ def run(args: argparse.Namespace) -> int:
                      rel(out.float().cpu(), exact), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
         bar.step(f"{fmt} {gran}")
     bar.close()
-    sel = fp8kv.select_backend(fp8kv.Request("paged_attention", "fp8_e4m3", "NHD", "tensor", D, torch.float32,
-                                             device.type), device, args.backend)
+    sel = fp8kv.select_backend(fp8kv.Request.for_attention(cache.spec, torch.float32), device, args.backend)
     print(f"fp8kv {fp8kv.__version__} demo on {fp8kv.probe(device).name}, backend {sel.backend.name}: "
           f"{args.seqs} seqs, lengths {lens.tolist()}, H={H}, Hq={Hq}, D={D}, block {bs}")
     print("errors are relative RMS vs the unquantized float32 values; attention is one decode step")

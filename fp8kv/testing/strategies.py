@@ -34,9 +34,10 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from ..cache import KVCache
+from ..cache import CacheSpec, KVCache
 from ..formats import FORMATS
 from ..hookspecs import Request
+from ..metadata import AttentionOptions
 
 __all__ = ["POISONS", "Workload", "WorkloadTensors", "workloads"]
 
@@ -134,25 +135,22 @@ class Workload:
         return max(self.q_lens, default=0)
 
     def features(self) -> frozenset[str]:
-        """The attention features this workload asks for (as :mod:`fp8kv.api` derives them)."""
-        f = set()
+        """The attention features this workload asks for (derived as :func:`fp8kv.plan_attention` does)."""
+        f = set(AttentionOptions.build(self.head_size, **self.attention_kwargs()).features)
         if self.chunked and self.max_query_len > 1:
             f.add("chunked_prefill")
-        if self.sliding_window is not None:
-            f.add("sliding_window")
-        if self.soft_cap is not None:
-            f.add("soft_cap")
-        if not self.causal:
-            f.add("non_causal")
         return frozenset(f)
+
+    def spec(self, device_type: str = "cpu") -> CacheSpec:
+        """The :class:`~fp8kv.cache.CacheSpec` of this workload's cache."""
+        return CacheSpec(self.kv_dtype, self.layout, self.scale_granularity, self.num_blocks, self.block_size,
+                         self.num_kv_heads, self.head_size, torch.device(device_type))
 
     def request(self, op: str, device_type: str = "cpu") -> Request:
         """The :class:`~fp8kv.hookspecs.Request` the API builds for ``op`` on this workload."""
         if op == "write_kv":
-            return Request(op, self.kv_dtype, self.layout, self.scale_granularity, self.head_size,
-                           self.io_dtype, device_type)
-        return Request(op, self.kv_dtype, self.layout, self.scale_granularity, self.head_size,
-                       self.io_dtype, device_type, self.features())
+            return Request.for_write(self.spec(device_type), self.io_dtype)
+        return Request.for_attention(self.spec(device_type), self.io_dtype, self.features())
 
     def without_specials(self) -> Workload:
         return replace(self, specials=False)

@@ -1,0 +1,40 @@
+"""The Triton backend's public kernel module: what other in-tree backends may reuse.
+
+A backend that wants the bit-exact fused write (the Hopper backend, a ROCm policy) or the
+codec building blocks imports them from here, never from the private modules, so the
+kernels live in one place and are never copied. Everything below is stable API of
+``fp8kv_triton``; names not listed here are private.
+
+Host-side launchers (tensors in, work enqueued, no host sync):
+
+* :func:`write_kv` ``(cache, key, value, slot_mapping, *, encoder)``: quantize and scatter
+  ``key``/``value [T, H, D]`` into a :class:`fp8kv.KVCache` (any K/V/scale strides),
+  bit-exact with :func:`fp8kv.reference.write_kv`.
+* :func:`paged_attention` ``(query, cache, block_tables, seq_lens, query_start_loc,
+  max_query_len, softmax_scale, causal, sliding_window, logits_soft_cap, out, *, lse,
+  decode_mode, interpret, config)``: decode and chunked prefill with split-KV;
+  :func:`choose_config` picks an :class:`AttnConfig` from host-known sizes.
+* :func:`cache_strides` / :func:`scale_strides`: the (block, token, head) strides a kernel
+  needs for K, V and their scales.
+
+Codec policy (which FP8 conversion is exact where): :func:`codec_for` returns a
+:class:`CodecChoice` (``encoder``/``decoder`` mode numbers and why) for an architecture and
+format; :func:`supports` is the Triton backend's capability rule.
+
+``@triton.jit`` building blocks for kernels of your own: :func:`encode_f32_bits` (the
+integer-bit encoder mirroring :mod:`fp8kv.codec`), :func:`encode_native` (Triton's cast,
+after a clamp), :func:`decode` (FP8 byte to an exact 16/32-bit float), and
+:func:`codec_args` (the per-format constexpr arguments they take).
+"""
+
+from .attention import AttnConfig, choose_config, paged_attention
+from .capabilities import CodecChoice, codec_for, supports
+from .codec import codec_args, decode, encode_f32_bits, encode_native
+from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
+from .write import cache_strides, scale_strides, write_kv
+
+__all__ = [
+    "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "AttnConfig", "CodecChoice",
+    "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "encode_f32_bits", "encode_native",
+    "paged_attention", "scale_strides", "supports", "write_kv",
+]
