@@ -7,7 +7,7 @@ Usage::
     python benchmarks/bench_triton.py diag   # facts the design relies on, measured on this GPU
 
 ``run`` does what ``fp8kv bench --backend triton`` does (write, decode, prefill against the
-same-run copy bandwidth and bf16 SDPA; see :mod:`fp8kv.commands.bench`) and adds:
+same-run copy bandwidth and bf16 SDPA; see :mod:`fp8kv_bench.kernels`) and adds:
 
 * the integer-bit codec against the native casts (``FP8KV_TRITON_CODEC=integer``) for the
   write and for decode, to show what the native path buys on this GPU;
@@ -32,9 +32,9 @@ import triton.language as tl
 
 def _decode_workload(B: int, L: int, device):
     import torch
+    from fp8kv_bench import kernels as cb
 
     import fp8kv
-    from fp8kv.commands import bench as cb
 
     gen = torch.Generator().manual_seed(1)
     tables, nblocks = cb._paged_tables(B, L, device, gen)
@@ -50,9 +50,9 @@ def _decode_workload(B: int, L: int, device):
 
 def _prefill_workload(device, seqs: int = 4, new: int = 2048, cached: int = 2048):
     import torch
+    from fp8kv_bench import kernels as cb
 
     import fp8kv
-    from fp8kv.commands import bench as cb
 
     gen = torch.Generator().manual_seed(2)
     tables, nblocks = cb._paged_tables(seqs, new + cached, device, gen)
@@ -68,9 +68,8 @@ def _prefill_workload(device, seqs: int = 4, new: int = 2048, cached: int = 2048
 
 def _time_config(work, config, decode_mode: int, reps: int) -> float:
     import torch
+    from fp8kv_bench.kernels import time_graph
     from fp8kv_triton.attention import paged_attention
-
-    from fp8kv.commands.bench import time_graph
 
     cache, tables, lens, qsl, q, max_q = work
     out = torch.empty_like(q)
@@ -85,11 +84,10 @@ def _time_config(work, config, decode_mode: int, reps: int) -> float:
 def sweep(device, reps: int) -> list[dict]:
     """Time the attention kernel under several launch configurations per benchmark shape."""
     import torch
+    from fp8kv_bench import kernels as cb
     from fp8kv_triton.attention import choose_config
     from fp8kv_triton.capabilities import codec_for
     from fp8kv_triton.plugin import _real_arch
-
-    from fp8kv.commands import bench as cb
 
     rows = []
     for B, L in cb.DECODE_SHAPES:
@@ -149,8 +147,7 @@ def _fix_split(cfg, max_keys: int):
 
 def run(args: argparse.Namespace) -> int:
     import torch
-
-    from fp8kv.commands import bench as cb
+    from fp8kv_bench import kernels as cb
 
     if not torch.cuda.is_available():
         print("needs a CUDA device")

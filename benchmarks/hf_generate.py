@@ -37,7 +37,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from fp8kv.integrations import hf_eval  # noqa: E402
+from fp8kv_bench import hf_eval  # noqa: E402
 
 BOUNDS = {  # cache -> max perplexity increase (%) over none, both prompt lengths
     "fp8kv-e4m3-token_head": 0.3,

@@ -68,8 +68,9 @@ def main() -> None:
         enable(model, kv_dtype="fp8_e4m3", scale_granularity="token_head", backend="auto")
         fp8 = tokens_per_s(model, batch, args.prompt_len, args.new_tokens, lambda: FP8PagedCache.from_model(model))
         model.set_attn_implementation("sdpa")
-        sel = fp8kv.select_backend(fp8kv.Request("paged_attention", "fp8_e4m3", "NHD", "token_head", 64,
-                                                 torch.bfloat16, model.device.type), model.device)
+        spec = fp8kv.KVCache.allocate(1, 16, 3, 64, kv_dtype="fp8_e4m3", scale_granularity="token_head",
+                                      device=model.device).spec  # SmolLM2's: 3 KV heads of 64
+        sel = fp8kv.select_backend(fp8kv.Request.for_attention(spec, torch.bfloat16), model.device)
         rows.append(dict(batch=batch, prompt_len=args.prompt_len, new_tokens=args.new_tokens,
                          bf16_sdpa_tokens_per_s=base, fp8kv_tokens_per_s=fp8, ratio=fp8 / base,
                          fp8kv_backend=sel.backend.name))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from . import ops as _ops
 from .cache import KVCache
 from .errors import bad_argument
 from .hookspecs import Request
@@ -64,7 +65,8 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor,
         if key.shape[0] != meta.slot_mapping.shape[0]:
             raise bad_argument("key", f"{key.shape[0]} tokens", f"one per slot of the metadata "
                                                                  f"({meta.slot_mapping.shape[0]})")
-        selection = meta.write if key.dtype == meta.query_dtype else \
+        # (under torch.compile the fp8kv::write_kv op re-selects meta.write's backend for key.dtype itself)
+        selection = meta.write if key.dtype == meta.query_dtype or torch.compiler.is_compiling() else \
             select_backend(Request.for_write(cache.spec, key.dtype), cache.device, meta.write.backend.name)
         slots = meta.slot_mapping
     else:
@@ -74,7 +76,11 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor,
         slots = check_slot_mapping(cache.spec, slot_mapping, key.shape[0], None)
         selection = select_backend(Request.for_write(cache.spec, key.dtype), cache.device, backend)
     if key.shape[0]:
-        selection.backend.write_kv(cache, key, value, slots)
+        # -- torch.compile: one fp8kv::write_kv custom op instead of the backend call (fp8kv/ops.py)
+        if torch.compiler.is_compiling():
+            _ops.traced_write_kv(cache, key, value, slots, selection.backend.name)
+        else:
+            selection.backend.write_kv(cache, key, value, slots)
 
 
 def paged_attention(
@@ -142,7 +148,11 @@ def paged_attention(
             raise bad_argument("out", f"shape {tuple(out.shape)}", f"the query's shape {tuple(query.shape)}")
     lse = torch.empty(want[:2], dtype=torch.float32, device=spec.device) if return_lse else None
     if meta.num_tokens:
-        meta.attention.backend.paged_attention(query, cache, meta, out, lse)
+        # -- torch.compile: one fp8kv::paged_attention custom op instead of the backend call (fp8kv/ops.py)
+        if torch.compiler.is_compiling():
+            _ops.traced_paged_attention(query, cache, meta, out, lse)
+        else:
+            meta.attention.backend.paged_attention(query, cache, meta, out, lse)
     return (out, lse) if return_lse else out
 
 

@@ -79,32 +79,42 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
 
 
 def _may_share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors may address a common byte (exact for views of one tensor that
-    differ only by their offset, the engines' ``t[:, 0]`` / ``t[:, 1]``; otherwise by extents)."""
-    if a.numel() == 0 or b.numel() == 0 or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """Whether two tensors may address a common byte.
+
+    Decided on byte addresses, whatever storage objects hold the tensors (two NumPy or DLPack
+    imports of one buffer are different storages over the same bytes): disjoint extents never
+    share; two views with the same shape, strides and element size (the engines' ``t[:, 0]`` /
+    ``t[:, 1]``, interleaved) are checked exactly; anything else whose extents overlap is
+    assumed to share. Meta tensors have no memory: only views of one meta storage can share.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    if a.device.type == "meta" and a.untyped_storage()._cdata != b.untyped_storage()._cdata:
         return False
     (a0, a1), (b0, b1) = _extent(a), _extent(b)
     if a1 < b0 or b1 < a0:
         return False
     if a.shape != b.shape or a.stride() != b.stride() or a.element_size() != b.element_size():
         return True
-    return _offset_reachable((b0 - a0) // a.element_size(), a.shape, a.stride())
+    # b's element 0 starts q elements and r bytes after a's: it overlaps a's elements at
+    # relative offsets q and, when misaligned, q + 1
+    q, r = divmod(b0 - a0, a.element_size())
+    return _offset_reachable(q, a.shape, a.stride()) or (r != 0 and _offset_reachable(q + 1, a.shape, a.stride()))
 
 
 def _offset_reachable(delta: int, shape, stride) -> bool:
-    """Is ``delta = sum_k c_k stride_k + r`` for some ``|c_k| < shape_k`` (outer dims) and
-    ``|r| < shape[-1]`` (the contiguous last dim)? A pruned search: with nested strides each
-    level leaves at most two candidates."""
-    dims = sorted(((s, n) for s, n in zip(stride[:-1], shape[:-1], strict=True) if n > 1), reverse=True)
-    inner = shape[-1] - 1
+    """Is ``delta = sum_k c_k stride_k`` for some integers ``|c_k| < shape_k``? (Two views of one
+    geometry ``delta`` elements apart share an element exactly then.) A pruned search: with
+    nested strides each level leaves at most two candidates; past its budget it answers True."""
+    dims = sorted(((s, n) for s, n in zip(stride, shape, strict=True) if n > 1), reverse=True)
 
     def search(rest: int, k: int, budget: list[int]) -> bool:
         budget[0] -= 1
         if budget[0] < 0:
             return True  # too many branches: assume they may overlap
         if k == len(dims):
-            return abs(rest) <= inner
-        bound = inner + sum((n - 1) * s for s, n in dims[k + 1:])
+            return rest == 0
+        bound = sum((n - 1) * s for s, n in dims[k + 1:])  # what the inner dims can still reach
         s, n = dims[k]
         lo = max(-(n - 1), -((bound - rest) // s) if s else -(n - 1))
         hi = min(n - 1, (rest + bound) // s if s else n - 1)
@@ -314,9 +324,10 @@ class KVCache:
         Args:
             key_cache: K as ``[num_blocks, block_size, H, D]`` (NHD) or
                 ``[num_blocks, H, block_size, D]`` (HND), any strides with ``D``'s 1; or, when
-                ``value_cache`` is None, one tensor holding both with K/V at ``kv_dim``
-                (vLLM's flash cache and FlashInfer's single paged tensor
-                ``[num_blocks, 2, ...]``: ``kv_dim=1``). float8 or uint8 storage.
+                ``value_cache`` is None, one 5-d tensor holding both with K/V at ``kv_dim``:
+                FlashInfer's single paged tensor ``[num_pages, 2, ...]`` (``kv_dim=1``, the
+                default), vLLM's flash-attention cache ``[2, num_blocks, ...]`` (``kv_dim=0``).
+                float8 or uint8 storage.
             value_cache: V, same shape and dtype as K, its own strides (FlashInfer's
                 ``(k, v)`` pair from two allocations), or None (see ``key_cache``).
             kv_dtype: the format; may be omitted for float8 tensors (taken from the dtype),
@@ -336,10 +347,14 @@ class KVCache:
         if value_cache is None:
             if not isinstance(key_cache, torch.Tensor):
                 raise bad_argument("key_cache", type(key_cache).__name__, "a torch.Tensor")
-            if key_cache.dim() != 5 or not 0 <= kv_dim < 5 or key_cache.shape[kv_dim] != 2:
+            if not isinstance(kv_dim, int) or isinstance(kv_dim, bool) or not -5 <= kv_dim < 5:
+                raise bad_argument("kv_dim", repr(kv_dim), "the int index (0..4) of the size-2 K/V dimension")
+            kv_dim %= 5
+            if key_cache.dim() != 5 or key_cache.shape[kv_dim] != 2:
                 raise bad_argument("key_cache", f"shape {tuple(key_cache.shape)} (value_cache None, kv_dim={kv_dim})",
-                                   "one tensor with K and V along kv_dim (size 2), e.g. [num_blocks, 2, "
-                                   "block_size, H, D], or pass value_cache")
+                                   "one 5-d tensor with K and V along kv_dim (size 2): [num_pages, 2, ...] with "
+                                   "kv_dim=1 (FlashInfer), [2, num_blocks, ...] with kv_dim=0 (vLLM); or pass "
+                                   "value_cache")
             key_cache, value_cache = key_cache.select(kv_dim, 0), key_cache.select(kv_dim, 1)
         k, fmt = _as_format("key_cache", key_cache, fmt)
         v, _ = _as_format("value_cache", value_cache, fmt)

@@ -2,6 +2,10 @@
 
 A command module defines ``NAME``, ``HELP``, ``add_arguments(parser)`` and
 ``run(args) -> int``; dropping such a module into ``fp8kv/commands/`` adds it.
+
+Commands stay thin: measurement harnesses live outside the ``fp8kv`` package, in the
+top-level package ``fp8kv_bench`` (``benchmarks/fp8kv_bench`` in the source tree), which a
+command imports only when it runs, through :func:`load_harness`.
 """
 
 from __future__ import annotations
@@ -14,6 +18,27 @@ import sys
 from . import commands
 from ._version import __version__
 from .errors import Fp8KVError
+
+HARNESS = "fp8kv_bench"
+
+
+def load_harness(module: str, command: str):
+    """Import ``fp8kv_bench.<module>`` for ``fp8kv <command>``.
+
+    Returns the module, or None after printing (to stderr, no traceback) that the harness is
+    not installed; the command then exits with status 2. A module the harness itself imports
+    being missing is a real error and keeps its traceback.
+    """
+    name = f"{HARNESS}.{module}"
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (HARNESS, name):
+            raise
+        print(f"fp8kv {command}: error: needs the benchmark harness {name} (package {HARNESS!r}), which is "
+              "not installed. It ships in the fp8kv source tree (benchmarks/fp8kv_bench) and is installed "
+              "with it: pip install -e <fp8kv checkout>", file=sys.stderr)
+        return None
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict]:

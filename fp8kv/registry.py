@@ -73,7 +73,6 @@ class Fault:
         return f"{self.name} ({self.distribution}) {what}: {self.error}"
 
 
-LoadFault = Fault  # the name used by the first version
 
 
 @dataclass
@@ -440,7 +439,7 @@ def select_backend(request: Request, device: DeviceInfo | torch.device | str | N
 
 
 __all__ = [
-    "ENTRY_POINT_GROUP", "OPS", "Backend", "BackendFailure", "DuplicateBackendError", "Fault", "LoadFault",
+    "ENTRY_POINT_GROUP", "OPS", "Backend", "BackendFailure", "DuplicateBackendError", "Fault",
     "Registry", "Selection", "available_backends", "faults", "get_backend", "register_backend", "registry",
     "reset_registry", "select_backend", "unregister_backend",
 ]

@@ -222,5 +222,5 @@ def test_non_float_inputs_raise() -> None:
         quantize(torch.ones(2, dtype=torch.int32), "fp8_e4m3")
     with pytest.raises(Fp8KVError, match=r"^scale: got"):
         quantize(torch.ones(2), "fp8_e4m3", torch.tensor([1], dtype=torch.int64))
-    with pytest.raises(Fp8KVError, match=r"^kv_dtype: got"):
+    with pytest.raises(Fp8KVError, match=r"^q: got dtype torch.float32"):
         dequantize(torch.ones(2))  # float32 is not an FP8 dtype

