@@ -8,11 +8,10 @@ Toolchain fields follow one rule on real and simulated devices alike:
 
 * ``triton``: Triton imports and supports the device (NVIDIA sm80+, AMD GPUs; the CPU
   only through its interpreter, ``TRITON_INTERPRET=1``);
-* ``cupy``: CuPy imports (NVIDIA only);
-* ``flash_attn3``: ``flash_attn_interface`` imports and the device is Hopper (sm90).
+* ``cupy``: CuPy imports (NVIDIA only).
 
 A simulated GPU assumes every toolchain it could run is installed; override single
-fields with ``simulate_device("sm90", flash_attn3=False)``.
+fields with ``simulate_device("sm90", cupy=False)``.
 """
 
 from __future__ import annotations
@@ -45,7 +44,6 @@ class DeviceInfo:
         triton: whether Triton imports and can run here (the CPU only through
             ``TRITON_INTERPRET=1``).
         cupy: whether CuPy imports and sees a CUDA device.
-        flash_attn3: whether ``flash_attn_interface`` (FlashAttention-3) imports.
         memory_bytes: total device memory (0 when unknown).
         simulated: True for a simulated device.
     """
@@ -57,7 +55,6 @@ class DeviceInfo:
     native_fp8: frozenset[str] = field(default_factory=frozenset)
     triton: bool = False
     cupy: bool = False
-    flash_attn3: bool = False
     memory_bytes: int = 0
     simulated: bool = False
 
@@ -85,7 +82,7 @@ class DeviceInfo:
     def describe(self) -> str:
         """One line: name, arch, native FP8, toolchains, memory (for ``fp8kv probe``)."""
         tools = [t for t, ok in (("triton" + (" (interpreter)" if self.triton and not self.is_gpu else ""),
-                                  self.triton), ("cupy", self.cupy), ("flash-attn3", self.flash_attn3)) if ok]
+                                  self.triton), ("cupy", self.cupy)) if ok]
         mem = f"{self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else "unknown"
         return (f"{self.name} [{self.vendor}{', ' + self.arch if self.arch else ''}]"
                 f"{' (simulated)' if self.simulated and 'simulated' not in self.name else ''}; "
@@ -149,7 +146,7 @@ def simulated(name: str) -> DeviceInfo:
     return DeviceInfo(
         vendor=vendor, name=label, arch=arch, torch_device="cuda:0" if gpu else "cpu",
         native_fp8=native_fp8_formats(arch), triton=triton_supports(vendor, arch),
-        cupy=vendor == "nvidia", flash_attn3=arch == "sm90", memory_bytes=mem, simulated=True,
+        cupy=vendor == "nvidia", memory_bytes=mem, simulated=True,
     )
 
 
@@ -222,7 +219,6 @@ def _probe_real(device_str: str, interpret: bool) -> DeviceInfo:
         native_fp8=native_fp8_formats(arch),
         triton=triton_supports(vendor, arch) and _importable("triton"),
         cupy=vendor == "nvidia" and _importable("cupy"),
-        flash_attn3=arch == "sm90" and _importable("flash_attn_interface"),
         memory_bytes=int(props.total_memory),
     )
 

@@ -15,16 +15,16 @@ from fp8kv.hookspecs import BackendInfo, hookimpl
 from fp8kv.probe import SIMULATED, probe, simulate_device, simulated
 from fp8kv.registry import Registry, register_backend
 
-EXPECTED = {  # arch: (vendor, native FP8, triton, cupy, flash_attn3, fp8 alias)
-    "cpu": ("cpu", set(), False, False, False, "fp8_e4m3"),
-    "sm70": ("nvidia", set(), False, True, False, "fp8_e4m3"),
-    "sm75": ("nvidia", set(), False, True, False, "fp8_e4m3"),
-    "sm80": ("nvidia", set(), True, True, False, "fp8_e4m3"),
-    "sm86": ("nvidia", set(), True, True, False, "fp8_e4m3"),
-    "sm89": ("nvidia", {"fp8_e4m3", "fp8_e5m2"}, True, True, False, "fp8_e4m3"),
-    "sm90": ("nvidia", {"fp8_e4m3", "fp8_e5m2"}, True, True, True, "fp8_e4m3"),
-    "gfx942": ("amd", {"fp8_e4m3fnuz", "fp8_e5m2fnuz"}, True, False, False, "fp8_e4m3fnuz"),
-    "gfx950": ("amd", {"fp8_e4m3", "fp8_e5m2"}, True, False, False, "fp8_e4m3"),
+EXPECTED = {  # arch: (vendor, native FP8, triton, cupy, fp8 alias)
+    "cpu": ("cpu", set(), False, False, "fp8_e4m3"),
+    "sm70": ("nvidia", set(), False, True, "fp8_e4m3"),
+    "sm75": ("nvidia", set(), False, True, "fp8_e4m3"),
+    "sm80": ("nvidia", set(), True, True, "fp8_e4m3"),
+    "sm86": ("nvidia", set(), True, True, "fp8_e4m3"),
+    "sm89": ("nvidia", {"fp8_e4m3", "fp8_e5m2"}, True, True, "fp8_e4m3"),
+    "sm90": ("nvidia", {"fp8_e4m3", "fp8_e5m2"}, True, True, "fp8_e4m3"),
+    "gfx942": ("amd", {"fp8_e4m3fnuz", "fp8_e5m2fnuz"}, True, False, "fp8_e4m3fnuz"),
+    "gfx950": ("amd", {"fp8_e4m3", "fp8_e5m2"}, True, False, "fp8_e4m3"),
 }
 
 
@@ -45,11 +45,11 @@ def test_every_documented_device_can_be_simulated():
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_simulated_devices(name, monkeypatch):
-    vendor, native, triton, cupy, fa3, alias = EXPECTED[name]
+    vendor, native, triton, cupy, alias = EXPECTED[name]
     monkeypatch.setenv("FP8KV_SIMULATE_DEVICE", name)
     info = probe()
-    assert (info.vendor, set(info.native_fp8), info.triton, info.cupy, info.flash_attn3, info.fp8_alias) == \
-        (vendor, native, triton, cupy, fa3, alias)
+    assert (info.vendor, set(info.native_fp8), info.triton, info.cupy, info.fp8_alias) == \
+        (vendor, native, triton, cupy, alias)
     assert info.simulated and info.arch == (None if name == "cpu" else name)
     assert info.is_gpu == (name != "cpu") and info.device_type == ("cpu" if name == "cpu" else "cuda")
     assert info.sm == (int(name[2:]) if name.startswith("sm") else None)
@@ -62,8 +62,8 @@ def test_simulate_device_context_nests_overrides_and_restores(monkeypatch):
     real = probe()
     with simulate_device("sm80") as outer:
         assert probe() is outer and outer.arch == "sm80"
-        with simulate_device("sm90", flash_attn3=False) as inner:
-            assert probe() == inner and inner.arch == "sm90" and not inner.flash_attn3
+        with simulate_device("sm90", cupy=False) as inner:
+            assert probe() == inner and inner.arch == "sm90" and not inner.cupy
         assert probe() is outer
         monkeypatch.setenv("FP8KV_SIMULATE_DEVICE", "gfx942")
         assert probe() is outer  # the context manager wins over the environment
