@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import InvalidArgument, bad_argument
+from .errors import bad_argument
 from .formats import FORMATS, Fp8Format, check_scale, ensure_fp8, get_format
 from .scales import GRANULARITIES, check_granularity
 
@@ -369,10 +369,11 @@ class KVCache:
             raise bad_argument("key_cache", f"shape {tuple(k.shape)}", "4 dimensions")
         H = k.shape[2] if layout == "NHD" else k.shape[1]
         if scale_granularity == "token_head":
-            if not (k_scale is None or isinstance(k_scale, torch.Tensor)) or not (
-                    v_scale is None or isinstance(v_scale, torch.Tensor)):
-                raise InvalidArgument("k_scale/v_scale: got static scales, expected None with "
-                                      "scale_granularity='token_head' (scales are computed at write time)")
+            for name, given in (("k_scale", k_scale), ("v_scale", v_scale)):
+                if not (given is None or isinstance(given, torch.Tensor)):
+                    raise bad_argument(name, f"a static scale {given!r}",
+                                       "None or a float32 [num_blocks, block_size, H] tensor with "
+                                       "scale_granularity='token_head' (scales are computed at write time)")
             nb, bs = k.shape[0], (k.shape[1] if layout == "NHD" else k.shape[2])
             ks = _token_head_scale(k_scale, "k_scale", (nb, bs, H), k.device)
             vs = _token_head_scale(v_scale, "v_scale", (nb, bs, H), k.device)
