@@ -41,6 +41,7 @@ WRITE_CASES = {
     "slot twice": (lambda: (*kv(), torch.tensor([5, -1, 5])), "slot_mapping", "at most once"),
     "non-contiguous": (lambda: (torch.randn(3, D, H).transpose(1, 2), kv()[1], torch.arange(3)), "key",
                        "contiguous"),
+    "value shape, same dtype": (lambda: (kv(3)[0], kv(2)[1], torch.arange(3)), "value", "shape and dtype of key"),
 }
 
 
@@ -106,6 +107,17 @@ ATTN_CASES = {
     "out shape": (bad(out=lambda: torch.empty(2, 2 * H, D + 1)), "out", "shape"),
     "out dtype": (bad(out=lambda: torch.empty(2, 2 * H, D, dtype=torch.float16)), "out", "dtype"),
     "non-contiguous query": (bad(query=lambda: torch.randn(2, D, 2 * H).transpose(1, 2)), "query", "contiguous"),
+    # planted bugs the first suite missed (hardening issue): each of these was once accepted
+    "qsl not from 0": (bad(query=lambda: torch.randn(4, 2 * H, D),
+                           query_start_loc=lambda: torch.tensor([1, 3, 4], dtype=torch.int32)),
+                       "query_start_loc", "from 0"),
+    "zero query heads": (bad(query=lambda: torch.randn(2, 0, D)), "query", "positive multiple"),
+    "causal not a bool": (bad(causal=1), "causal", "True or False"),
+    "non-contiguous out": (bad(out=lambda: torch.empty(2, D, 2 * H).transpose(1, 2)), "out", "contiguous"),
+    "max_query_len not an int": (bad(query=lambda: torch.randn(4, 2 * H, D),
+                                     query_start_loc=lambda: torch.tensor([0, 2, 4], dtype=torch.int32),
+                                     max_query_len=2.5), "max_query_len", "int"),
+    "backend None": (bad(backend=None), "backend", "'auto' or a backend name"),
 }
 
 
