@@ -182,6 +182,13 @@ def check_slot_mapping(spec: CacheSpec, slot_mapping, num_tokens: int, validate:
     return slot_mapping
 
 
+def _fields(spec: CacheSpec) -> tuple:
+    """A spec's fields as a plain tuple (compares under ``torch.compile(dynamic=True)``, where the
+    dataclass ``__eq__`` of symbolic ints does not trace)."""
+    return (spec.kv_dtype, spec.layout, spec.scale_granularity, spec.num_blocks, spec.block_size, spec.num_kv_heads,
+            spec.head_size, spec.device)
+
+
 # ---------------------------------------------------------------------------- the metadata
 @dataclass
 class AttentionMetadata:
@@ -253,7 +260,7 @@ class AttentionMetadata:
         """``cache`` has this metadata's spec (else a named error)."""
         if not isinstance(cache, KVCache):
             raise bad_argument("cache", type(cache).__name__, "an fp8kv.KVCache")
-        if cache.spec is not self.spec and cache.spec != self.spec:
+        if cache.spec is not self.spec and _fields(cache.spec) != _fields(self.spec):
             raise bad_argument("cache", cache.spec.describe(),
                                f"a cache like the one the metadata was planned for: {self.spec.describe()}")
         return cache
