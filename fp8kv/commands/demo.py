@@ -13,16 +13,20 @@ import time
 
 import torch
 
+from ..cli import device_arg, positive_int
+
 NAME = "demo"
 HELP = "run a small random paged workload through every FP8 format and granularity"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--device", default=None, type=device_arg,
+                   help="torch device: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
     p.add_argument("--backend", default="auto", help="backend name or 'auto'")
-    p.add_argument("--seqs", type=int, default=4)
-    p.add_argument("--max-len", type=int, default=384)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seqs", type=positive_int, default=4, help="number of sequences (default 4)")
+    p.add_argument("--max-len", type=positive_int, default=384,
+                   help="longest sequence in tokens; lengths are drawn from [max-len/4, max-len] (default 384)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(args.seed)
     H, Hq, D, bs = 4, 16, 64, 16
-    lens = torch.randint(args.max_len // 4, args.max_len + 1, (args.seqs,), generator=g)
+    lens = torch.randint(max(1, args.max_len // 4), args.max_len + 1, (args.seqs,), generator=g)
     blocks_per_seq = -(-args.max_len // bs)
     num_blocks = args.seqs * blocks_per_seq + 3
     perm = torch.randperm(num_blocks, generator=g)[: args.seqs * blocks_per_seq]

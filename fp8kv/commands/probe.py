@@ -3,6 +3,9 @@
 The table asks each installed backend about one baseline request per op and format
 (NHD layout, per-tensor scales, head size 128, bfloat16 I/O, or float16 before sm80,
 decode), exactly as an API call would; backends that are not installed are not listed.
+
+Exit status: 0, or 1 when the backend registry itself failed to load (the report says why);
+2 for a bad ``--device`` or ``--simulate``.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import textwrap
 import torch
 
 from .. import settings
+from ..cli import device_arg
 from ..formats import FORMATS
 from ..hookspecs import OPS, Request
 from ..probe import SIMULATED, DeviceInfo, probe, simulate_device
@@ -29,8 +33,8 @@ BASE_LAYOUT, BASE_GRANULARITY, BASE_HEAD_SIZE = "NHD", "tensor", 128
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", metavar="DEVICE", choices=list(SIMULATED),
                         help=f"answer for a simulated device: {', '.join(SIMULATED)}")
-    parser.add_argument("--device", default=None,
-                        help="torch device to probe (default: cuda if present, else cpu)")
+    parser.add_argument("--device", default=None, type=device_arg,
+                        help="torch device to probe: cpu, cuda or cuda:N (default: cuda if present, else cpu)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
 
 
