@@ -16,6 +16,9 @@ The one-shot way (a metadata is built inside every call)::
 
 Every check runs before any backend is called, so bad input raises
 :class:`fp8kv.InvalidArgument` (an :class:`fp8kv.Fp8KVError`) and leaves the cache unchanged.
+
+Inference only: writes never record autograd history (the cache and its dynamic scales never
+join the caller's graph) and attention outputs never require grad, on every backend alike.
 """
 
 from __future__ import annotations
@@ -40,6 +43,15 @@ def _check_kv(cache: KVCache, key, value) -> None:
     if key.shape != value.shape or key.dtype != value.dtype:
         raise bad_argument("value", f"{tuple(value.shape)} {value.dtype}",
                            f"the shape and dtype of key, {tuple(key.shape)} {key.dtype}")
+
+
+def _check_separate(cache: KVCache, **tensors: torch.Tensor) -> None:
+    """No argument may share bytes with a cache tensor (a write would read what it overwrites)."""
+    for name, t in tensors.items():
+        shared = cache.shares_memory_with(t)
+        if shared is not None:
+            raise bad_argument(name, f"a tensor sharing memory with cache.{shared}",
+                               "a tensor separate from the cache's tensors")
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor,
@@ -75,6 +87,9 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor,
         _check_kv(cache, key, value)
         slots = check_slot_mapping(cache.spec, slot_mapping, key.shape[0], None)
         selection = select_backend(Request.for_write(cache.spec, key.dtype), cache.device, backend)
+    _check_separate(cache, key=key, value=value)
+    if key.requires_grad or value.requires_grad:  # inference only: never joins the caller's graph
+        key, value = key.detach(), value.detach()
     if key.shape[0]:
         # -- torch.compile: one fp8kv::write_kv custom op instead of the backend call (fp8kv/ops.py)
         if torch.compiler.is_compiling():
@@ -140,12 +155,21 @@ def paged_attention(
     if tuple(query.shape) != want:
         raise bad_argument("query", f"shape {tuple(query.shape)}", f"{list(want)} (num_tokens, num_q_heads, "
                                                                    "head_size of the metadata)")
+    if query.requires_grad:  # inference only: the output never requires grad, on every backend
+        query = query.detach()
     if out is None:
         out = torch.empty_like(query)
     else:
         check_tensor("out", out, dtypes=(query.dtype,), ndim=3, device=spec.device)
         if out.shape != query.shape:
             raise bad_argument("out", f"shape {tuple(out.shape)}", f"the query's shape {tuple(query.shape)}")
+        if out.requires_grad:
+            raise bad_argument("out", "a tensor that requires grad", "an output buffer without autograd history "
+                                                                     "(fp8kv ops are inference only)")
+        _check_separate(cache, out=out)
+        if out.data_ptr() <= query.data_ptr() + query.numel() * query.element_size() - 1 and \
+                query.data_ptr() <= out.data_ptr() + out.numel() * out.element_size() - 1:
+            raise bad_argument("out", "a tensor sharing memory with query", "a separate output buffer")
     lse = torch.empty(want[:2], dtype=torch.float32, device=spec.device) if return_lse else None
     if meta.num_tokens:
         # -- torch.compile: one fp8kv::paged_attention custom op instead of the backend call (fp8kv/ops.py)

@@ -220,9 +220,35 @@ class KVCache:
     layout: str
     scale_granularity: str
     spec: CacheSpec = dataclasses.field(init=False, repr=False, compare=False)
+    _extents: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    _span: tuple = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        for name in ("key_cache", "value_cache", "k_scale", "v_scale"):  # inference only: never in a graph
+            t = getattr(self, name)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                object.__setattr__(self, name, t.detach())
         object.__setattr__(self, "spec", self._validate())
+        object.__setattr__(self, "_extents", tuple(
+            _extent(t) for t in (self.key_cache, self.value_cache, self.k_scale, self.v_scale)))
+        object.__setattr__(self, "_span", (min(a for a, _ in self._extents), max(b for _, b in self._extents)))
+
+    def shares_memory_with(self, t: torch.Tensor) -> str | None:
+        """The name of the cache tensor ``t`` may share bytes with, or None (cheap: extents first)."""
+        if t.numel() == 0 or t.device != self.spec.device or t.device.type == "meta":
+            return None
+        if t.is_contiguous():
+            lo = t.data_ptr()
+            hi = lo + t.numel() * t.element_size() - 1
+        else:
+            lo, hi = _extent(t)
+        if hi < self._span[0] or self._span[1] < lo:  # the usual case: nowhere near the cache
+            return None
+        names = ("key_cache", "value_cache", "k_scale", "v_scale")
+        for name, (a, b) in zip(names, self._extents, strict=True):
+            if lo <= b and a <= hi and _may_share_bytes(t, getattr(self, name)):
+                return name
+        return None
 
     def _validate(self) -> CacheSpec:
         if not isinstance(self.fmt, Fp8Format):
