@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import bad_argument
+from .errors import Unsupported, bad_argument
 from .formats import FORMATS, Fp8Format, check_scale, ensure_fp8, get_format
 from .scales import GRANULARITIES, check_granularity
 
@@ -323,13 +323,21 @@ class KVCache:
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
             _positive_int(name, v)
-        device = torch.device(device) if device is not None else torch.device("cpu")
+        device = check_device(device)
         fmt = _resolve_format("fp8_e4m3" if kv_dtype is None else kv_dtype, device)
         check_layout(layout)
+        check_granularity("tensor" if scale_granularity is None else scale_granularity)
         shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"
                  else (num_blocks, num_kv_heads, block_size, head_size))
-        key_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
-        value_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
+        numel = num_blocks * block_size * num_kv_heads * head_size
+        if numel >= 2**62 // 8:
+            raise bad_argument("num_blocks", num_blocks, f"a cache of fewer than 2^59 elements (asked for {numel})")
+        try:
+            key_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
+            value_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
+        except (RuntimeError, MemoryError) as exc:  # out of memory, or a device this torch lacks
+            raise Unsupported(f"num_blocks: allocating 2 x {numel} bytes ({list(shape)}) on {device} failed: "
+                              f"{str(exc).splitlines()[0][:200]}") from None
         return cls._wrap(key_cache, value_cache, fmt, layout, scale_granularity, k_scale, v_scale)
 
     @classmethod
@@ -522,6 +530,24 @@ class KVCache:
             for a, b in ((self.key_cache, other.key_cache), (self.value_cache, other.value_cache),
                          (self.k_scale, other.k_scale), (self.v_scale, other.v_scale))
         )
+
+
+def check_device(device) -> torch.device:
+    """``device`` (None = the CPU) as a torch.device this torch can use, or a named error."""
+    if device is None:
+        return torch.device("cpu")
+    if not isinstance(device, (str, torch.device)) or isinstance(device, bool):
+        raise bad_argument("device", repr(device), "a torch.device or a string such as 'cpu' or 'cuda:0'")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise bad_argument("device", repr(device), "a torch device such as 'cpu', 'cuda' or 'cuda:0'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise bad_argument("device", repr(device), f"a device this torch can use (torch {torch.__version__} sees no "
+                                                   "CUDA device)")
+    if dev.type not in ("cpu", "cuda", "meta"):
+        raise bad_argument("device", repr(device), "'cpu', 'cuda' or 'meta' (other torch devices are not served)")
+    return dev
 
 
 def _resolve_format(kv_dtype, device) -> Fp8Format:

@@ -175,3 +175,29 @@ def test_bad_allocation_is_refused(kwargs, argname):
 def test_not_a_cache():
     with pytest.raises(Fp8KVError, match="^cache:"):
         fp8kv.write_kv(object(), *kv(), torch.arange(3))
+
+
+ALLOCATE_CASES = [
+    (dict(num_blocks=0), "num_blocks"), (dict(num_blocks=-1), "num_blocks"), (dict(num_blocks=True), "num_blocks"),
+    (dict(num_blocks=2.0), "num_blocks"), (dict(block_size="4"), "block_size"), (dict(head_size=None), "head_size"),
+    (dict(num_blocks=2**40), "num_blocks"),  # 2 x 2^40 x 128 bytes: the allocation fails, named
+    (dict(num_blocks=2**62), "num_blocks"),  # the element count itself overflows
+    (dict(device="garbage"), "device"), (dict(device=3), "device"), (dict(device="mps"), "device"),
+    (dict(kv_dtype=None, layout="XYZ"), "layout"), (dict(kv_dtype=torch.float16), "kv_dtype"),
+    (dict(scale_granularity="channel"), "scale_granularity"),
+    (dict(k_scale="0.5"), "k_scale"), (dict(k_scale=torch.ones((), device="meta")), "k_scale"),
+    (dict(k_scale=[1.0, 2.0]), "k_scale"), (dict(k_scale=torch.ones(2, 2), scale_granularity="head"), "k_scale"),
+    (dict(v_scale=float("inf")), "v_scale"), (dict(v_scale=torch.ones(3), scale_granularity="head"), "v_scale"),
+]
+
+
+@pytest.mark.parametrize("kwargs,argname", ALLOCATE_CASES, ids=[f"{list(k)[0]}={k[list(k)[0]]!r}"[:40]
+                                                                for k, _ in ALLOCATE_CASES])
+def test_bad_allocation_arguments_are_named(kwargs, argname):
+    args = dict(num_blocks=2, block_size=4, num_kv_heads=H, head_size=D)
+    pos = {k: kwargs.pop(k) for k in list(kwargs) if k in args}
+    args.update(pos)
+    with pytest.raises(Fp8KVError) as err:
+        fp8kv.KVCache.allocate(args.pop("num_blocks"), args.pop("block_size"), args.pop("num_kv_heads"),
+                               args.pop("head_size"), **kwargs)
+    assert str(err.value).startswith(argname + ":"), str(err.value)
