@@ -8,6 +8,10 @@ variable                    meaning
 ==========================  =========================================================
 ``FP8KV_BACKEND``           force this backend wherever ``backend="auto"`` (``auto``
                             or empty: choose). A name that cannot serve raises.
+``FP8KV_AUTO_BACKENDS``     comma-separated backend names ``backend="auto"`` may pick
+                            (unset or empty: any installed one). Forced names are not
+                            affected; a listed name that is not installed is ignored
+                            (and named if then no backend can serve a request).
 ``FP8KV_STRICT``            ``1``: landing on the slow reference backend on a GPU is an
                             error instead of a warning. Default ``0``.
 ``FP8KV_CHECK``             ``full`` (default): value checks (slot, block-table and
@@ -26,6 +30,7 @@ variable                    meaning
 
 from __future__ import annotations
 
+import functools
 import os
 
 from .errors import InvalidArgument
@@ -45,6 +50,19 @@ def forced_backend() -> str | None:
     """``FP8KV_BACKEND``: the backend to force for ``backend="auto"``, or None."""
     value = os.environ.get("FP8KV_BACKEND", "").strip()
     return None if value in ("", "auto") else value
+
+
+def auto_backends() -> frozenset[str] | None:
+    """``FP8KV_AUTO_BACKENDS``: the backends ``auto`` may pick, or None (any of them)."""
+    return _names("FP8KV_AUTO_BACKENDS", os.environ.get("FP8KV_AUTO_BACKENDS", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _names(var: str, value: str) -> frozenset[str] | None:
+    names = frozenset(n.strip() for n in value.split(",") if n.strip())
+    if "auto" in names:
+        raise InvalidArgument(f"{var}: got {value!r}, expected comma-separated backend names (not 'auto')")
+    return names or None
 
 
 def strict() -> bool:
@@ -77,6 +95,6 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-VARIABLES = ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_CHECK", "FP8KV_SIMULATE_DEVICE", "FP8KV_TRITON_CODEC",
-             "TRITON_INTERPRET")
+VARIABLES = ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_CHECK", "FP8KV_SIMULATE_DEVICE",
+             "FP8KV_TRITON_CODEC", "TRITON_INTERPRET")
 """Every variable read (the README lists them; tests check the two agree)."""

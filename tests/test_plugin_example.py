@@ -2,8 +2,10 @@
 directory (its module plus a ``*.dist-info`` with METADATA and entry_points.txt, put on
 ``sys.path``): discovered through the entry point, selected by priority, forced by name,
 explained in ``fp8kv probe``, passing the conformance kit. Plus the fault cases: a plugin
-that fails to import or raises in a hook is reported and skipped, two distributions with
-one backend name are an error naming both, a backend that claims and fails is named."""
+that fails to import (SystemExit and KeyboardInterrupt included) or raises in a hook is
+reported and skipped and the built-in backends still load, a plugin claiming a built-in
+name is refused, of two distributions with one backend name the first is kept and the
+second reported naming both, a backend that claims and fails is named."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ import pytest
 import torch
 
 import fp8kv
+import fp8kv.registry as registry_mod
 from fp8kv.cli import main
 from fp8kv.hookspecs import Request
+from fp8kv.reference import ReferenceBackend
 from fp8kv.registry import (
+    RESERVED_NAMES,
     BackendFailure,
-    DuplicateBackendError,
     available_backends,
     faults,
     registry,
@@ -74,7 +78,7 @@ class Site:
 
 @pytest.fixture
 def site(tmp_path, monkeypatch):
-    for var in ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE"):
+    for var in ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE"):
         monkeypatch.delenv(var, raising=False)
     s = Site(tmp_path / "site")
     yield s
@@ -229,18 +233,111 @@ def test_a_plugin_raising_in_a_hook_is_reported_and_skipped(site, capsys):
     assert "raises (fp8kv-raises) raised in fp8kv_supports: RuntimeError: capability table is corrupt" in out
 
 
-def test_two_distributions_with_one_backend_name_are_an_error_naming_both(site, capsys):
+def write_one(**kw) -> None:
+    fp8kv.write_kv(fp8kv.KVCache.allocate(1, 1, 1, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16),
+                   torch.tensor([0]), **kw)
+
+
+def test_two_distributions_with_one_backend_name_keep_the_first_and_report_both(site, capsys):
     site.install("fp8kv-dup-one", "fp8kv_dup_one", GOOD.format(name="dup"), {"dup": "fp8kv_dup_one:Good"})
     site.install("fp8kv-dup-two", "fp8kv_dup_two", GOOD.format(name="dup"), {"dup2": "fp8kv_dup_two:Good"})
-    with pytest.warns(RuntimeWarning, match="two backends are named 'dup'"):
+    both = ("two backends are named 'dup': the one from the distribution 'fp8kv-dup-one' (registered first) is "
+            "kept, the one from 'fp8kv-dup-two' is refused; uninstall or rename one")
+    with pytest.warns(RuntimeWarning, match=re.escape(f"dup2 (fp8kv-dup-two) failed to load: "
+                                                      f"DuplicateBackendError: {both}")):
         fresh_registry(keep=("reference", "dup"))
-    both = "two backends are named 'dup': one from the distribution 'fp8kv-dup-one', one from 'fp8kv-dup-two'"
-    for _ in range(2):  # on every call, not only the first
-        with pytest.raises(DuplicateBackendError, match=both):
-            fp8kv.write_kv(fp8kv.KVCache.allocate(1, 1, 1, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16),
-                           torch.tensor([0]))
-    assert main(["probe"]) == 1
-    assert "ERROR: two backends are named 'dup'" in capsys.readouterr().out
+    assert available_backends()["dup"].distribution == "fp8kv-dup-one"
+    assert [(f.name, f.distribution) for f in faults()] == [("dup2", "fp8kv-dup-two")]
+    for _ in range(2):  # no call is broken by it
+        write_one()
+        write_one(backend="dup")
+    assert main(["probe"]) == 0
+    assert f"dup2 (fp8kv-dup-two) failed to load: DuplicateBackendError: {both}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED_NAMES))
+def test_a_distribution_claiming_a_builtin_name_is_refused_and_the_builtin_stays(site, name):
+    code = GOOD.format(name=name).replace("priority=5", "priority=1000")
+    site.install("fp8kv-impostor", "fp8kv_impostor", code, {"impostor": "fp8kv_impostor:Good"})
+    with pytest.warns(RuntimeWarning, match=rf"impostor \(fp8kv-impostor\) failed to load: ReservedNameError: "
+                      rf"backend name '{name}' is reserved for fp8kv's built-in backend"):
+        reset_registry()
+        backends = available_backends()
+    assert backends["reference"].distribution == "fp8kv"
+    if name in backends:  # the built-in triton is there whenever it imports here
+        assert backends[name].distribution == "fp8kv"
+    assert all(b.distribution == "fp8kv" for b in backends.values())
+    assert [(f.name, f.distribution) for f in faults()] == [("impostor", "fp8kv-impostor")]
+    for _ in range(2):
+        write_one()
+        write_one(backend="reference")
+
+
+RAISES_AT_IMPORT = {
+    "SystemExit": "import sys\nsys.exit('no GPU, bye')\n",
+    "GeneratorExit": "raise GeneratorExit('odd')\n",
+    "BaseException": "raise BaseException('plain')\n",
+}
+
+
+@pytest.mark.parametrize("kind", sorted(RAISES_AT_IMPORT))
+def test_a_plugin_raising_a_base_exception_at_import_is_reported_and_the_rest_load(site, kind):
+    install_example(site)
+    # "aaa" sorts before every other entry point: the built-ins still load, and so does "example"
+    site.install("fp8kv-exits", "fp8kv_exits", RAISES_AT_IMPORT[kind], {"aaa": "fp8kv_exits:Backend"})
+    with pytest.warns(RuntimeWarning, match=rf"aaa \(fp8kv-exits\) failed to load: {kind}"):
+        fresh_registry(keep=("reference", "example", "aaa"))
+    assert set(available_backends()) == {"example", "reference"}
+    assert [(f.name, f.distribution, f.where) for f in faults()] == [("aaa", "fp8kv-exits", "load")]
+    assert select_backend(req(), "cpu").backend.name == "example"
+
+
+def test_a_plugin_raising_keyboard_interrupt_at_import_leaves_a_registry_the_next_call_completes(site):
+    install_example(site)
+    site.install("fp8kv-interrupts", "fp8kv_interrupts", "raise KeyboardInterrupt\n",
+                 {"aaa": "fp8kv_interrupts:Backend"})
+    reset_registry()
+    with pytest.raises(KeyboardInterrupt), pytest.warns(RuntimeWarning, match="aaa .* KeyboardInterrupt"):
+        registry()  # the interrupt propagates ...
+    reg = registry_mod._REGISTRY
+    assert not reg.loaded and "reference" in reg.backends  # ... after the built-ins, before "example"
+    assert "example" not in reg.backends
+    names = set(available_backends())  # the next call goes on where it stopped
+    assert {"reference", "example"} <= names and "aaa" not in names and reg.loaded
+    [fault] = faults()
+    assert (fault.name, fault.distribution) == ("aaa", "fp8kv-interrupts")
+    assert fault.error == "KeyboardInterrupt (interrupted while loading; skipped until reset_registry())"
+    assert select_backend(req(), "cpu", backend="example").backend.name == "example"
+    write_one()
+
+
+def test_an_interrupted_builtin_is_loaded_by_the_next_call(site, monkeypatch):
+    interrupts = [KeyboardInterrupt()]
+
+    def init(self):
+        if interrupts:
+            raise interrupts.pop()
+
+    monkeypatch.setattr(ReferenceBackend, "__init__", init, raising=False)
+    reset_registry()
+    with pytest.raises(KeyboardInterrupt):
+        registry()
+    assert "reference" in available_backends()  # retried, not skipped
+    assert not [f for f in faults() if f.name == "reference"]
+
+
+def test_system_exit_in_an_installed_plugins_support_check_does_not_escape_write_kv(site):
+    code = GOOD.format(name="quits").replace("priority=5", "priority=50")
+    site.install("fp8kv-quits", "fp8kv_quits", code + '''
+    @hookimpl
+    def fp8kv_supports(self, device, request):
+        raise SystemExit(1)
+''', {"quits": "fp8kv_quits:Good"})
+    fresh_registry(keep=("reference", "quits"))
+    with pytest.warns(RuntimeWarning, match=r"quits \(fp8kv-quits\) raised in fp8kv_supports: SystemExit: 1"):
+        write_one()
+    write_one()
+    assert select_backend(req(), "cpu").backend.name == "reference"
 
 
 def test_an_installed_backend_that_claims_and_fails_is_named(site):

@@ -1,8 +1,13 @@
 """The backend registry: registration, selection by priority with reasons, forcing, caching,
-the no-silent-slow-path warning, and faults (never fatal for the other backends)."""
+the no-silent-slow-path warning, faults (never fatal for the other backends, SystemExit
+included), reserved names, hooks outside the registry lock, the FP8KV_AUTO_BACKENDS allowlist
+and the log line when a third-party backend wins ``auto``."""
 
 from __future__ import annotations
 
+import logging
+import re
+import threading
 import warnings
 
 import pluggy
@@ -14,9 +19,11 @@ import fp8kv.registry as registry_mod
 from fp8kv import reference
 from fp8kv.hookspecs import BackendInfo, Request, hookimpl
 from fp8kv.registry import (
+    RESERVED_NAMES,
     BackendFailure,
     DuplicateBackendError,
     Registry,
+    ReservedNameError,
     available_backends,
     faults,
     register_backend,
@@ -31,7 +38,7 @@ def isolated(monkeypatch):
     reg = Registry(loaded=True)
     reg.add(reference.ReferenceBackend(), distribution="fp8kv")
     monkeypatch.setattr(registry_mod, "_REGISTRY", reg)
-    for var in ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE"):
+    for var in ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE"):
         monkeypatch.delenv(var, raising=False)
     return reg
 
@@ -76,6 +83,12 @@ def test_reference_comes_from_the_entry_point():
     assert b.distribution == "fp8kv" and b.info.priority == 0 and not b.info.fast
     eps = registry_mod.entry_points(group=registry_mod.ENTRY_POINT_GROUP)
     assert any(ep.name == "reference" and ep.dist.name == "fp8kv" for ep in eps)
+
+
+def test_the_reserved_names_are_fp8kvs_own_entry_points():
+    eps = registry_mod.entry_points(group=registry_mod.ENTRY_POINT_GROUP)
+    assert {ep.name for ep in eps if ep.dist.name == registry_mod.BUILTIN_DISTRIBUTION} == RESERVED_NAMES
+    assert available_backends()["reference"].builtin
 
 
 def test_highest_priority_wins_and_the_others_keep_their_reasons(isolated):
@@ -224,14 +237,38 @@ def test_a_backend_that_claims_support_and_fails_is_named(isolated):
     (object(), fp8kv.Fp8KVError, "does not implement fp8kv_backend_info"),
     (Fake("auto"), fp8kv.Fp8KVError, "expected a non-empty name other than 'auto'"),
     (Fake(" padded"), fp8kv.Fp8KVError, "expected a non-empty name"),
-    (Fake("reference"), DuplicateBackendError,
-     "two backends are named 'reference': one from the distribution 'fp8kv', one from '<runtime>'"),
 ])
 def test_invalid_plugins_are_refused_at_registration(isolated, plugin, error, match):
     with pytest.raises(error, match=match):
         register_backend(plugin)
     assert list(available_backends()) == ["reference"]
     register_backend(Fake("fine"))  # the plugin manager is left clean
+
+
+@pytest.mark.parametrize("name", sorted(RESERVED_NAMES))
+def test_a_reserved_name_is_refused_and_reported_and_the_builtin_keeps_working(isolated, name):
+    with pytest.warns(RuntimeWarning, match=rf"{name} \(impostor\) failed to load: ReservedNameError"), \
+            pytest.raises(ReservedNameError, match=rf"backend name '{name}' is reserved for fp8kv's built-in "
+                          r"backend: the backend from 'impostor' claiming it is refused") as caught:
+        register_backend(Fake(name, priority=1000), distribution="impostor")
+    assert isinstance(caught.value, fp8kv.errors.PluginError) and caught.value.name == name
+    assert [(f.name, f.distribution, f.where) for f in faults()] == [(name, "impostor", "load")]
+    assert list(available_backends()) == ["reference"]  # 'triton' too: reserved even while absent
+    cache, k, v, slots = small_cache()
+    for _ in range(2):  # every call still works
+        fp8kv.write_kv(cache, k, v, slots)
+        assert select_backend(req(), "cpu", backend="reference").backend.distribution == "fp8kv"
+
+
+def test_a_taken_name_is_refused_naming_both_and_the_first_stays(isolated):
+    first = register_backend(Fake("dup", priority=90), distribution="dist-one")
+    with pytest.warns(RuntimeWarning, match="failed to load: DuplicateBackendError"), \
+            pytest.raises(DuplicateBackendError, match="two backends are named 'dup': the one from the distribution "
+                          "'dist-one' \\(registered first\\) is kept, the one from 'dist-two' is refused"):
+        register_backend(Fake("dup", priority=95), distribution="dist-two")
+    assert available_backends()["dup"] is first
+    assert select_backend(req(), "cpu").backend is first  # no call is broken by it
+    assert [(f.name, f.distribution) for f in faults()] == [("dup", "dist-two")]
 
 
 def test_bad_info_and_typos_are_refused(isolated):
@@ -288,3 +325,176 @@ def test_the_api_dispatches_to_the_selected_backend(isolated):
     fp8kv.paged_attention(q, cache, tables, lens, sliding_window=3)
     assert [(r.op, r.features) for _, r in calls] == [("write_kv", frozenset()),
                                                       ("paged_attention", frozenset({"sliding_window"}))]
+
+
+# -- containment (hardening: SystemExit and friends, the lock, the allowlist) ----------------------
+
+
+class ExitingWrite(Fake):
+    @hookimpl
+    def fp8kv_write_kv(self, cache, key, value, slot_mapping):
+        raise SystemExit("plugin called sys.exit")
+
+
+def test_system_exit_from_a_support_check_is_a_refusal_and_a_fault(isolated):
+    def leave(device, request):
+        raise SystemExit(3)
+
+    register_backend(Fake("quitter", priority=90, refuse=leave))
+    cache, k, v, slots = small_cache()
+    with pytest.warns(RuntimeWarning, match=r"quitter \(<runtime>\) raised in fp8kv_supports: SystemExit: 3"):
+        fp8kv.write_kv(cache, k, v, slots)  # served by the reference
+    sel = select_backend(req(), "cpu")
+    assert sel.backend.name == "reference" and sel.reasons["quitter"] == "fp8kv_supports raised SystemExit: 3"
+    with pytest.raises(fp8kv.Fp8KVError, match="cannot serve .*fp8kv_supports raised SystemExit: 3"):
+        select_backend(req(), "cpu", backend="quitter")
+
+
+def test_system_exit_from_an_op_hook_is_a_backend_failure(isolated):
+    register_backend(ExitingWrite("exits", priority=90), distribution="exits-dist")
+    cache, k, v, slots = small_cache()
+    with pytest.raises(BackendFailure, match=r"backend 'exits' \(exits-dist\) claimed support and failed in "
+                       "fp8kv_write_kv: SystemExit: plugin called sys.exit"):
+        fp8kv.write_kv(cache, k, v, slots)
+    fp8kv.write_kv(cache, k, v, slots, backend="reference")
+
+
+def test_keyboard_interrupt_in_a_support_check_propagates_and_is_not_cached(isolated):
+    interrupts = [KeyboardInterrupt()]
+
+    def maybe_interrupt(device, request):
+        if interrupts:
+            raise interrupts.pop()
+        return None
+
+    register_backend(Fake("slow", priority=90, refuse=maybe_interrupt))
+    with pytest.raises(KeyboardInterrupt):
+        select_backend(req(), "cpu")
+    assert select_backend(req(), "cpu").backend.name == "slow"  # asked again, now it answers
+    assert faults() == []
+
+
+@pytest.mark.parametrize("where", ["constructor", "backend_info"])
+@pytest.mark.parametrize("exc", [SystemExit(1), GeneratorExit("odd")])
+def test_a_plugin_raising_base_exceptions_at_registration_is_refused(isolated, where, exc):
+    class Raising(Fake):
+        def __init__(self):
+            if where == "constructor":
+                raise exc
+            super().__init__("raising")
+
+        @hookimpl
+        def fp8kv_backend_info(self):
+            raise exc
+
+    with pytest.raises(fp8kv.errors.PluginError, match=type(exc).__name__):
+        register_backend(Raising)
+    assert list(available_backends()) == ["reference"]
+    register_backend(Fake("fine"))  # the plugin manager is left clean
+
+
+def test_a_plugin_stuck_in_fp8kv_supports_blocks_only_its_own_thread(isolated):
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck_on_d128(device, request):
+        if request.head_size == 128:
+            entered.set()
+            release.wait(30)
+        return None
+
+    register_backend(Fake("stuck", priority=90, refuse=stuck_on_d128))
+    assert select_backend(req(), "cpu").backend.name == "stuck"  # D=64: answered and cached
+    picked = []
+    a = threading.Thread(target=lambda: picked.append(select_backend(req(D=128), "cpu").backend.name))
+    a.start()
+    try:
+        assert entered.wait(10), "the plugin was never asked"
+        done = []
+
+        def other_thread():
+            cache, k, v, slots = small_cache()
+            done.append(select_backend(req(), "cpu").backend.name)  # cached
+            done.append(select_backend(req(D=256), "cpu", backend="reference").backend.name)  # asks the reference
+            fp8kv.write_kv(cache, k, v, slots, backend="reference")
+            done.append(sorted(available_backends()))
+            done.append(register_backend(Fake("late", priority=1)).name)
+
+        b = threading.Thread(target=other_thread)
+        b.start()
+        b.join(10)
+        assert not b.is_alive(), "a plugin stuck in fp8kv_supports blocked another thread"
+        assert done == ["stuck", "reference", ["reference", "stuck"], "late"]
+    finally:
+        release.set()
+        a.join(10)
+    assert picked == ["stuck"]
+    assert select_backend(req(D=128), "cpu").backend.name == "stuck"
+
+
+def test_auto_backends_restricts_auto_only(isolated, monkeypatch):
+    calls, writes = [], []
+
+    class Counting(Fake):
+        @hookimpl
+        def fp8kv_write_kv(self, cache, key, value, slot_mapping):
+            writes.append(self.name)
+            reference.write_kv(cache, key, value, slot_mapping)
+
+    register_backend(Counting("fast", priority=90, calls=calls))
+    cache, k, v, slots = small_cache()
+    monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "reference")
+    sel = select_backend(req(), "cpu")
+    assert sel.backend.name == "reference"
+    assert sel.reasons == {"fast": "not in FP8KV_AUTO_BACKENDS=reference"}
+    fp8kv.write_kv(cache, k, v, slots)
+    assert calls == [] and writes == []  # a backend left out is not even asked
+    assert select_backend(req(), "cpu", backend="fast").backend.name == "fast"  # forcing is not affected
+    monkeypatch.setenv("FP8KV_BACKEND", "fast")
+    assert select_backend(req(), "cpu").backend.name == "fast"
+    monkeypatch.delenv("FP8KV_BACKEND")
+    monkeypatch.setenv("FP8KV_AUTO_BACKENDS", " fast, reference ,")  # a change between calls takes effect
+    fp8kv.write_kv(cache, k, v, slots)
+    assert writes == ["fast"]
+    monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "")  # empty: any backend
+    assert select_backend(req(), "cpu").backend.name == "fast"
+    monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "ghost,reference")  # a name not installed is ignored ...
+    assert select_backend(req(), "cpu").backend.name == "reference"
+    monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "ghost")  # ... and named when nothing is left
+    with pytest.raises(fp8kv.errors.Unsupported, match=r"fast: not in FP8KV_AUTO_BACKENDS=ghost; reference: not in "
+                       r"FP8KV_AUTO_BACKENDS=ghost \(FP8KV_AUTO_BACKENDS names backends that are not installed: "
+                       r"ghost\)"):
+        fp8kv.write_kv(cache, k, v, slots)
+    monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "auto,reference")
+    with pytest.raises(fp8kv.errors.InvalidArgument, match="FP8KV_AUTO_BACKENDS: got 'auto,reference'"):
+        select_backend(req(), "cpu")
+
+
+def test_auto_backends_setting():
+    from fp8kv import settings
+
+    assert "FP8KV_AUTO_BACKENDS" in settings.VARIABLES and "FP8KV_AUTO_BACKENDS" in settings.__doc__
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("FP8KV_AUTO_BACKENDS", raising=False)
+        assert settings.auto_backends() is None
+        mp.setenv("FP8KV_AUTO_BACKENDS", " , ")
+        assert settings.auto_backends() is None
+        mp.setenv("FP8KV_AUTO_BACKENDS", "triton, reference")
+        assert settings.auto_backends() == frozenset({"triton", "reference"})
+
+
+def test_a_third_party_backend_winning_auto_is_logged_once(isolated, caplog):
+    caplog.set_level(logging.INFO, logger="fp8kv")
+    select_backend(req(), "cpu")
+    assert caplog.records == []  # the built-in reference is not announced
+    register_backend(Fake("plug", priority=90), distribution="fp8kv-plug")
+    select_backend(req(), "cpu", backend="plug")  # forced: not announced
+    assert caplog.records == []
+    select_backend(req(), "cpu")
+    select_backend(req(D=128), "cpu")
+    select_backend(req(op="paged_attention"), "cpu")
+    [record] = caplog.records
+    assert record.name == "fp8kv" and record.levelno == logging.INFO
+    assert re.fullmatch(
+        r"fp8kv: 'auto' picked the third-party backend 'plug' \(distribution 'fp8kv-plug'\) for write_kv fp8_e4m3 "
+        r"NHD tensor D=64 bfloat16 features=- on .+; FP8KV_AUTO_BACKENDS restricts which backends 'auto' may pick",
+        record.getMessage())
