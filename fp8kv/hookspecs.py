@@ -9,14 +9,20 @@ exactly this way. ``docs/plugins.md`` walks through writing, packaging and testi
 Lifecycle:
 
 1. **Registration.** :func:`fp8kv_backend_info` is called once; the name must be unique
-   among installed backends (two distributions providing one name is an error naming
-   both). A plugin that fails to import, to instantiate or to validate against these
-   specs is skipped and reported (``fp8kv probe``, a ``RuntimeWarning``); it never
-   breaks the other backends.
+   among installed backends and not one of ``fp8kv.registry.RESERVED_NAMES`` (``reference``,
+   ``triton``: fp8kv's own), or the plugin is refused and reported; of two distributions
+   providing one name the first registered is kept and the second refused (a fault naming
+   both). A plugin that fails to import, to instantiate or to validate against these specs,
+   or raises anything while doing so (``SystemExit`` included; a ``KeyboardInterrupt``
+   propagates but leaves the registry consistent), is skipped and reported (``fp8kv probe``,
+   a ``RuntimeWarning``); it never breaks the other backends.
 2. **Selection.** For each (device, request) the registry asks every backend
    :func:`fp8kv_supports` once and caches the answer; the highest ``priority`` backend
    answering ``None`` serves the call unless the caller forces one by name. An exception
-   raised by ``fp8kv_supports`` counts as a refusal (and is reported as a fault).
+   raised by ``fp8kv_supports`` counts as a refusal (and is reported as a fault;
+   ``SystemExit`` included, only ``KeyboardInterrupt`` propagates). Hooks are called without
+   any registry lock held, possibly from several threads at once. ``backend="auto"`` only
+   considers the backends ``FP8KV_AUTO_BACKENDS`` allows.
 3. **Plan.** When a backend is chosen for a step's attention (:func:`fp8kv.plan_attention`),
    its optional :func:`fp8kv_plan_attention` may return anything it wants to keep per step
    (launch configuration, workspace buffers); it comes back as ``metadata.backend_plan``.
@@ -33,8 +39,9 @@ devices, ranges and scales are already checked, contiguity is as documented, and
 ``out`` is allocated. A backend only decides whether it can serve a request and
 then serves it exactly (writes bit-exact with :mod:`fp8kv.reference`, attention
 within the derived tolerance of :mod:`fp8kv.testing.tolerance`). An exception in an op
-hook is re-raised as :class:`fp8kv.errors.BackendFailure` naming the backend: claiming
-support and then failing is a bug, never a silent fallback. Check a backend with
+hook (``SystemExit`` included; only ``KeyboardInterrupt`` propagates as it is) is re-raised
+as :class:`fp8kv.errors.BackendFailure` naming the backend: claiming support and then
+failing is a bug, never a silent fallback. Check a backend with
 ``fp8kv.testing.check_backend``.
 
 Each hook is called on one backend at a time (the registry keeps each backend's

@@ -34,7 +34,7 @@ def isolated(monkeypatch):
     reg = Registry(loaded=True)
     reg.add(reference.ReferenceBackend(), distribution="fp8kv")
     monkeypatch.setattr(registry_mod, "_REGISTRY", reg)
-    for var in ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE"):
+    for var in ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE", "FP8KV_AUTO_BACKENDS"):
         monkeypatch.delenv(var, raising=False)
     return reg
 

@@ -58,7 +58,7 @@ def build_report(device: DeviceInfo, reg: Registry | None = None) -> dict:
             for name, reason in answers.items():
                 support.append({"backend": name, "op": op, "kv_dtype": fmt, "ok": reason is None,
                                 "reason": reason})
-            pick = next((n for n, r in answers.items() if r is None), None)
+            pick = next((n for n, r in answers.items() if r is None and reg.allowed_for_auto(n)), None)
             auto.append({"op": op, "kv_dtype": fmt, "backend": pick,
                          "fast": pick is not None and reg.backends[pick].info.fast})
     io = baseline_io_dtype(device)
@@ -76,6 +76,7 @@ def build_report(device: DeviceInfo, reg: Registry | None = None) -> dict:
                    for f in reg.faults],
         "error": None if reg.error is None else str(reg.error),
         "forced": settings.forced_backend(),
+        "auto_backends": sorted(settings.auto_backends() or []),
         "support": support,
         "auto": auto,
     }
@@ -128,7 +129,8 @@ def render(report: dict) -> str:
     out += _table(rows) if report["backends"] else ["  (no backend installed)"]
     for reason, n in notes.items():
         out.append(f"  [{n}] {reason}")
-    out += ["", "auto picks:"]
+    out += ["", "auto picks:" + (f" (restricted by FP8KV_AUTO_BACKENDS={','.join(report['auto_backends'])})"
+                                 if report["auto_backends"] else "")]
     rows = [["op", *formats]]
     for op in OPS:
         picks = {a["kv_dtype"]: a for a in report["auto"] if a["op"] == op}
