@@ -210,3 +210,129 @@ def install(*backends: FakeBackend) -> None:
     reg.loaded = True
     for b in backends:
         fp8kv.register_backend(b)
+
+
+# -- hostile inputs ------------------------------------------------------------------
+
+def with_field(cfg: dict, path: str, value) -> dict:
+    """A deep copy of ``cfg`` with the dotted ``path`` set to ``value`` (objects made as needed)."""
+    out = json.loads(json.dumps(cfg))
+    *parents, last = path.split(".")
+    node = out
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[last] = value
+    return out
+
+
+HOSTILE_FIELDS: list[tuple[str, str, object, str]] = [
+    # (quantization kind, dotted field path, value, what the message must say it expected)
+    ("none", "num_hidden_layers", "32", "an int in [1, 4096]"),
+    ("none", "num_hidden_layers", [32], "an int in [1, 4096]"),
+    ("none", "num_hidden_layers", True, "an int in [1, 4096]"),
+    ("none", "num_hidden_layers", 32.0, "an int in [1, 4096]"),
+    ("none", "num_hidden_layers", 0, "an int in [1, 4096]"),
+    ("none", "num_hidden_layers", 10**9, "an int in [1, 4096]"),
+    ("none", "num_hidden_layers", {"n": 32}, "an int in [1, 4096]"),
+    ("none", "num_key_value_heads", "8", "an int in [1, 4096]"),
+    ("none", "num_key_value_heads", 10**6, "an int in [1, 4096]"),
+    ("none", "num_attention_heads", False, "an int in [1, 4096]"),
+    ("none", "head_dim", [64], "an int in [1, 4096]"),
+    ("none", "head_dim", 10**5, "an int in [1, 4096]"),
+    ("none", "hidden_size", "256", "an int in [1, 1048576]"),
+    ("none", "torch_dtype", 16, "a string of at most 64 characters"),
+    ("none", "torch_dtype", ["bfloat16"], "a string of at most 64 characters"),
+    ("none", "quantization_config", "fp8", "a JSON object"),
+    ("none", "quantization_config", ["fp8"], "a JSON object"),
+    ("ct_fp8_kv", "quantization_config.quant_method", 5, "a string of at most 64 characters"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme", 8, "'static', 'dynamic' or an object"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme", ["float"], "'static', 'dynamic' or an object"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme", "sometimes", "'static', 'dynamic' or an object"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme.num_bits", "8", "an int in [1, 64]"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme.type", ["float"], "a string of at most 64 characters"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme.strategy", {"x": 1}, "a string of at most 64 characters"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme.dynamic", "yes", "true, false or 'local'"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme.dynamic", 1, "true, false or 'local'"),
+    ("ct_fp8_kv", "quantization_config.kv_cache_scheme.symmetric", "no", "true or false"),
+    ("ct_fp8_kv", "quantization_config.config_groups", ["group_0"], "a JSON object"),
+    ("ct_fp8_kv", "quantization_config.config_groups.group_0", "Linear", "a JSON object"),
+    ("ct_fp8_kv", "quantization_config.config_groups.group_0.weights", [8], "a JSON object"),
+    ("ct_fp8_kv", "quantization_config.config_groups.group_0.weights.num_bits", "8", "an int in [1, 64]"),
+    ("fp8_static_kv", "quantization_config.activation_scheme", 1, "a string of at most 64 characters"),
+    ("modelopt_kv", "quantization_config.quantization", "FP8", "a JSON object"),
+    ("modelopt_kv", "quantization_config.quantization.kv_cache_quant_algo", 8, "a string of at most 64 characters"),
+    ("modelopt_kv", "quantization_config.quantization.quant_algo", ["FP8"], "a string of at most 64 characters"),
+    ("quark_kv", "quantization_config.export", "x", "a JSON object"),
+    ("quark_kv", "quantization_config.export.kv_cache_group", "*k_proj", "a list of at most 64 strings"),
+    ("quark_kv", "quantization_config.export.kv_cache_group", [1, 2], "a list of at most 64 strings"),
+    ("quark_kv", "quantization_config.layer_quant_config", ["*k_proj"], "a JSON object"),
+    ("quark_kv", "quantization_config.layer_quant_config.*k_proj", "fp8", "a JSON object"),
+    ("quark_kv", "quantization_config.layer_quant_config.*k_proj.output_tensors", [1], "a JSON object"),
+    ("quark_kv", "quantization_config.layer_quant_config.*k_proj.output_tensors.is_dynamic", "no",
+     "true or false"),
+    ("quark_kv", "quantization_config.global_quant_config", 3, "a JSON object"),
+    ("bnb", "quantization_config.load_in_4bit", "yes", "true or false"),
+    ("gptq", "quantization_config.bits", "4", "a number in [0, 64]"),
+]
+"""Config fields of the wrong type or out of range; each must raise InvalidArgument naming the field."""
+
+
+def write_safetensors_raw(path: Path, header: dict | bytes, data: bytes = b"", length: int | None = None) -> Path:
+    """A safetensors file with exactly this header (and header length), for malformed inputs."""
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    n = len(raw) if length is None else length
+    path.write_bytes(n.to_bytes(8, "little") + raw + data)
+    return path
+
+
+_UNBLOCKER = """
+import os, sys, time
+time.sleep(float(sys.argv[1]))
+for path in sys.argv[2:]:
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+    except OSError:
+        pass
+"""
+
+
+def within(seconds: float, fn: Callable[[], object], fifos: tuple[Path, ...] = ()):
+    """``fn()`` in a daemon thread: its result or exception, or a test failure if it takes longer.
+
+    Guards tests of inputs that used to hang (a FIFO, a huge layer count) so that a
+    regression fails the suite instead of hanging it. A thread blocked in ``open()`` on a
+    FIFO may hold the GIL (safetensors' open does), so for ``fifos`` a separate process
+    opens each for writing after ``seconds``, which releases any reader stuck on it.
+    """
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import pytest
+
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller
+            box["error"] = exc
+
+    watchdog = (subprocess.Popen([sys.executable, "-I", "-S", "-c", _UNBLOCKER, str(seconds), *map(str, fifos)])
+                if fifos else None)
+    start = time.monotonic()
+    try:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(seconds)
+        took = time.monotonic() - start
+    finally:
+        if watchdog is not None:
+            watchdog.kill()
+            watchdog.wait()
+    if t.is_alive() or took >= seconds:
+        pytest.fail(f"took {took:.1f}s (limit {seconds}s): it must refuse or finish, not block")
+    if "error" in box:
+        raise box["error"]
+    return box.get("result")

@@ -4,9 +4,10 @@
 format a model's KV cache may use on a device, with which scales, on which
 backend, and returns a :class:`KVCachePlan` (or refuses with the reason).
 
-Modules: :mod:`.config` (what a config declares), :mod:`.tensors` (scale tensors in
-safetensors), :mod:`.scales_plan` (per-layer scales), :mod:`.resolve` (the policy),
-:mod:`.plan` (the plan object).
+Modules: :mod:`.config` (what a config declares; typed and bounded), :mod:`.files`
+(regular files only, bounded JSON and safetensors headers; never pickle),
+:mod:`.tensors` (scale tensors in safetensors), :mod:`.scales_plan` (per-layer scales),
+:mod:`.resolve` (the policy), :mod:`.plan` (the plan object).
 """
 
 from .plan import KVCachePlan

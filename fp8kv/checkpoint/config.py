@@ -8,15 +8,123 @@ Understands the public ``quantization_config`` formats of compressed-tensors
 weight-only methods (AWQ, GPTQ, bitsandbytes, ...), plus unquantized configs.
 
 Nothing here reads tensors; :mod:`fp8kv.checkpoint.tensors` does that.
+
+Every field read is type-checked (``bool`` is not an ``int``; a list, string or object
+where a number is expected is refused), and the geometry is bounded, so a hostile
+config cannot make planning loop or allocate without bound. A bad field raises
+:class:`fp8kv.errors.InvalidArgument` naming the file and the field path, e.g.
+``config.json: num_hidden_layers: got '32' (str), expected an int in [1, 4096]``.
+A missing or ``null`` field counts as absent.
+
+Bounds: :data:`MAX_LAYERS` layers, :data:`MAX_HEADS` attention and KV heads,
+:data:`MAX_HEAD_SIZE` head size, :data:`MAX_HIDDEN_SIZE` hidden size (the largest
+public models have 126 layers, 128 heads, head size 256 and hidden size 16384).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import reprlib
 from dataclasses import dataclass
-from typing import Any
 
-from ..errors import Fp8KVError
+from ..errors import InvalidArgument, bad_argument
+
+MAX_LAYERS = 4096
+"""Most ``num_hidden_layers`` accepted (also bounds layer indices in scale tensor names)."""
+MAX_HEADS = 4096
+"""Most attention / KV heads accepted (also bounds the length of a per-head scale)."""
+MAX_HEAD_SIZE = 4096
+"""Largest ``head_dim`` (given, or ``hidden_size / num_attention_heads``) accepted."""
+MAX_HIDDEN_SIZE = 2**20
+"""Largest ``hidden_size`` accepted."""
+MAX_QUARK_PATTERNS = 64
+"""Most Quark ``kv_cache_group`` patterns accepted (each at most :data:`MAX_NAME_CHARS`)."""
+MAX_QUARK_LAYER_CONFIGS = 4096
+"""Most Quark ``layer_quant_config`` entries accepted (each is matched against every pattern)."""
+MAX_NAME_CHARS = 1024
+"""Longest string accepted where a name or a pattern is expected."""
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 2, 4, 4
+
+
+def show(value: object) -> str:
+    """``'32' (str)``: a short repr and the type, for error messages."""
+    return f"{_REPR.repr(value)} ({type(value).__name__})"
+
+
+class Fields:
+    """Typed, bounded access to one JSON object of a config.
+
+    ``source`` names the file (or ``"config"`` for a dict), ``path`` the object's place in it
+    (``"quantization_config."``); errors name ``<source>: <path><key>``.
+    """
+
+    def __init__(self, data: dict, source: str, path: str = "") -> None:
+        self.data, self.source, self.path = data, source, path
+
+    def name(self, key: object) -> str:
+        return f"{self.source}: {self.path}{key}"
+
+    def raw(self, key: str) -> object:
+        return self.data.get(key)
+
+    def has(self, key: str) -> bool:
+        return self.data.get(key) is not None
+
+    def bad(self, key: object, expected: str) -> InvalidArgument:
+        return bad_argument(self.name(key), show(self.data.get(key)), expected)
+
+    def integer(self, key: str, lo: int, hi: int) -> int | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise self.bad(key, f"an int in [{lo}, {hi}]")
+        return v
+
+    def number(self, key: str, lo: float, hi: float) -> int | float | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
+            raise self.bad(key, f"a number in [{lo:g}, {hi:g}]")
+        return v
+
+    def string(self, key: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, str) or len(v) > max_chars:
+            raise self.bad(key, f"a string of at most {max_chars} characters")
+        return v
+
+    def flag(self, key: str) -> bool | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, bool):
+            raise self.bad(key, "true or false")
+        return v
+
+    def obj(self, key: object) -> Fields | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise self.bad(key, "a JSON object")
+        return Fields(v, self.source, f"{self.path}{key}.")
+
+    def strings(self, key: str, max_items: int, max_chars: int = MAX_NAME_CHARS) -> list[str] | None:
+        v = self.data.get(key)
+        if v is None:
+            return None
+        if (not isinstance(v, list) or len(v) > max_items
+                or not all(isinstance(x, str) and len(x) <= max_chars for x in v)):
+            raise self.bad(key, f"a list of at most {max_items} strings of at most {max_chars} characters")
+        return v
+
 
 WEIGHT_ONLY_METHODS = ("awq", "gptq", "bitsandbytes", "awq_marlin", "gptq_marlin", "marlin", "hqq",
                        "eetq", "aqlm", "torchao", "bitnet", "gguf", "exl2", "higgs", "vptq")
@@ -77,166 +185,203 @@ class CheckpointConfig:
     torch_dtype: str | None = None
 
 
-def quantization_config(config: dict) -> dict | None:
+def quantization_config(cfg: Fields) -> Fields | None:
     """The quantization section of a full config, a bare quantization config, or an
-    ``hf_quant_config.json`` (ModelOpt), normalised to a dict with ``quant_method``."""
-    qc = config.get("quantization_config") or config.get("compression_config")
-    if qc is None and "quant_method" in config:
-        qc = config
-    if qc is None and isinstance(config.get("quantization"), dict):
-        qc = {"quant_method": "modelopt", **config}
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise Fp8KVError(f"checkpoint: quantization_config is {type(qc).__name__}, expected a JSON object")
-    return qc
-
-
-def _int(cfg: dict, *keys: str) -> int | None:
-    for k in keys:
-        v = cfg.get(k)
-        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-            return v
+    ``hf_quant_config.json`` (ModelOpt, normalised to carry ``quant_method: modelopt``)."""
+    for key in ("quantization_config", "compression_config"):
+        qc = cfg.obj(key)
+        if qc is not None and qc.data:
+            return qc
+    if cfg.has("quant_method"):
+        return cfg
+    if cfg.obj("quantization") is not None:
+        return Fields({"quant_method": "modelopt", **cfg.data}, cfg.source, cfg.path)
     return None
 
 
-def geometry(config: dict) -> tuple[int | None, int | None, int | None, str | None]:
+def _first_int(f: Fields, keys: tuple[str, ...], hi: int) -> int | None:
+    """The first of ``keys`` present (not null) in ``f``, type- and range-checked."""
+    for key in keys:
+        if f.has(key):
+            return f.integer(key, 1, hi)
+    return None
+
+
+def geometry(cfg: Fields) -> tuple[int | None, int | None, int | None, str | None]:
     """``(num_layers, num_kv_heads, head_size, torch_dtype)`` of the language model."""
-    text = config
-    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-        text = config["text_config"]
-    layers = _int(text, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _int(text, "num_attention_heads", "n_head")
-    kv_heads = _int(text, "num_key_value_heads", "num_kv_heads", "n_head_kv") or heads
-    head_size = _int(text, "head_dim")
-    hidden = _int(text, "hidden_size", "n_embd")
+    text = cfg
+    if not cfg.has("num_hidden_layers"):
+        text = cfg.obj("text_config") or cfg
+    layers = _first_int(text, ("num_hidden_layers", "n_layer", "num_layers"), MAX_LAYERS)
+    heads = _first_int(text, ("num_attention_heads", "n_head"), MAX_HEADS)
+    kv_heads = _first_int(text, ("num_key_value_heads", "num_kv_heads", "n_head_kv"), MAX_HEADS) or heads
+    head_size = text.integer("head_dim", 1, MAX_HEAD_SIZE)
+    hidden = _first_int(text, ("hidden_size", "n_embd"), MAX_HIDDEN_SIZE)
     if head_size is None and hidden and heads and hidden % heads == 0:
         head_size = hidden // heads
-    dtype = text.get("torch_dtype") or text.get("dtype") or config.get("torch_dtype") or config.get("dtype")
-    return layers, kv_heads, head_size, dtype if isinstance(dtype, str) else None
+        if head_size > MAX_HEAD_SIZE:
+            raise bad_argument(text.name("hidden_size / num_attention_heads"), f"{hidden} / {heads} = {head_size}",
+                               f"a head size of at most {MAX_HEAD_SIZE}")
+    dtype = None
+    for f in dict.fromkeys((text, cfg)):
+        for key in ("torch_dtype", "dtype"):
+            if dtype is None and f.has(key):
+                dtype = f.string(key, 64)
+    return layers, kv_heads, head_size, dtype
 
 
-def _float8_scheme(scheme: Any, field: str) -> KVScheme:
-    """A compressed-tensors style ``kv_cache_scheme`` (dict) or ``"static"``/``"dynamic"``."""
+def _float8_scheme(parent: Fields, key: str) -> KVScheme:
+    """A compressed-tensors style ``kv_cache_scheme`` (object) or ``"static"``/``"dynamic"``."""
+    scheme = parent.raw(key)
     if isinstance(scheme, str):
         if scheme.lower() not in ("static", "dynamic"):
-            raise Fp8KVError(f"checkpoint: {field} is {scheme!r}, expected 'static', 'dynamic' or an object")
+            raise parent.bad(key, "'static', 'dynamic' or an object")
         return KVScheme(True, True, "fp8_e4m3", "token_head" if scheme.lower() == "dynamic" else "tensor",
-                        field=f"{field}={scheme!r}")
+                        field=f"{key}={scheme!r}")
     if not isinstance(scheme, dict):
-        raise Fp8KVError(f"checkpoint: {field} is {type(scheme).__name__}, expected an object")
-    kind, bits = scheme.get("type", "float"), scheme.get("num_bits", 8)
+        raise parent.bad(key, "'static', 'dynamic' or an object")
+    s = parent.obj(key)
+    kind = s.string("type", 64) or "float"
+    bits = s.integer("num_bits", 1, 64) or 8
+    strategy = s.string("strategy", 64) or "tensor"
+    dynamic = s.raw("dynamic")
+    if not (dynamic is None or isinstance(dynamic, bool) or dynamic == "local"):
+        raise s.bad("dynamic", "true, false or 'local'")
+    symmetric = s.flag("symmetric")
     if kind != "float" or bits != 8:
-        return KVScheme(True, True, None, unsupported=f"{kind}{bits}", field=field)
-    strategy = scheme.get("strategy", "tensor")
-    if scheme.get("dynamic") in (True, "local"):
+        return KVScheme(True, True, None, unsupported=f"{kind}{bits}", field=key)
+    if dynamic is True or dynamic == "local":
         granularity = "token_head"
     elif strategy == "tensor":
         granularity = "tensor"
     elif strategy == "attn_head":
         granularity = "head"
     else:
-        raise Fp8KVError(f"checkpoint: {field}.strategy is {strategy!r}, expected 'tensor' or 'attn_head'")
-    if scheme.get("symmetric") is False:
-        raise Fp8KVError(f"checkpoint: {field}.symmetric is false, expected symmetric FP8 KV scales")
-    return KVScheme(True, True, "fp8_e4m3", granularity, field=f"{field} (float8, {strategy}"
+        raise s.bad("strategy", "'tensor' or 'attn_head'")
+    if symmetric is False:
+        raise s.bad("symmetric", "true (symmetric FP8 KV scales)")
+    return KVScheme(True, True, "fp8_e4m3", granularity, field=f"{key} (float8, {strategy}"
                     + (", dynamic)" if granularity == "token_head" else ")"))
 
 
-def _compressed_tensors(qc: dict) -> tuple[str, KVScheme]:
-    names = []
-    for group in (qc.get("config_groups") or {}).values():
-        w, a = group.get("weights") or {}, group.get("input_activations") or {}
-        if w:
-            wt = "FP8" if w.get("type") == "float" and w.get("num_bits") == 8 else ""
-            name = f"W{w.get('num_bits', '?')}A{a.get('num_bits', 16) if a else 16}"
-            names.append(f"{name}-{wt}" if wt else name)
-    kind = "/".join(sorted(set(names))) or "(no config_groups)"
+def _compressed_tensors(qc: Fields) -> tuple[str, KVScheme]:
+    names = set()
+    groups = qc.obj("config_groups")
+    for gname in groups.data if groups is not None else ():
+        group = groups.obj(gname)
+        if group is None:
+            continue
+        w, a = group.obj("weights"), group.obj("input_activations")
+        if w is not None and w.data:
+            wbits, wtype = w.integer("num_bits", 1, 64), w.string("type", 64)
+            abits = a.integer("num_bits", 1, 64) if a is not None else None
+            name = f"W{wbits if wbits is not None else '?'}A{abits if abits is not None else 16}"
+            names.add(f"{name}-FP8" if wtype == "float" and wbits == 8 else name)
+    kind = "/".join(sorted(names)) or "(no config_groups)"
     weight_only = bool(names) and all(n.split("A")[1].startswith("16") for n in names)
-    scheme = qc.get("kv_cache_scheme")
-    if scheme is None:
+    if not qc.has("kv_cache_scheme"):
         tail = " (weight-only, no kv_cache_scheme)" if weight_only else " (no kv_cache_scheme)"
         return f"compressed-tensors {kind}{tail}", KVScheme()
-    return f"compressed-tensors {kind}", _float8_scheme(scheme, "kv_cache_scheme")
+    return f"compressed-tensors {kind}", _float8_scheme(qc, "kv_cache_scheme")
 
 
-def _fp8(qc: dict) -> tuple[str, KVScheme]:
-    act = qc.get("activation_scheme", "dynamic")
-    scheme = qc.get("kv_cache_scheme")
-    summary = f"FP8 (activation_scheme={act})"
-    if scheme is not None:
-        return summary, _float8_scheme(scheme, "kv_cache_scheme")
+def _fp8(qc: Fields) -> tuple[str, KVScheme]:
+    summary = f"FP8 (activation_scheme={qc.string('activation_scheme', 64) or 'dynamic'})"
+    if qc.has("kv_cache_scheme"):
+        return summary, _float8_scheme(qc, "kv_cache_scheme")
     # An FP8 checkpoint is where k_scale/v_scale tensors come from (AutoFP8, llm-compressor's
     # fp8 export); engines load them whenever present, so the config alone declares them.
     return summary, KVScheme(True, False, "fp8_e4m3", field="quant_method='fp8'")
 
 
-def _modelopt(qc: dict) -> tuple[str, KVScheme]:
-    inner = qc.get("quantization") if isinstance(qc.get("quantization"), dict) else qc
-    algo = str(inner.get("quant_algo") or "?").upper()
-    kv_algo = inner.get("kv_cache_quant_algo")
+def _modelopt(qc: Fields) -> tuple[str, KVScheme]:
+    inner = qc.obj("quantization") or qc
+    algo = (inner.string("quant_algo", 64) or "?").upper()
+    kv_algo = inner.string("kv_cache_quant_algo", 64)
     summary = f"ModelOpt {algo}"
     if kv_algo is not None:
-        if str(kv_algo).upper() == "FP8":
+        if kv_algo.upper() == "FP8":
             return summary, KVScheme(True, True, "fp8_e4m3", field="kv_cache_quant_algo='FP8'")
-        return summary, KVScheme(True, True, None, unsupported=str(kv_algo).upper(),
+        return summary, KVScheme(True, True, None, unsupported=kv_algo.upper(),
                                  field=f"kv_cache_quant_algo={kv_algo!r}")
-    if qc.get("kv_cache_scheme") is not None:
-        return summary, _float8_scheme(qc["kv_cache_scheme"], "kv_cache_scheme")
+    if qc.has("kv_cache_scheme"):
+        return summary, _float8_scheme(qc, "kv_cache_scheme")
     return summary + " (no kv_cache_quant_algo)", KVScheme()
 
 
-def _quark(qc: dict) -> tuple[str, KVScheme]:
-    export = qc.get("export") if isinstance(qc.get("export"), dict) else {}
-    group = export.get("kv_cache_group") or qc.get("kv_cache_group") or []
-    glob = (qc.get("global_quant_config") or {}).get("weight") or {}
-    summary = f"Quark {glob.get('dtype', '?')} weights" if isinstance(glob, dict) else "Quark"
+def _quark(qc: Fields) -> tuple[str, KVScheme]:
+    export = qc.obj("export")
+    group = ((export.strings("kv_cache_group", MAX_QUARK_PATTERNS) if export is not None else None)
+             or qc.strings("kv_cache_group", MAX_QUARK_PATTERNS) or [])
+    glob = qc.obj("global_quant_config")
+    weight = glob.obj("weight") if glob is not None else None
+    summary = f"Quark {(weight.string('dtype', 64) if weight is not None else None) or '?'} weights"
     if not group:
         return summary + " (empty kv_cache_group)", KVScheme()
-    layer_cfg = qc.get("layer_quant_config") or {}
-    outputs = [cfg.get("output_tensors") for name, cfg in layer_cfg.items()
-               if isinstance(cfg, dict) and any(fnmatch.fnmatchcase(name, p) or name == p for p in group)]
-    outputs = [o for o in outputs if isinstance(o, dict)]
+    layer_cfg = qc.obj("layer_quant_config")
+    entries = layer_cfg.data if layer_cfg is not None else {}
+    if len(entries) > MAX_QUARK_LAYER_CONFIGS:
+        raise bad_argument(layer_cfg.name(""), f"{len(entries)} entries",
+                           f"at most {MAX_QUARK_LAYER_CONFIGS} (each is matched against the kv_cache_group)")
+    outputs: list[Fields] = []
+    for name in entries:
+        if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+            raise bad_argument(layer_cfg.name(""), f"the key {show(name)}",
+                               f"string keys of at most {MAX_NAME_CHARS} characters")
+        if any(name == p or fnmatch.fnmatchcase(name, p) for p in group):
+            spec = layer_cfg.obj(name)
+            out = spec.obj("output_tensors") if spec is not None else None
+            if out is not None:
+                outputs.append(out)
     if not outputs:
-        raise Fp8KVError(f"checkpoint: Quark kv_cache_group {group} has no output_tensors in "
-                         "layer_quant_config, expected the KV quantization spec there")
-    if any(o != outputs[0] for o in outputs[1:]):
-        raise Fp8KVError(f"checkpoint: Quark kv_cache_group {group} layers have different output_tensors "
-                         "specs, expected one KV quantization spec")
-    spec = outputs[0]
-    dtype = str(spec.get("dtype"))
+        raise InvalidArgument(f"{qc.source}: Quark kv_cache_group {group} has no output_tensors in "
+                              "layer_quant_config, expected the KV quantization spec there")
+    specs = [(str(o.string("dtype", 64)), o.flag("is_dynamic")) for o in outputs]  # each type-checked
+    if any(o.data != outputs[0].data for o in outputs[1:]):
+        raise InvalidArgument(f"{qc.source}: Quark kv_cache_group {group} layers have different output_tensors "
+                              "specs, expected one KV quantization spec")
+    dtype, dynamic = specs[0]
     field = f"kv_cache_group {group} (output_tensors dtype={dtype})"
     if dtype not in QUARK_DTYPES:
         return summary, KVScheme(True, True, None, unsupported=dtype, field=field)
-    granularity = "token_head" if spec.get("is_dynamic") else "tensor"
-    return summary, KVScheme(True, True, QUARK_DTYPES[dtype], granularity, field=field)
+    return summary, KVScheme(True, True, QUARK_DTYPES[dtype], "token_head" if dynamic else "tensor", field=field)
 
 
-def _weight_only(method: str, qc: dict) -> tuple[str, KVScheme]:
+def _weight_only(method: str, qc: Fields) -> tuple[str, KVScheme]:
     if method == "bitsandbytes":
-        bits = "4-bit" if qc.get("load_in_4bit") else "8-bit" if qc.get("load_in_8bit") else "?"
-        kind = qc.get("bnb_4bit_quant_type", "") if qc.get("load_in_4bit") else ""
+        four, eight = qc.flag("load_in_4bit"), qc.flag("load_in_8bit")
+        bits = "4-bit" if four else "8-bit" if eight else "?"
+        kind = (qc.string("bnb_4bit_quant_type", 64) or "") if four else ""
         return f"bitsandbytes {bits}{' ' + kind if kind else ''} (weight-only)", KVScheme()
-    bits = qc.get("bits") or qc.get("w_bit") or "?"
+    bits = qc.number("bits", 0, 64) or qc.number("w_bit", 0, 64) or "?"
     return f"{method.upper()} {bits}-bit (weight-only)", KVScheme()
 
 
-def parse_config(config: dict, extra_quant: dict | None = None) -> CheckpointConfig:
+def parse_config(config: dict, extra_quant: dict | None = None, *, source: str = "config",
+                 extra_source: str = "hf_quant_config.json") -> CheckpointConfig:
     """Reduce a model ``config.json`` (as a dict) to a :class:`CheckpointConfig`.
 
     ``extra_quant`` is an ``hf_quant_config.json`` found beside it, used when the
-    config itself has no quantization section (older ModelOpt exports).
+    config itself has no quantization section (older ModelOpt exports). ``source`` and
+    ``extra_source`` name them in errors.
+
+    Raises:
+        InvalidArgument: a field of the wrong type or out of range, naming it.
     """
     if not isinstance(config, dict):
-        raise Fp8KVError(f"checkpoint: got a {type(config).__name__}, expected a config dict")
-    layers, kv_heads, head_size, dtype = geometry(config)
-    qc = quantization_config(config)
+        raise bad_argument(source, show(config), "a config dict (a JSON object)")
+    cfg = Fields(config, source)
+    layers, kv_heads, head_size, dtype = geometry(cfg)
+    qc = quantization_config(cfg)
     if qc is None and extra_quant is not None:
-        qc = quantization_config(extra_quant)
+        if not isinstance(extra_quant, dict):
+            raise bad_argument(extra_source, show(extra_quant), "a JSON object")
+        qc = quantization_config(Fields(extra_quant, extra_source))
     if qc is None:
         summary, kv, method = "unquantized", KVScheme(), None
     else:
-        method = str(qc.get("quant_method", "")).lower() or None
+        name = qc.string("quant_method", 64)
+        method = name.lower() if name else None
         if method == "compressed-tensors":
             summary, kv = _compressed_tensors(qc)
         elif method == "fp8":
@@ -247,8 +392,8 @@ def parse_config(config: dict, extra_quant: dict | None = None) -> CheckpointCon
             summary, kv = _quark(qc)
         elif method in WEIGHT_ONLY_METHODS:
             summary, kv = _weight_only(method, qc)
-        elif qc.get("kv_cache_scheme") is not None:
-            summary, kv = f"{method}", _float8_scheme(qc["kv_cache_scheme"], "kv_cache_scheme")
+        elif qc.has("kv_cache_scheme"):
+            summary, kv = f"{method}", _float8_scheme(qc, "kv_cache_scheme")
         else:
             summary, kv = f"{method} (no KV cache scheme)", KVScheme()
     return CheckpointConfig(method, summary, kv, layers, kv_heads, head_size, dtype)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import Fp8KVError
+from ..errors import Fp8KVError, bad_argument
 from .tensors import ranges
 
 SCALE_SOURCES = ("checkpoint", "default", "dynamic", "none")
@@ -48,7 +48,9 @@ class KVCachePlan:
             scales on e4m3fnuz, else 1.0).
         scales_loaded: whether checkpoint scales were read (False from a config alone).
         loaded_layers: layers whose k and v scales both came from the checkpoint.
-        defaulted_layers: layers where k or v fell back to 1.0.
+        v_from_k_layers: layers with a k scale and no v scale in the checkpoint: v uses the
+            k scale (v = k), as vLLM and SGLang do.
+        defaulted_layers: layers with neither: k and v are 1.0.
         num_layers / num_kv_heads / head_size: from the config when known.
         reasons: why the plan is what it is, one line each.
         warnings: what the user should know (uncalibrated scales, slow backend...).
@@ -72,6 +74,7 @@ class KVCachePlan:
     loaded_layers: tuple[int, ...] = ()
     defaulted_layers: tuple[int, ...] = ()
     num_layers: int | None = None
+    v_from_k_layers: tuple[int, ...] = ()
     num_kv_heads: int | None = None
     head_size: int | None = None
     layout: str = "NHD"
@@ -84,7 +87,13 @@ class KVCachePlan:
 
     # -- using the plan --------------------------------------------------------------
     def layer_scales(self, layer: int | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The (k, v) scales for ``layer``: None for dynamic plans, 1.0 for default ones."""
+        """The (k, v) scales for ``layer``: None for dynamic plans, 1.0 for default ones.
+
+        For checkpoint scales these are what :meth:`describe` lists per layer: both as stored,
+        v = k where the checkpoint has no v scale, or 1.0 where it has neither.
+        """
+        if layer is not None and (not isinstance(layer, int) or isinstance(layer, bool)):
+            raise bad_argument("layer", repr(layer), "an int layer index or None")
         if self.scale_source == "dynamic":
             return None, None
         if self.scale_source == "default" and (layer is None or layer not in self.k_scales):
@@ -133,7 +142,8 @@ class KVCachePlan:
             "backend": self.backend, "write_backend": self.write_backend, "device": self.device,
             "checkpoint": self.checkpoint, "calibrated_for": self.calibrated_for,
             "scale_factor": self.scale_factor, "scales_loaded": self.scales_loaded,
-            "loaded_layers": list(self.loaded_layers), "defaulted_layers": list(self.defaulted_layers),
+            "loaded_layers": list(self.loaded_layers), "v_from_k_layers": list(self.v_from_k_layers),
+            "defaulted_layers": list(self.defaulted_layers),
             "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_size": self.head_size,
             "layout": self.layout,
             "k_scales": conv(self.k_scales), "v_scales": conv(self.v_scales),
@@ -141,21 +151,29 @@ class KVCachePlan:
             "reasons": list(self.reasons), "warnings": list(self.warnings),
         }
 
-    def _scales_line(self) -> str:
+    def _scales_lines(self) -> list[str]:
+        """What :meth:`layer_scales` hands out, per kind of layer (the first line and indented ones)."""
         if self.scale_source == "dynamic":
-            return "dynamic, one per token and KV head, computed at write time"
+            return ["dynamic, one per token and KV head, computed at write time"]
         gran = {"tensor": "per-tensor", "head": "per-head"}.get(self.scale_granularity or "", "")
+        if gran == "per-head" and self.num_kv_heads:
+            gran += f" ({self.num_kv_heads} KV heads)"
         if self.scale_source == "default":
-            n = f" for {self.num_layers} layers" if self.num_layers else ""
-            return f"default 1.0, {gran}{n}"
+            n = f" for {self.num_layers} layers" if self.num_layers else " for every layer"
+            uncalibrated = any(w.startswith("uncalibrated") for w in self.warnings)
+            caveat = "; uncalibrated, see the warning" if uncalibrated else ""
+            return [f"default 1.0 (k and v), {gran}{n}: the checkpoint has no KV scales{caveat}"]
         if not self.scales_loaded:
-            return f"from the checkpoint, {gran} (config only: not read)"
-        line = f"from the checkpoint, {gran}; loaded layers {ranges(self.loaded_layers)}"
-        if self.defaulted_layers:
-            line += f"; defaulted (1.0) layers {ranges(self.defaulted_layers)}"
-        if self.scale_factor != 1.0:
-            line += f"; x{self.scale_factor:g} for {self.kv_dtype}"
-        return line
+            return [f"from the checkpoint, {gran} (config only: not read; plan from the model directory to "
+                    "allocate a cache)"]
+        factor = f"; x{self.scale_factor:g} for {self.kv_dtype}" if self.scale_factor != 1.0 else ""
+        lines = [f"from the checkpoint, {gran}{factor}"]
+        for layers, what in ((self.loaded_layers, "k and v as stored"),
+                             (self.v_from_k_layers, "k as stored, v = k (no v scale; as vLLM and SGLang do)"),
+                             (self.defaulted_layers, "k = v = 1.0 (no scales in the checkpoint; see the warning)")):
+            if layers:
+                lines.append(f"layers {ranges(layers)}: {what}")
+        return lines
 
     def describe(self) -> str:
         """A few lines for people (``fp8kv plan``)."""
@@ -165,7 +183,9 @@ class KVCachePlan:
             lines.append("kv cache      not FP8 (kv_dtype auto: the model dtype)")
         else:
             lines.append(f"kv_dtype      {self.kv_dtype}  (allowed)")
-            lines.append(f"scales        {self._scales_line()}")
+            first, *rest = self._scales_lines()
+            lines.append(f"scales        {first}")
+            lines.extend(f"              {line}" for line in rest)
             if self.calibrated_for:
                 lines.append(f"calibrated    for {self.calibrated_for}")
             extra = f"; write_kv: {self.write_backend}" if self.write_backend != self.backend else ""

@@ -20,19 +20,21 @@ what would work):
 from __future__ import annotations
 
 import dataclasses
-import json
+import os
+import stat
 import warnings
 from pathlib import Path
 
 import torch
 
 from ..cache import CacheSpec
-from ..errors import Fp8KVError
+from ..errors import Fp8KVError, InvalidArgument, bad_argument
 from ..formats import FNUZ_PLATFORMS, FORMATS, Fp8Format, get_format
 from ..hookspecs import Request
 from ..probe import SIMULATED, DeviceInfo, probe, simulated
 from ..registry import Backend, registry, select_backend
-from .config import CheckpointConfig, parse_config
+from .config import CheckpointConfig, parse_config, show
+from .files import read_json
 from .plan import KVCachePlan
 from .scales_plan import build_scales
 from .tensors import ScaleEntry, ScaleScan, scan
@@ -51,33 +53,46 @@ class _Checkpoint:
         self.scan: ScaleScan | None = None
         self.label = "none"
         self.warnings: list[str] = []
-        extra = None
+        extra, source, extra_source = None, "config", "hf_quant_config.json"
         if checkpoint is None:
             config: dict = {}
         elif isinstance(checkpoint, dict):
             config, self.label = checkpoint, "config dict"
-        else:
+        elif isinstance(checkpoint, str | os.PathLike):
             path = Path(checkpoint)
-            if path.is_dir():
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                raise InvalidArgument(f"checkpoint: got {str(path)!r}, expected a model directory, a config.json "
+                                      "path or a config dict (no such file or directory)") from None
+            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+                raise InvalidArgument(f"checkpoint: got {str(path)!r}, expected a model directory, a config.json "
+                                      f"path or a config dict ({exc})") from None
+            if stat.S_ISDIR(st.st_mode):
                 self.directory, self.label = path, str(path)
-                config = _read_json(path / "config.json", "config.json of the model directory")
-                if (path / "hf_quant_config.json").is_file():
-                    extra = _read_json(path / "hf_quant_config.json", "hf_quant_config.json")
-            elif path.is_file():
-                config, self.label = _read_json(path, "a config JSON"), f"{path} (config only)"
+                source = str(path / "config.json")
+                config = read_json(path / "config.json", "the config.json of the model directory")
+                hf_quant = path / "hf_quant_config.json"
+                if os.path.lexists(hf_quant):
+                    extra_source = str(hf_quant)
+                    extra = read_json(hf_quant, "hf_quant_config.json")
             else:
-                raise Fp8KVError(f"checkpoint: got {str(path)!r}, expected a model directory, a config.json "
-                                 "path or a config dict (no such file or directory)")
-        self.config: CheckpointConfig = parse_config(config, extra)
+                source = str(path)
+                config, self.label = read_json(path, "a config JSON"), f"{path} (config only)"
+        else:
+            raise bad_argument("checkpoint", show(checkpoint),
+                               "a model directory, a config JSON path, a config dict or None")
+        self.config: CheckpointConfig = parse_config(config, extra, source=source, extra_source=extra_source)
         if self.directory is not None:
-            self.scan = scan(self.directory)
+            self.scan = scan(self.directory, self.config.num_layers)
             if not self.scan.files:
                 self.label += " (config only: no *.safetensors)"
                 self.scan = None
-                pickles = sorted(p.name for p in self.directory.glob("*.bin")) + sorted(
+                # listed by name only: fp8kv never unpickles
+                others = sorted(p.name for p in self.directory.glob("*.bin")) + sorted(
                     p.name for p in self.directory.glob("*.pt"))
-                if pickles:
-                    self.warnings.append(f"only *.safetensors are read for scales; {', '.join(pickles[:3])} "
+                if others:
+                    self.warnings.append(f"only *.safetensors are read for scales; {', '.join(others[:3])} "
                                          "not inspected, so the config alone decides")
 
     @property
@@ -90,19 +105,6 @@ class _Checkpoint:
             return bool(self.kv_entries)
         kv = self.config.kv
         return kv.declared and not kv.dynamic and kv.unsupported is None
-
-
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise Fp8KVError(f"checkpoint: {path} not found, expected {what}") from None
-    except (OSError, ValueError) as exc:
-        raise Fp8KVError(f"checkpoint: cannot read {path} as JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise Fp8KVError(f"checkpoint: {path} holds a JSON {type(data).__name__}, expected an object")
-    return data
 
 
 def _device(device) -> DeviceInfo:
@@ -246,9 +248,8 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
         Fp8KVError: the format is refused for this checkpoint or device (the message
             says why and what would work), or the checkpoint's scales are invalid.
     """
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise Fp8KVError(f"kv_cache_dtype: got {kv_cache_dtype!r}, "
-                         f"expected one of {', '.join(KV_CACHE_DTYPES)}")
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise bad_argument("kv_cache_dtype", repr(kv_cache_dtype), f"one of {', '.join(KV_CACHE_DTYPES)}")
     dev = _device(device)
     ck = _Checkpoint(checkpoint)
     cfg, kv = ck.config, ck.config.kv
@@ -327,7 +328,8 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
         backend=attn_b, write_backend=write_b, device=_device_label(dev),
         checkpoint=f"{ck.label}: {cfg.summary}", calibrated_for=calibrated, scale_factor=factor,
         scales_loaded=scales.loaded, loaded_layers=scales.loaded_layers,
-        defaulted_layers=scales.defaulted_layers, num_layers=cfg.num_layers or scales.num_layers,
+        v_from_k_layers=scales.v_from_k_layers, defaulted_layers=scales.defaulted_layers,
+        num_layers=cfg.num_layers or scales.num_layers,
         num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_size, layout=layout,
         reasons=tuple(reasons), warnings=tuple(warns),
     )

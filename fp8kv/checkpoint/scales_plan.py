@@ -1,4 +1,19 @@
-"""Turning a checkpoint's scale tensors into per-layer k/v/q/prob scales for a plan."""
+"""Turning a checkpoint's scale tensors into per-layer k/v/q/prob scales for a plan.
+
+Each layer gets one of four treatments, which :meth:`fp8kv.KVCachePlan.describe` lists
+and :meth:`fp8kv.KVCachePlan.layer_scales` hands out:
+
+* **loaded**: the checkpoint has both a k and a v scale (or a legacy ``kv_scale``): used
+  as stored (times the format's factor).
+* **v from k**: the checkpoint has a k scale and no v scale: v uses the k scale, as vLLM
+  and SGLang do (``BaseKVCacheMethod.process_weights_after_loading`` duplicates the one
+  scale it finds), with a warning naming the layers.
+* **v only**: a v scale and no k scale: refused (:class:`fp8kv.errors.InvalidArgument`
+  naming the tensor); the engines assert on it too.
+* **defaulted**: neither: k = v = 1.0, with a warning naming the layers (and, for e4m3,
+  the saturation caveat). Only layers the config counts can default; a config without a
+  layer count gives a plan with exactly the layers the checkpoint has scales for.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import Fp8KVError
+from ..errors import InvalidArgument
 from ..formats import Fp8Format
 from .tensors import ScaleEntry, adjust, ranges, read, shape_scale
 
@@ -27,6 +42,7 @@ class Scales:
     prob: dict[int, torch.Tensor] = field(default_factory=dict)
     loaded: bool = False
     loaded_layers: tuple[int, ...] = ()
+    v_from_k_layers: tuple[int, ...] = ()
     defaulted_layers: tuple[int, ...] = ()
     num_layers: int | None = None
 
@@ -88,43 +104,51 @@ def build_scales(ck: _Checkpoint, fmt: Fp8Format, granularity: str, stores: bool
 
 def _load(ck: _Checkpoint, fmt: Fp8Format, granularity: str, factor: float, warns: list[str]) -> Scales:
     cfg = ck.config
-    entries = list(ck.scan.entries)
-    n = cfg.num_layers
-    for e in entries:
-        if n is not None and e.layer >= n:
-            raise Fp8KVError(f"checkpoint: {e.where}: layer {e.layer}, expected < num_hidden_layers={n}")
+    entries = list(ck.scan.entries)  # layer indices already bounded by the scan
     values = read(entries)
     why = f"{fmt.name} needs the checkpoint's scales x{factor:g}"
     heads_of = {"k": cfg.num_kv_heads, "v": cfg.num_kv_heads, "kv": cfg.num_kv_heads}
     shaped = {e: adjust(shape_scale(values[e], e, heads_of.get(e.role)), factor, e, why) for e in entries}
     best = _pick(entries, shaped, warns)
     kv = {key: shaped[e] for key, e in best.items() if key[1] in ("k", "v")}
+    v_only = sorted(layer for layer, role in kv if role == "v" and (layer, "k") not in kv)
+    if v_only:
+        e = best[(v_only[0], "v")]
+        raise InvalidArgument(
+            f"checkpoint: {e.where}: got a v scale without a k scale (layers {ranges(v_only)}), expected k and v "
+            "scales, or a k scale alone (then v = k, as vLLM and SGLang do; they refuse a lone v scale too)")
     heads = {t.shape[0] for t in kv.values() if t.dim() == 1}
     if len(heads) > 1:
-        raise Fp8KVError(f"checkpoint: per-head KV scales with different head counts {sorted(heads)}, "
-                         "expected one KV head count")
+        raise InvalidArgument(f"checkpoint: per-head KV scales with different head counts {sorted(heads)}, "
+                              "expected one KV head count")
     gran = "head" if heads else "tensor"
     h = next(iter(heads)) if heads else cfg.num_kv_heads
-    n = n if n is not None else 1 + max(e.layer for e in entries)
-    k, v, loaded, defaulted = {}, {}, [], []
-    for layer in range(n):
+    # The config's layer count (bounded by parse_config), else just the layers found: never a
+    # range up to an index read from a tensor name.
+    layers = range(cfg.num_layers) if cfg.num_layers is not None else sorted({layer for layer, _ in kv})
+    k, v, loaded, v_from_k, defaulted = {}, {}, [], [], []
+    for layer in layers:
         ks, vs = kv.get((layer, "k")), kv.get((layer, "v"))
-        (loaded if ks is not None and vs is not None else defaulted).append(layer)
-        one = torch.tensor(1.0)
-        k[layer] = ks if ks is not None else one
-        v[layer] = vs if vs is not None else one
-    if gran == "head":
-        k = {layer: t.expand(h).clone() if t.dim() == 0 else t for layer, t in k.items()}
-        v = {layer: t.expand(h).clone() if t.dim() == 0 else t for layer, t in v.items()}
+        if ks is None:
+            defaulted.append(layer)
+            ks, vs = torch.tensor(1.0), torch.tensor(1.0)
+        elif vs is None:
+            v_from_k.append(layer)
+            vs = ks.clone()
+        else:
+            loaded.append(layer)
+        if gran == "head":
+            ks, vs = (t.expand(h).clone() if t.dim() == 0 else t for t in (ks, vs))
+        k[layer], v[layer] = ks, vs
+    if v_from_k:
+        warns.append(f"no v scale in the checkpoint for layers {ranges(v_from_k)}: those use their k scale "
+                     "for v (v = k), as vLLM and SGLang do")
     if defaulted:
-        miss_k = [layer for layer in defaulted if (layer, "k") not in kv]
-        miss_v = [layer for layer in defaulted if (layer, "v") not in kv]
         caveat = _uncalibrated(fmt)
-        warns.append(f"no KV scales in the checkpoint for layers {ranges(defaulted)} (k missing: "
-                     f"{ranges(miss_k)}; v missing: {ranges(miss_v)}); those use 1.0"
+        warns.append(f"no KV scales in the checkpoint for layers {ranges(defaulted)}; those use 1.0 for k and v"
                      + (f" - {caveat}" if caveat else ""))
     q = {layer: shaped[e] for (layer, role), e in best.items() if role == "q"}
     prob = {layer: shaped[e] for (layer, role), e in best.items() if role == "prob"}
-    source = "checkpoint" if loaded else "default"
-    return Scales(source, gran, k, v, q, prob, loaded=bool(loaded), loaded_layers=tuple(loaded),
-                  defaulted_layers=tuple(defaulted), num_layers=n)
+    source = "checkpoint" if loaded or v_from_k else "default"
+    return Scales(source, gran, k, v, q, prob, loaded=bool(loaded or v_from_k), loaded_layers=tuple(loaded),
+                  v_from_k_layers=tuple(v_from_k), defaulted_layers=tuple(defaulted), num_layers=cfg.num_layers)

@@ -19,19 +19,35 @@ name                               role    producer
 ================================== ======= ============================================
 
 When several names give the same layer's scale, the earlier row wins.
+
+Bounds: a layer index in a name must be below the config's ``num_hidden_layers`` (or
+:data:`~fp8kv.checkpoint.config.MAX_LAYERS` when the config has none), and a scale tensor
+has at most :data:`MAX_SCALE_ELEMENTS` elements (checked from the header, before reading
+it). Nothing loops or allocates up to an index read from a name: scales are kept in dicts
+keyed by the indices found. Only regular files are opened (:mod:`.files`).
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..errors import Fp8KVError
+from ..errors import Fp8KVError, InvalidArgument
+from .config import MAX_HEADS, MAX_LAYERS, show
+from .files import regular_file, safetensors_header
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|attn|attention)\.(.+)$")
+
+MAX_SCALE_ELEMENTS = MAX_HEADS
+"""Most elements a scale tensor may have (per-tensor: 1; per-head: the KV head count)."""
+
+MIN_SCALE = torch.finfo(torch.float32).tiny
+"""Smallest scale accepted: 2^-126, the least normal float32. Subnormal scales keep only a few
+significant bits, and the reciprocal a writer quantizes with overflows float32 below ~2^-128."""
 
 ROLES: dict[str, tuple[str, int]] = {
     "k_scale": ("k", 0), "attn.k_scale": ("k", 0),
@@ -57,10 +73,11 @@ class ScaleEntry:
     layer: int
     role: str
     rank: int
+    shape: tuple[int, ...] = ()
 
     @property
     def where(self) -> str:
-        return f"{self.name} in {self.file.name}"
+        return f"{short(self.name)} in {self.file.name}"
 
 
 @dataclass(frozen=True)
@@ -87,42 +104,87 @@ def _safe_open():
     return safe_open
 
 
-def classify(name: str) -> tuple[int, str, int] | None:
-    """``(layer, role, rank)`` of a recognised scale tensor name, else None."""
+def short(name: str, limit: int = 160) -> str:
+    """``name``, shortened in the middle when longer than ``limit`` (for messages)."""
+    return name if len(name) <= limit else f"{name[:limit - 40]}...({len(name)} chars)...{name[-24:]}"
+
+
+def _match(name: str) -> tuple[str, str, int] | None:
+    """``(layer digits, role, rank)`` of a recognised scale tensor name, else None."""
     m = _LAYER.search(name)
     if m is None or m.group(2) not in ROLES:
         return None
-    role, rank = ROLES[m.group(2)]
-    return int(m.group(1)), role, rank
+    return (m.group(1), *ROLES[m.group(2)])
 
 
-def scan(directory: Path) -> ScaleScan:
-    """List the scale tensors of every ``*.safetensors`` file in ``directory`` (headers only)."""
+def classify(name: str) -> tuple[int, str, int] | None:
+    """``(layer, role, rank)`` of a recognised scale tensor name, else None.
+
+    A layer index of more than 9 digits is returned as :data:`MAX_LAYERS` (out of range for
+    every config) rather than parsed.
+    """
+    hit = _match(name)
+    if hit is None:
+        return None
+    digits, role, rank = hit
+    return (int(digits) if len(digits) <= 9 else MAX_LAYERS), role, rank
+
+
+def _shape(name: str, path: Path, info: object) -> tuple[int, ...]:
+    """The shape of a recognised scale tensor from its header entry, bounded."""
+    where = f"checkpoint: {short(name)} in {path.name}"
+    shape = info.get("shape") if isinstance(info, dict) else None
+    if (not isinstance(shape, list) or len(shape) > 8
+            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= 2**40 for d in shape)):
+        raise InvalidArgument(f"{where}: got the header entry {show(info)}, expected "
+                              "{\"dtype\": ..., \"shape\": [at most 8 ints >= 0], \"data_offsets\": ...}")
+    n = math.prod(shape)
+    if n > MAX_SCALE_ELEMENTS:
+        raise InvalidArgument(f"{where}: got shape {shape} ({n} elements), expected a per-tensor or per-head "
+                              f"scale of at most {MAX_SCALE_ELEMENTS} elements; not read")
+    return tuple(shape)
+
+
+def scan(directory: Path, num_layers: int | None = None, layers_field: str = "num_hidden_layers") -> ScaleScan:
+    """List the scale tensors of every ``*.safetensors`` file in ``directory`` (headers only).
+
+    Layer indices must be below ``num_layers`` (the config's ``layers_field``), or below
+    :data:`MAX_LAYERS` when it is None. Raises :class:`InvalidArgument` naming the file for
+    anything but a regular file (or a symlink to one), an unreadable or oversized header,
+    and naming the tensor for an out-of-range layer or an oversized scale.
+    """
     files = tuple(sorted(directory.glob("*.safetensors")))
     if not files:
         return ScaleScan((), (), ())
-    safe_open = _safe_open()
+    limit = num_layers if num_layers is not None else MAX_LAYERS
+    bound = (f"< {layers_field}={num_layers}" if num_layers is not None
+             else f"< {MAX_LAYERS} (the config gives no layer count; fp8kv's bound)")
     entries, unknown = [], []
     for path in files:
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                names = list(f.keys())
-        except Exception as exc:
-            raise Fp8KVError(f"checkpoint: cannot read the safetensors header of {path}: {exc}") from None
-        for name in names:
-            hit = classify(name)
-            if hit is not None:
-                entries.append(ScaleEntry(name, path, *hit))
-            elif name.rsplit(".", 1)[-1] in SCALE_LIKE:
-                unknown.append(f"{name} in {path.name}")
+        header = safetensors_header(path)
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            hit = _match(name)
+            if hit is None:
+                if name.rsplit(".", 1)[-1] in SCALE_LIKE:
+                    unknown.append(f"{short(name)} in {path.name}")
+                continue
+            digits, role, rank = hit
+            if len(digits) > 9 or int(digits) >= limit:
+                shown = digits if len(digits) <= 12 else f"{digits[:12]}... ({len(digits)} digits)"
+                raise InvalidArgument(f"checkpoint: {short(name)} in {path.name}: got layer {shown}, "
+                                      f"expected {bound}")
+            entries.append(ScaleEntry(name, path, int(digits), role, rank, _shape(name, path, info)))
     return ScaleScan(files, tuple(entries), tuple(unknown))
 
 
 def read(entries: list[ScaleEntry]) -> dict[ScaleEntry, torch.Tensor]:
     """Read just these tensors (each file opened once), as float32 on the CPU.
 
-    Raises :class:`Fp8KVError` naming the tensor and file for a non-float tensor or any
-    value that is zero, negative, NaN or inf (also after the cast to float32).
+    Raises :class:`InvalidArgument` naming the tensor and file for a non-float tensor or any
+    value that is zero, negative, subnormal (below 2^-126), NaN or inf (also after the cast
+    to float32).
     """
     safe_open = _safe_open()
     out: dict[ScaleEntry, torch.Tensor] = {}
@@ -130,19 +192,35 @@ def read(entries: list[ScaleEntry]) -> dict[ScaleEntry, torch.Tensor]:
     for e in entries:
         by_file.setdefault(e.file, []).append(e)
     for path, group in by_file.items():
-        with safe_open(str(path), framework="pt") as f:
+        regular_file(path, "a safetensors file")  # checked again: it may have changed since the scan
+        try:
+            f = safe_open(str(path), framework="pt")
+        except Exception as exc:
+            raise InvalidArgument(f"checkpoint: {path}: cannot open it as safetensors ({exc})") from None
+        with f:
             for e in group:
-                t = f.get_tensor(e.name)
-                if not t.is_floating_point():
-                    raise Fp8KVError(f"checkpoint: {e.where}: got dtype {t.dtype}, expected a float scale")
-                t32 = t.to(torch.float32)
-                bad = ~(torch.isfinite(t32) & (t32 > 0))
-                if bool(bad.any()):
-                    vals = t.flatten()[bad.flatten()][:4].tolist()
-                    raise Fp8KVError(f"checkpoint: {e.where}: got {vals}, expected finite scales > 0 "
-                                     f"(zero, negative, NaN and inf scales are refused)")
-                out[e] = t32
+                try:
+                    t = f.get_tensor(e.name)
+                except Exception as exc:
+                    raise InvalidArgument(f"checkpoint: {e.where}: cannot read it ({exc})") from None
+                out[e] = check_values(t, e.where)
     return out
+
+
+def check_values(t: torch.Tensor, where: str) -> torch.Tensor:
+    """``t`` as float32, refusing (naming ``where``) non-float, zero, negative, subnormal, NaN, inf."""
+    if not t.is_floating_point():
+        raise InvalidArgument(f"checkpoint: {where}: got dtype {t.dtype}, expected a float scale")
+    if t.numel() > MAX_SCALE_ELEMENTS:
+        raise InvalidArgument(f"checkpoint: {where}: got {t.numel()} elements, expected at most "
+                              f"{MAX_SCALE_ELEMENTS}")
+    t32 = t.to(torch.float32)
+    bad = ~(torch.isfinite(t32) & (t32 >= MIN_SCALE))
+    if bool(bad.any()):
+        vals = t.flatten()[bad.flatten()][:4].tolist()
+        raise InvalidArgument(f"checkpoint: {where}: got {vals}, expected finite scales >= 2^-126 "
+                              f"({MIN_SCALE:.6g}; zero, negative, subnormal, NaN and inf scales are refused)")
+    return t32
 
 
 def shape_scale(t: torch.Tensor, entry: ScaleEntry, num_heads: int | None) -> torch.Tensor:
@@ -155,12 +233,12 @@ def shape_scale(t: torch.Tensor, entry: ScaleEntry, num_heads: int | None) -> to
         return t.reshape(())
     if len(shape) == 1 or (len(shape) == 3 and shape[1:] == (1, 1)):
         if num_heads is not None and shape[0] != num_heads:
-            raise Fp8KVError(f"checkpoint: {entry.where}: got shape {list(shape)}, expected [] or [1] "
+            raise InvalidArgument(f"checkpoint: {entry.where}: got shape {list(shape)}, expected [] or [1] "
                              f"(per-tensor) or [{num_heads}] / [{num_heads}, 1, 1] (per-head, "
                              f"{num_heads} heads in the config)")
         return t.reshape(shape[0])
     expect = num_heads if num_heads is not None else "H"
-    raise Fp8KVError(f"checkpoint: {entry.where}: got shape {list(shape)}, expected [] or [1] (per-tensor) "
+    raise InvalidArgument(f"checkpoint: {entry.where}: got shape {list(shape)}, expected [] or [1] (per-tensor) "
                      f"or [{expect}] / [{expect}, 1, 1] (per-head)")
 
 
@@ -171,7 +249,7 @@ def adjust(t: torch.Tensor, factor: float, entry: ScaleEntry, reason: str) -> to
     out = t * factor
     if not bool(torch.isfinite(out).all()):
         worst = float(t.max())
-        raise Fp8KVError(f"checkpoint: {entry.where}: scale {worst:.6g} x {factor:g} overflows float32 "
+        raise InvalidArgument(f"checkpoint: {entry.where}: scale {worst:.6g} x {factor:g} overflows float32 "
                          f"(max {torch.finfo(torch.float32).max:.6g}); {reason}; refusing rather than "
                          "producing an infinite scale")
     return out
