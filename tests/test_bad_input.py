@@ -201,3 +201,9 @@ def test_bad_allocation_arguments_are_named(kwargs, argname):
         fp8kv.KVCache.allocate(args.pop("num_blocks"), args.pop("block_size"), args.pop("num_kv_heads"),
                                args.pop("head_size"), **kwargs)
     assert str(err.value).startswith(argname + ":"), str(err.value)
+
+
+@pytest.mark.parametrize("layout", ["XYZ", None, 3])
+def test_resolve_refuses_an_unknown_layout(layout):
+    with pytest.raises(fp8kv.InvalidArgument, match="^layout:"):
+        fp8kv.resolve_kv_cache("fp8_e4m3", None, "cpu", layout=layout)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..cache import CacheSpec
+from ..cache import CacheSpec, check_layout
 from ..errors import Fp8KVError, InvalidArgument, bad_argument
 from ..formats import FNUZ_PLATFORMS, FORMATS, Fp8Format, get_format
 from ..hookspecs import Request
@@ -250,6 +250,9 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
     """
     if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in KV_CACHE_DTYPES:
         raise bad_argument("kv_cache_dtype", repr(kv_cache_dtype), f"one of {', '.join(KV_CACHE_DTYPES)}")
+    if not isinstance(layout, str):
+        raise bad_argument("layout", repr(layout), "'NHD' or 'HND'")
+    check_layout(layout)
     dev = _device(device)
     ck = _Checkpoint(checkpoint)
     cfg, kv = ck.config, ck.config.kv
