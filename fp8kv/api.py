@@ -46,7 +46,12 @@ def _check_kv(cache: KVCache, key, value) -> None:
 
 
 def _check_separate(cache: KVCache, **tensors: torch.Tensor) -> None:
-    """No argument may share bytes with a cache tensor (a write would read what it overwrites)."""
+    """No argument may share bytes with a cache tensor (a write would read what it overwrites).
+
+    Skipped while torch.compile traces (fake tensors have no addresses; the compiled graph's
+    buffers are its own)."""
+    if torch.compiler.is_compiling():
+        return
     for name, t in tensors.items():
         shared = cache.shares_memory_with(t)
         if shared is not None:
@@ -167,8 +172,8 @@ def paged_attention(
             raise bad_argument("out", "a tensor that requires grad", "an output buffer without autograd history "
                                                                      "(fp8kv ops are inference only)")
         _check_separate(cache, out=out)
-        if out.data_ptr() <= query.data_ptr() + query.numel() * query.element_size() - 1 and \
-                query.data_ptr() <= out.data_ptr() + out.numel() * out.element_size() - 1:
+        if not torch.compiler.is_compiling() and out.data_ptr() <= query.data_ptr() + query.nbytes - 1 and \
+                query.data_ptr() <= out.data_ptr() + out.nbytes - 1:
             raise bad_argument("out", "a tensor sharing memory with query", "a separate output buffer")
     lse = torch.empty(want[:2], dtype=torch.float32, device=spec.device) if return_lse else None
     if meta.num_tokens:

@@ -233,6 +233,22 @@ class KVCache:
             _extent(t) for t in (self.key_cache, self.value_cache, self.k_scale, self.v_scale)))
         object.__setattr__(self, "_span", (min(a for a, _ in self._extents), max(b for _, b in self._extents)))
 
+    @classmethod
+    def unchecked(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
+                  v_scale: torch.Tensor, fmt: Fp8Format, layout: str, scale_granularity: str,
+                  spec: CacheSpec) -> KVCache:
+        """A cache from tensors already validated as one with ``spec`` (no checks; for fp8kv's own
+        rebuilds, e.g. inside its torch custom ops). Anything else should use the constructor."""
+        cache = object.__new__(cls)
+        fields = dict(key_cache=key_cache, value_cache=value_cache, k_scale=k_scale, v_scale=v_scale, fmt=fmt,
+                      layout=layout, scale_granularity=scale_granularity, spec=spec)
+        for name, value in fields.items():
+            object.__setattr__(cache, name, value)
+        extents = tuple(_extent(t) for t in (key_cache, value_cache, k_scale, v_scale))
+        object.__setattr__(cache, "_extents", extents)
+        object.__setattr__(cache, "_span", (min(a for a, _ in extents), max(b for _, b in extents)))
+        return cache
+
     def shares_memory_with(self, t: torch.Tensor) -> str | None:
         """The name of the cache tensor ``t`` may share bytes with, or None (cheap: extents first)."""
         if t.numel() == 0 or t.device != self.spec.device or t.device.type == "meta":

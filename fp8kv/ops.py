@@ -132,11 +132,8 @@ def _cache(key_cache: Tensor, value_cache: Tensor, k_scale: Tensor, v_scale: Ten
         key_cache = key_cache.view(fmt.torch_dtype)
     if value_cache.dtype != fmt.torch_dtype:
         value_cache = value_cache.view(fmt.torch_dtype)
-    cache = object.__new__(KVCache)  # a frozen dataclass: fill its fields as its __init__ would
-    cache.__dict__.update(key_cache=key_cache, value_cache=value_cache, k_scale=k_scale, v_scale=v_scale, fmt=fmt,
-                          layout=layout, scale_granularity=scale_granularity,
-                          spec=_spec(kv_dtype, layout, scale_granularity, tuple(key_cache.shape), key_cache.device))
-    return cache
+    return KVCache.unchecked(key_cache, value_cache, k_scale, v_scale, fmt, layout, scale_granularity,
+                             _spec(kv_dtype, layout, scale_granularity, tuple(key_cache.shape), key_cache.device))
 
 
 _SELECTIONS: dict = {}
