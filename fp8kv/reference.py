@@ -1,8 +1,30 @@
 """The pure-PyTorch reference backend: the oracle every backend is checked against.
 
-Runs on any torch device with float32 math. Writes define the bytes every backend
-must reproduce; attention defines the values every backend must match within the
-documented tolerance (:mod:`fp8kv.testing.tolerance`).
+Runs on any torch device. Writes define the bytes every backend must reproduce; attention
+defines the values every backend must match within the documented tolerance
+(:mod:`fp8kv.testing.tolerance`).
+
+Attention is computed in float64 (float32 on devices without float64, e.g. MPS), from the
+dequantized ``k' = code * k_scale`` and ``v'``: no intermediate can overflow for finite
+input and finite positive scales anywhere in the float32 range, so the result is the exact
+function up to float64 rounding, with two saturations that every backend shares:
+
+* a logit (after ``softmax_scale`` and the soft-cap) is clamped to ``+-LOGIT_MAX`` =
+  ``FLOAT32_MAX * ln 2`` (the largest natural-log logit whose base-2 form is a finite
+  float32: kernels fold ``log2(e)`` into their logits);
+* the output is clamped to the output dtype's finite range before the cast (it cannot be
+  represented otherwise), and ``lse`` to the float32 range.
+
+Finite input therefore never gives NaN or inf (NaN/inf *codes or scales* of visible keys still
+propagate). Rows that see no key get ``out = 0`` and ``lse = -inf``.
+
+Memory safety without the host checks (``validate=False``, ``FP8KV_CHECK=shapes``): the same
+rules as the kernels, so that both agree on garbage metadata instead of raising:
+
+* a write's slot is stored only if ``0 <= slot < num_slots``; others are skipped like padding;
+* ``query_start_loc`` entries are clamped to ``[0, num_tokens]`` (a decreasing pair is an
+  empty query); sequence lengths to ``[0, max_blocks * block_size]``;
+* a key whose block id is outside ``[0, num_blocks)`` is masked out (not visible).
 """
 
 from __future__ import annotations
@@ -46,20 +68,31 @@ def _quantize_rows(cache: KVCache, which: str, x: torch.Tensor, slots: torch.Ten
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Quantize ``key``/``value [num_tokens, H, D]`` into their slots; negative slots are skipped."""
-    valid = slot_mapping >= 0
+    """Quantize ``key``/``value [num_tokens, H, D]`` into their slots; negative slots (padding) and
+    slots ``>= cache.num_slots`` are skipped: an out-of-range slot is not written."""
+    valid = (slot_mapping >= 0) & (slot_mapping < cache.num_slots)
     slots = slot_mapping[valid].to(torch.long)
     for which, x, dst in (("key", key, cache.key_cache), ("value", value, cache.value_cache)):
         codes = _quantize_rows(cache, which, x[valid], slots)
         _scatter(dst, cache.layout, cache.block_size, slots, codes)
 
 
-def _gather_dequantized(cache: KVCache, which: str, slots: torch.Tensor) -> torch.Tensor:
-    """Dequantized float32 ``[len(slots), H, D]`` for the given slots."""
+def _gather_dequantized(cache: KVCache, which: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized ``[len(slots), H, D]`` for the given (in-range) slots, computed in ``dtype``."""
     c = cache.key_cache if which == "key" else cache.value_cache
     block, offset = slots // cache.block_size, slots % cache.block_size
     codes = c[block, offset] if cache.layout == "NHD" else c[block, :, offset]
-    return codes.to(torch.float32) * cache.scale_per_slot(which)[slots][..., None]
+    return codes.to(dtype) * cache.scale_per_slot(which)[slots].to(dtype)[..., None]
+
+
+FLOAT32_MAX = 3.4028234663852886e38
+LOGIT_MAX = FLOAT32_MAX * 0.6931471805599453
+"""Logits saturate here (``FLOAT32_MAX / log2(e)``): their base-2 form stays a finite float32."""
+
+
+def math_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the reference attention computes in on ``device``: float64 where supported."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def visible_mask(seq_len: int, q_len: int, causal: bool, sliding_window: int | None,
@@ -81,32 +114,46 @@ def paged_attention(query: torch.Tensor, cache: KVCache, metadata: AttentionMeta
                     lse: torch.Tensor | None = None) -> None:
     """Reference paged attention (see :meth:`fp8kv.hookspecs.BackendSpec.fp8kv_paged_attention`).
 
-    ``out [T, Hq, D]`` gets ``softmax(q·k'·scale) v'`` in float32 (then the output dtype);
-    ``lse [T, Hq]``, if given, the natural-log log-sum-exp of each row's logits.
+    ``out [T, Hq, D]`` gets ``softmax(cap(q.k' * scale)) v'`` computed in float64 (see the
+    module docstring for the saturations), then the output dtype; ``lse [T, Hq]``, if given,
+    the natural-log log-sum-exp of each row's logits. Garbage metadata (host checks off) is
+    clamped and masked like the kernels do; rows outside every sequence's queries are untouched.
     """
     opts = metadata.options
-    group = query.shape[1] // cache.num_kv_heads
+    dev, dt = query.device, math_dtype(query.device)
+    T, Hq, D = query.shape
+    H = cache.num_kv_heads
+    group = Hq // H
+    bs, nb = cache.block_size, cache.num_blocks
+    tables = metadata.block_tables
+    max_keys = tables.shape[1] * bs
     starts = metadata.host_query_start_loc or metadata.query_start_loc.tolist()
     lens = metadata.host_seq_lens or metadata.seq_lens.tolist()
+    out_max = torch.finfo(out.dtype).max
     for i, seq_len in enumerate(lens):
-        q_lo, q_hi = starts[i], starts[i + 1]
-        if q_hi == q_lo:
+        q_lo, q_hi = min(max(starts[i], 0), T), min(max(starts[i + 1], 0), T)
+        if q_hi <= q_lo:
             continue
-        pos = torch.arange(seq_len, device=query.device)
-        slots = metadata.block_tables[i].to(torch.long)[pos // cache.block_size] * cache.block_size \
-            + pos % cache.block_size
-        k = _gather_dequantized(cache, "key", slots).repeat_interleave(group, dim=1)  # [L, Hq, D]
-        v = _gather_dequantized(cache, "value", slots).repeat_interleave(group, dim=1)
-        q = query[q_lo:q_hi].to(torch.float32)  # [ql, Hq, D]
-        logits = torch.einsum("qhd,khd->hqk", q, k) * opts.softmax_scale
+        seq_len = min(max(seq_len, 0), max_keys)
+        pos = torch.arange(seq_len, device=dev)
+        blocks = tables[i].to(torch.long)[pos // bs]
+        present = (blocks >= 0) & (blocks < nb)  # an out-of-range block id: its keys are not visible
+        slots = blocks.clamp(0, nb - 1) * bs + pos % bs
+        k = _gather_dequantized(cache, "key", slots, dt)  # [L, H, D]
+        v = _gather_dequantized(cache, "value", slots, dt).masked_fill(~present[:, None, None], 0.0)
+        q = query[q_lo:q_hi].to(dt).view(q_hi - q_lo, H, group, D)
+        logits = torch.einsum("qhgd,khd->hgqk", q, k).mul_(opts.softmax_scale)  # [H, group, ql, L]
         if opts.logits_soft_cap is not None:
-            logits = opts.logits_soft_cap * torch.tanh(logits / opts.logits_soft_cap)
-        mask = visible_mask(seq_len, q_hi - q_lo, opts.causal, opts.sliding_window, query.device)
-        logits = logits.masked_fill(~mask, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        out[q_lo:q_hi] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
-        if lse is not None:
-            lse[q_lo:q_hi] = torch.logsumexp(logits, dim=-1).transpose(0, 1)
+            logits = torch.tanh(logits.div_(opts.logits_soft_cap)).mul_(opts.logits_soft_cap)
+        logits.clamp_(-LOGIT_MAX, LOGIT_MAX)  # NaN stays NaN
+        mask = visible_mask(seq_len, q_hi - q_lo, opts.causal, opts.sliding_window, dev) & present[None, :]
+        logits.masked_fill_(~mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).masked_fill_(~mask.any(-1)[:, None], 0.0)  # no key: 0, not NaN
+        o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_hi - q_lo, Hq, D)
+        out[q_lo:q_hi] = o.clamp(-out_max, out_max).to(out.dtype)
+        if lse is not None:  # -inf for rows without a visible key
+            row = torch.logsumexp(logits, dim=-1).reshape(Hq, q_hi - q_lo)
+            lse[q_lo:q_hi] = row.clamp(max=FLOAT32_MAX).transpose(0, 1).to(lse.dtype)
 
 
 class ReferenceBackend:

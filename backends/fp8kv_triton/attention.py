@@ -17,10 +17,30 @@ Kernel structure (``_attn_kernel``), grid ``(num_seqs * q_blocks, H, num_splits)
 * **FP8 decode in registers.** Codes are decoded exactly to the query dtype (float16 or
   bfloat16: every FP8 value is exact in both) for ``q @ k^T``, and to float16 for
   ``p @ v``; float32 queries use float32 products in IEEE precision (never TF32).
-* **Scales folded.** Per-tensor/per-head: ``k_scale`` multiplies ``softmax_scale`` once
-  per program, ``v_scale`` multiplies the output once. Per-token-head: ``k_scale`` of each
-  key multiplies its logit column, ``v_scale`` of each key multiplies its probability
-  column. Both are exact rewrites of ``softmax(q . (c_k s_k)) (c_v s_v)``.
+* **Scales folded, nothing overflows.** The logit factor ``k_scale * softmax_scale * log2(e)``
+  (per program for static scales, per key for token_head ones) is never formed as one float32:
+  ``softmax_scale * log2(e)`` arrives from the host as a mantissa in [1, 2) and a power-of-two
+  exponent (:func:`_logit_factor`), ``k_scale`` is split the same way in the kernel, and the
+  product becomes two float32 factors ``f1 * f2`` on the same side of 1 (``|exponent| <= 125``
+  each), applied as ``(q.c * f1) * f2``: an intermediate overflows (underflows) only when the
+  logit itself does. Queries of float32/bfloat16 are first scaled by a power of two per program
+  so that ``|q| <= 2^101`` (``q . c`` then stays below ``2^126``; float16 queries cannot overflow
+  it). The base-2 logits are then saturated to ``+-FLOAT32_MAX`` (natural logits to
+  ``+-FLOAT32_MAX ln 2``, :data:`fp8kv.reference.LOGIT_MAX`): never ``inf - inf`` or ``0 * inf``.
+  Static ``v_scale`` multiplies the normalised output once; per-token-head ``v_scale`` of each key
+  multiplies its probability column, tile-normalised (see below) and accumulated in units of a
+  running per-row maximum ``R`` (``acc * R`` is the true sum), so the unnormalised sum cannot
+  overflow either. The output is clamped to its dtype's finite range before the store. All are
+  exact rewrites of ``softmax(q . (c_k s_k)) (c_v s_v)``; with finite input and finite positive
+  scales no NaN or inf comes out, matching :func:`fp8kv.reference.paged_attention`.
+* **Memory safety without the host.** Every bound comes from what the tensors hold, not from
+  the metadata's values (``FP8KV_CHECK=shapes``, ``validate=False`` and CUDA-graph replays skip
+  the host checks): ``query_start_loc`` entries are clamped to ``[0, num_tokens]`` (a decreasing
+  pair is an empty query), ``seq_lens`` to ``[0, max_blocks * block_size]`` (so the block table
+  row is never read past its end), the grid's query blocks come from ``min(max_query_len,
+  num_tokens)`` (a host int), and a key whose block id is outside ``[0, num_blocks)`` is masked
+  out (its K/V never loaded; a tile holding one takes the masked path). Rows whose keys are all
+  masked give ``out = 0`` and ``lse = -inf``.
 * **P in float16.** ``p @ v`` runs on tensor cores with ``p`` in float16 (relative error
   2^-12). For rows that see fewer than :data:`FULL_P_KEYS` keys that is more than the float32
   error model of :mod:`fp8kv.testing.tolerance` allows, so there ``p = hi + lo`` is split into
@@ -39,15 +59,16 @@ Kernel structure (``_attn_kernel``), grid ``(num_seqs * q_blocks, H, num_splits)
   ``WRITE_LSE``; nothing extra is done without it) each row also gets the natural-log
   ``logsumexp`` of its scaled, soft-capped logits over its visible keys, the softmax
   normaliser. The logits the kernel holds are those times ``log2(e)`` in every case (the
-  factor is folded into ``qk_scale``, or applied after the soft-cap; per-token-head ``k_scale``
-  multiplies each column before), so ``lse = (m + log2(l)) * ln(2)`` from the final online
-  state; split-KV: from the merged ``(max_s m_s, sum_s 2^(m_s - max) l_s)`` in
-  ``_reduce_kernel``. Rows with no visible key get ``-inf``.
+  factor is folded into the logit factor ``f1 * f2``, or applied after the soft-cap; per-token-head
+  ``k_scale`` multiplies each column before), so ``lse = (m + log2(l)) * ln(2)`` from the final
+  online state (finite: ``|m| <= FLOAT32_MAX``); split-KV: from the merged
+  ``(max_s m_s, sum_s 2^(m_s - max) l_s)`` in ``_reduce_kernel``. Rows with no visible key get ``-inf``.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +81,7 @@ from .codec import codec_args, decode
 from .write import cache_strides, scale_strides
 
 LOG2E = 1.4426950408889634
+FLOAT32_MAX = 3.4028234663852886e38
 NO_WINDOW = 1 << 30
 FULL_P_KEYS = 1024
 """Rows that see at least this many keys use one float16 ``p @ v`` product: its error, at most
@@ -88,6 +110,60 @@ def _tanh(x):
     big = tl.math.div_rn(1.0 - e, 1.0 + e)
     big = tl.where(x < 0, -big, big)
     return tl.where(ax < 0.55, small, big)
+
+
+@triton.jit
+def _pow2(e):
+    """``2^e`` as a float32, for integer ``e`` in [-126, 127] (built from the exponent bits)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _saturate(x, hi: tl.constexpr):
+    """``x`` clamped to ``[-hi, hi]``; NaN stays NaN."""
+    return tl.minimum(tl.maximum(x, -hi, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _saturate_out(o, OUT_TY: tl.constexpr):
+    """``o`` clamped to the finite range of the output dtype ``OUT_TY`` (NaN stays NaN)."""
+    if OUT_TY == tl.float16:
+        o = _saturate(o, 65504.0)
+    elif OUT_TY == tl.bfloat16:
+        o = _saturate(o, 3.3895313892515355e38)
+    else:
+        o = _saturate(o, 3.4028234663852886e38)
+    return o
+
+
+@triton.jit
+def _scale_factors(x, g_mant, g_exp):
+    """Two float32 factors ``(f1, f2)`` with ``f1 * f2 = x * g_mant * 2^g_exp`` (``x`` a float32
+    scale of any magnitude, subnormal included; ``g_mant`` in [1, 2)), on the same side of 1, each
+    a normal float32: ``(s * f1) * f2`` overflows or underflows only if ``s * x * g`` does.
+
+    ``x`` is split with integer operations only (no subnormal arithmetic, which a GPU may flush).
+    The total exponent is clamped to [-250, 250]: beyond it every logit ``s * f`` (``|s|`` in
+    [2^-149, 2^126]) saturates or is far below any logit that matters. Zero, inf and NaN scales
+    keep their own value in ``f1``.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    eb = (bits >> 23) & 0xFF
+    sub = eb == 0
+    # a subnormal scale is (its 23 mantissa bits, an exact integer) * 2^-149
+    m_int = (bits & 0x007FFFFF).to(tl.float32)
+    xn = tl.where(sub, tl.where(bits < 0, -m_int, m_int), x)
+    nbits = xn.to(tl.int32, bitcast=True)
+    mant = ((nbits & -2139095041) | 0x3F800000).to(tl.float32, bitcast=True) * g_mant  # sign kept; [1, 4)
+    e = ((nbits >> 23) & 0xFF) - 127 + tl.where(sub, -149, 0) + g_exp
+    e = tl.minimum(tl.maximum(e, -250), 250)
+    e1 = tl.minimum(tl.maximum(e, -125), 125)
+    f1 = mant * _pow2(e1)
+    f2 = _pow2(e - e1)
+    special = (eb == 255) | (x == 0)
+    f1 = tl.where(special, x * g_mant, f1)
+    f2 = tl.where(special, 1.0, f2)
+    return f1, f2
 
 
 @triton.jit
@@ -122,23 +198,30 @@ def _pv_dot(w, v, acc, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr):
 
 @triton.jit
 def _tile(
-    start, offs_n, hi, bt_row, page, page_shift, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2: tl.constexpr
+    start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+    PAGE_POW2: tl.constexpr
 ):
     """Key positions ``n`` of the tile at ``start``, their mask, block ids and offsets in block
-    (int64), and the byte offsets of their rows in the K and V caches (from the kv_head's row)."""
+    (int64), the byte offsets of their rows in the K and V caches (from the kv_head's row), and
+    whether the tile has a hole: a key below ``hi`` whose block id is outside ``[0, num_blocks)``
+    (masked out of ``kmask``: never loaded, never visible)."""
     n = start + offs_n
-    kmask = n < hi
+    inside = n < hi
     if PAGE_POW2:
         page_idx = n >> page_shift
         tib = n & (page - 1)
     else:
         page_idx = n // page
         tib = n % page
-    blk = tl.load(bt_row + page_idx, mask=kmask, other=0).to(tl.int64)
+    blk = tl.load(bt_row + page_idx, mask=inside, other=0)
+    present = (blk >= 0) & (blk < num_blocks)
+    kmask = inside & present
+    hole = tl.max((inside & ~present).to(tl.int32), axis=0) != 0
+    blk = blk.to(tl.int64)
     tib = tib.to(tl.int64)
     k_off = blk * stride_kb + tib * stride_kt
     v_off = blk * stride_vb + tib * stride_vt
-    return n, kmask, blk, tib, k_off, v_off
+    return n, kmask, blk, tib, k_off, v_off, hole
 
 
 @triton.jit
@@ -167,9 +250,13 @@ def _attend(
     m_i,
     l_i,
     acc,
+    r_i,
     KS,
     VS,
-    qk_scale,
+    f1,
+    f2,
+    g_mant,
+    g_exp,
     soft_cap,
     window,
     causal,
@@ -195,10 +282,13 @@ def _attend(
     F_MAXMAG: tl.constexpr,
     F_BIAS: tl.constexpr,
 ):
-    """One tile of online softmax: returns the updated row max ``m_i``, sum ``l_i`` and ``acc``.
+    """One tile of online softmax: returns the updated row max ``m_i``, sum ``l_i``, ``acc`` and,
+    for per-token-head scales, the running value scale ``r_i`` (``acc * r_i`` is the true sum).
 
     ``KS``/``VS`` point at the kv_head's scale; per-token-head scales of key (``blk``, ``tib``)
-    are read at ``KS + blk * stride_ksb + tib * stride_kst`` (and likewise for V).
+    are read at ``KS + blk * stride_ksb + tib * stride_kst`` (and likewise for V). Static scales:
+    the logit factor is ``f1 * f2`` (see :func:`_scale_factors`); per-token-head: built per key
+    from its ``k_scale`` and ``g_mant * 2^g_exp``.
     """
     k = decode(kc, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
     if QK_DT == tl.float32:
@@ -207,11 +297,13 @@ def _attend(
         s = tl.dot(q, k)
     if TOKEN_SCALES:
         ks = tl.load(KS + blk * stride_ksb + tib * stride_kst, mask=kmask, other=1.0)
-        s = s * (ks * qk_scale)[None, :]
+        kf1, kf2 = _scale_factors(ks, g_mant, g_exp)
+        s = s * kf1[None, :] * kf2[None, :]
     else:
-        s = s * qk_scale
+        s = s * f1 * f2
     if USE_CAP:
         s = soft_cap * _tanh(s / soft_cap) * 1.4426950408889634
+    s = _saturate(s, 3.4028234663852886e38)  # base-2 logits: finite (s - m never inf - inf)
     if need_mask:  # tiles inside every row's visible range skip this
         visible = kmask[None, :] & row_valid[:, None] & (n[None, :] > pos[:, None] - window)
         visible = visible & ((n[None, :] <= pos[:, None]) | (causal == 0))
@@ -221,7 +313,6 @@ def _attend(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None]
     if PV_F32:
         v_dt: tl.constexpr = tl.float32
     else:
@@ -229,14 +320,23 @@ def _attend(
     v = decode(vc, v_dt, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
     if TOKEN_SCALES:
         vs = tl.load(VS + blk * stride_vsb + tib * stride_vst, mask=kmask, other=0.0)
-        w = p * vs[None, :]
+        w = p * vs[None, :]  # p <= 1: finite
         r = tl.max(w, axis=1)
-        r = tl.where(r > 0, r, 1.0)
-        w = tl.math.div_rn(w, r[:, None] + tl.zeros_like(w))  # in [0, 1]; 1 / r may overflow
-        acc = acc + r[:, None] * _pv_dot(w, v, tl.zeros_like(acc), PV_F32, PV_SPLIT)
+        r_safe = tl.where(r > 0, r, 1.0)
+        w = tl.math.div_rn(w, r_safe[:, None] + tl.zeros_like(w))  # in [0, 1]; 1 / r may overflow
+        # acc is kept in units of r_i, the running max of the tiles' r (rescaled by alpha like acc),
+        # so it stays <= l * max|code| whatever v_scale is
+        r_old = r_i * alpha
+        r_new = tl.maximum(r_old, r)
+        r_div = tl.where(r_new > 0, r_new, 1.0)
+        c_old = tl.math.div_rn(r_old, r_div)
+        c_new = tl.math.div_rn(r, r_div)
+        acc = acc * c_old[:, None] + c_new[:, None] * _pv_dot(w, v, tl.zeros_like(acc), PV_F32, PV_SPLIT)
+        r_i = r_new
     else:
+        acc = acc * alpha[:, None]
         acc = _pv_dot(p, v, acc, PV_F32, PV_SPLIT)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, r_i
 
 
 @triton.jit
@@ -245,6 +345,7 @@ def _attend_range(
     m_i,
     l_i,
     acc,
+    r_i,
     lo,
     hi,
     all_lo,
@@ -253,6 +354,7 @@ def _attend_range(
     bt_row,
     page,
     page_shift,
+    num_blocks,
     stride_kb,
     stride_kt,
     stride_vb,
@@ -265,7 +367,10 @@ def _attend_range(
     VC,
     KS,
     VS,
-    qk_scale,
+    f1,
+    f2,
+    g_mant,
+    g_exp,
     soft_cap,
     window,
     causal,
@@ -297,11 +402,12 @@ def _attend_range(
     ``KC``/``VC``/``KS``/``VS`` already point at the program's kv_head.
     """
     for start in range(lo, hi, BLOCK_N):
-        n, kmask, blk, tib, k_off, v_off = _tile(
-            start, offs_n, hi, bt_row, page, page_shift, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2
+        n, kmask, blk, tib, k_off, v_off, hole = _tile(
+            start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+            PAGE_POW2
         )
         kc, vc = _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D)
-        m_i, l_i, acc = _attend(
+        m_i, l_i, acc, r_i = _attend(
             q,
             kc,
             vc,
@@ -312,9 +418,13 @@ def _attend_range(
             m_i,
             l_i,
             acc,
+            r_i,
             KS,
             VS,
-            qk_scale,
+            f1,
+            f2,
+            g_mant,
+            g_exp,
             soft_cap,
             window,
             causal,
@@ -324,7 +434,7 @@ def _attend_range(
             stride_kst,
             stride_vsb,
             stride_vst,
-            (start < all_lo) | (start + BLOCK_N > all_hi) | (start + BLOCK_N > hi),
+            (start < all_lo) | (start + BLOCK_N > all_hi) | (start + BLOCK_N > hi) | hole,
             USE_CAP,
             TOKEN_SCALES,
             QK_DT,
@@ -340,15 +450,19 @@ def _attend_range(
             F_MAXMAG,
             F_BIAS,
         )
-    return m_i, l_i, acc
+    return m_i, l_i, acc, r_i
 
 
 @triton.jit(
     do_not_specialize=[
         "sm_scale",
+        "sm_exp",
         "soft_cap",
         "window",
         "T",
+        "num_blocks",
+        "max_keys",
+        "pr_off",
         "HQ",
         "group",
         "block_q",
@@ -372,6 +486,7 @@ def _attn_kernel(
     PL,
     LSE,
     sm_scale,
+    sm_exp,
     soft_cap,
     window,
     causal,
@@ -397,6 +512,9 @@ def _attn_kernel(
     keys_per_split,
     page,
     page_shift,
+    num_blocks,
+    max_keys,
+    pr_off,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -428,17 +546,23 @@ def _attn_kernel(
     K / V caches, ``stride_ks{b,t,h}`` / ``stride_vs{b,t,h}`` of the K / V scales (static
     scales: ``(0, 0, head stride)``, per-tensor all 0). ``LSE`` (``[T, HQ]`` float32, written
     only with ``WRITE_LSE``; split-KV: by ``_reduce_kernel``) gets each row's log-sum-exp.
+    ``sm_scale * 2^sm_exp`` is ``softmax_scale`` (times ``log2(e)`` without soft-cap), ``sm_scale``
+    in [1, 2). ``num_blocks`` bounds the block ids, ``max_keys = max_blocks * page`` the lengths,
+    ``T`` the query offsets (memory safety without host checks: see the module docstring).
+    Split-KV with per-token-head scales also stores each row's value scale at ``PL + pr_off``.
     """
     pid_q = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq = pid_q // max_q_blocks
     qb = pid_q % max_q_blocks
-    q_start = tl.load(QSL + seq)
-    q_len = tl.load(QSL + seq + 1) - q_start
+    # metadata values are clamped to what the tensors hold: garbage never becomes an address
+    q_start = tl.minimum(tl.maximum(tl.load(QSL + seq), 0), T)
+    q_end = tl.minimum(tl.maximum(tl.load(QSL + seq + 1), 0), T)
+    q_len = tl.maximum(q_end - q_start, 0)
     if qb * block_q >= q_len:
         return
-    seq_len = tl.load(SEQ_LENS + seq)
+    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + seq), 0), max_keys)
 
     # ---- query rows: (token in block, head in group)
     rows = tl.arange(0, BLOCK_M)
@@ -456,9 +580,19 @@ def _attn_kernel(
     q_off = (tok * HQ + qh)[:, None] * D + d[None, :]
     if Q_BITS:  # bfloat16 as int16 bits, widened exactly (interpreter: see the launcher)
         q_raw = tl.load(Q + q_off, mask=row_valid[:, None] & dmask[None, :], other=0)
-        q = (q_raw.to(tl.int32) << 16).to(tl.float32, bitcast=True).to(QK_DT)
+        q = (q_raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
-        q = tl.load(Q + q_off, mask=row_valid[:, None] & dmask[None, :], other=0.0).to(QK_DT)
+        q = tl.load(Q + q_off, mask=row_valid[:, None] & dmask[None, :], other=0.0)
+    if QK_DT != tl.float16:
+        # float32/bfloat16 queries: an exact power-of-two scale so that |q| <= 2^101 and q . c
+        # cannot overflow (|c| < 2^16, D <= 512); the exponent goes back into the logit factor
+        qf = q.to(tl.float32)
+        q_amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        q_shift = tl.maximum(((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 227, 0)
+        q = (qf * _pow2(-q_shift)).to(QK_DT)
+    else:
+        q_shift = 0
+        q = q.to(QK_DT)
 
     # ---- the keys this program visits
     first_pos = seq_len - q_len + qb * block_q
@@ -477,13 +611,13 @@ def _attn_kernel(
     KS = KS + kvh64 * stride_ksh
     VS = VS + kvh64 * stride_vsh
 
-    # ---- scales folded into the logits / output
+    # ---- scales folded into the logits (never as one float32 product: see _scale_factors)
+    g_exp = sm_exp + q_shift
     if TOKEN_SCALES:
-        qk_scale = sm_scale
+        f1 = 1.0
+        f2 = 1.0
     else:
-        qk_scale = sm_scale * tl.load(KS)
-    if not USE_CAP:
-        qk_scale = qk_scale * 1.4426950408889634
+        f1, f2 = _scale_factors(tl.load(KS), sm_scale, g_exp)
 
     # keys visible to every row of the block: [last_pos - window + 1, first_pos] (causal) or
     # [last_pos - window + 1, seq_len) (not causal); tiles inside need no mask
@@ -497,17 +631,19 @@ def _attn_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    r_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     bt_row = BT + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
     # the P-precision choice is hoisted out of the loop (two copies of the loop): a runtime
     # branch around a tl.dot inside the loop is avoided
     if split_p:
-        m_i, l_i, acc = _attend_range(
+        m_i, l_i, acc, r_i = _attend_range(
             q,
             m_i,
             l_i,
             acc,
+            r_i,
             lo,
             hi,
             all_lo,
@@ -516,6 +652,7 @@ def _attn_kernel(
             bt_row,
             page,
             page_shift,
+            num_blocks,
             stride_kb,
             stride_kt,
             stride_vb,
@@ -528,7 +665,10 @@ def _attn_kernel(
             VC,
             KS,
             VS,
-            qk_scale,
+            f1,
+            f2,
+            sm_scale,
+            g_exp,
             soft_cap,
             window,
             causal,
@@ -556,11 +696,12 @@ def _attn_kernel(
             F_BIAS,
         )
     else:
-        m_i, l_i, acc = _attend_range(
+        m_i, l_i, acc, r_i = _attend_range(
             q,
             m_i,
             l_i,
             acc,
+            r_i,
             lo,
             hi,
             all_lo,
@@ -569,6 +710,7 @@ def _attn_kernel(
             bt_row,
             page,
             page_shift,
+            num_blocks,
             stride_kb,
             stride_kt,
             stride_vb,
@@ -581,7 +723,10 @@ def _attn_kernel(
             VC,
             KS,
             VS,
-            qk_scale,
+            f1,
+            f2,
+            sm_scale,
+            g_exp,
             soft_cap,
             window,
             causal,
@@ -614,17 +759,22 @@ def _attn_kernel(
         tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=row_valid[:, None] & dmask[None, :])
         tl.store(PM + part, m_i, mask=row_valid)
         tl.store(PL + part, l_i, mask=row_valid)
+        if TOKEN_SCALES:
+            tl.store(PL + pr_off + part, r_i, mask=row_valid)
     else:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)  # padding rows only
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows without a visible key
         o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
-        if not TOKEN_SCALES:
+        if TOKEN_SCALES:
+            o = o * r_i[:, None]
+        else:
             o = o * tl.load(VS)
+        o = _saturate_out(o, OUT.dtype.element_ty)  # a value beyond the output dtype saturates (never inf)
         tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=row_valid[:, None] & dmask[None, :])
         if WRITE_LSE:
             tl.store(LSE + tok * HQ + qh, _lse(m_i, l_i), mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["T", "HQ", "group", "num_splits"])
+@triton.jit(do_not_specialize=["T", "HQ", "group", "num_splits", "pr_off"])
 def _reduce_kernel(
     PACC,
     PM,
@@ -638,13 +788,16 @@ def _reduce_kernel(
     group,
     num_splits,
     stride_vsh,
+    pr_off,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TOKEN_SCALES: tl.constexpr,
     WRITE_LSE: tl.constexpr,
 ):
     """Merge the split-KV partials of one (token, query head): ``sum_s w_s acc_s / sum_s w_s l_s``
-    with ``w_s = 2^(m_s - max_s m_s)``; the merged pair is ``(max_s m_s, sum_s w_s l_s)``."""
+    with ``w_s = 2^(m_s - max_s m_s)``; the merged pair is ``(max_s m_s, sum_s w_s l_s)``.
+    Per-token-head scales: ``acc_s`` is in units of ``r_s`` (at ``PL + pr_off``), so the sum is formed as
+    ``A sum_s (w_s r_s / A) acc_s`` with ``A = max_s w_s r_s`` (no overflow)."""
     tok = tl.program_id(0).to(tl.int64)
     qh = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -658,14 +811,23 @@ def _reduce_kernel(
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
     acc = tl.load(PACC + part[:, None] * D + d[None, :], mask=smask[:, None] & dmask[None, :], other=0.0)
-    num = tl.sum(acc * w[:, None], axis=0)
+    if TOKEN_SCALES:
+        a = w * tl.load(PL + pr_off + part, mask=smask, other=0.0)
+        a_max = tl.max(a, axis=0)
+        a_div = tl.where(a_max > 0, a_max, 1.0)
+        num = tl.sum(acc * tl.math.div_rn(a, a_div + tl.zeros_like(a))[:, None], axis=0)
+    else:
+        num = tl.sum(acc * w[:, None], axis=0)
     den = tl.sum(l_s * w, axis=0)
     if WRITE_LSE:
         tl.store(LSE + tok * HQ + qh, _lse(m_max, den))
     den = tl.where(den > 0, den, 1.0)
     o = tl.math.div_rn(num, den + tl.zeros_like(num))
-    if not TOKEN_SCALES:
+    if TOKEN_SCALES:
+        o = o * a_max
+    else:
         o = o * tl.load(VS + (qh // group) * stride_vsh)
+    o = _saturate_out(o, OUT.dtype.element_ty)
     tl.store(OUT + (tok * HQ + qh) * D + d, o.to(OUT.dtype.element_ty), mask=dmask)
 
 
@@ -764,6 +926,12 @@ def paged_attention(
     visible keys ``k'`` (dequantized), the normaliser of the softmax; ``-inf`` for a row that
     sees no key. As in ``out``, rows of tokens outside every sequence (``t >= query_start_loc[-1]``)
     are left unspecified (untouched, or garbage from the split-KV merge).
+
+    Memory-safe whatever the index values (see the module docstring): ``query_start_loc`` is
+    clamped to ``[0, T]``, ``seq_lens`` to ``[0, max_blocks * block_size]``, block ids outside
+    ``[0, num_blocks)`` are masked out, and the grid covers ``min(max_query_len, T)`` queries per
+    sequence (a ``max_query_len`` below the longest query leaves the rows past it unspecified).
+    ``softmax_scale`` and ``logits_soft_cap`` must be finite, > 0 and within the float32 range.
     """
     T, HQ, D = query.shape
     H = cache.num_kv_heads
@@ -772,6 +940,12 @@ def paged_attention(
     if lse is not None and (lse.dtype != torch.float32 or tuple(lse.shape) != (T, HQ) or not lse.is_contiguous()):
         raise ValueError(f"lse: got {lse.dtype} {tuple(lse.shape)} strides {lse.stride()}, "
                          f"expected a contiguous float32 [{T}, {HQ}]")
+    for name, x in (("softmax_scale", softmax_scale), ("logits_soft_cap", logits_soft_cap)):
+        if x is not None and not (math.isfinite(x) and 0 < x <= FLOAT32_MAX):
+            raise ValueError(f"{name}: got {x!r}, expected a finite number in (0, {FLOAT32_MAX:.4g}]")
+    max_query_len = min(max(int(max_query_len), 1), max(T, 1))  # a host int: no sync
+    if T == 0 or S == 0:
+        return
     if config is None:
         config = choose_config(
             query.device,
@@ -785,7 +959,11 @@ def paged_attention(
         )
     block_d = max(16, triton.next_power_of_2(D))
     block_q = max(1, config.block_m // group)
-    q_blocks = triton.cdiv(max(max_query_len, 1), block_q)
+    q_blocks = triton.cdiv(max_query_len, block_q)
+    # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
+    # mantissa in [1, 2) and an exponent, so that it never overflows float32 (see _scale_factors)
+    sm_mant, sm_exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
+    sm_mant, sm_exp = 2.0 * sm_mant, sm_exp - 1
     a = codec_args(cache.fmt)
     k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
     ks_strides, vs_strides = scale_strides(cache, "key"), scale_strides(cache, "value")
@@ -798,13 +976,20 @@ def paged_attention(
         # the kernel, and multiply in float32 (bf16 x fp8 products are exact either way).
         qk_dt = tl.float32
         q_arg, q_bits = query.view(torch.int16), True
+    out_arg = out
+    if interpret and out.dtype == torch.bfloat16:
+        # the interpreter converts float32 below 2^-126 to bfloat16 wrongly: store float32, convert here
+        out_arg = out.float()
+    token_scales = cache.scale_granularity == "token_head"
     if split:
         pacc = torch.empty((config.num_splits, T, HQ, D), dtype=torch.float32, device=query.device)
         pm = torch.empty((config.num_splits, T, HQ), dtype=torch.float32, device=query.device)
-        pl = torch.empty_like(pm)
+        # l, then (per-token-head scales) each row's value scale r at pl + pr_off
+        pl = torch.empty(((2 if token_scales else 1) * config.num_splits, T, HQ), dtype=torch.float32,
+                         device=query.device)
     else:
         pacc = pm = pl = out  # unused
-    token_scales = cache.scale_granularity == "token_head"
+    pr_off = config.num_splits * T * HQ
     lse_arg = out if lse is None else lse  # unused without WRITE_LSE
     page = cache.block_size
     pow2 = page & (page - 1) == 0
@@ -818,12 +1003,13 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        out,
+        out_arg,
         pacc,
         pm,
         pl,
         lse_arg,
-        float(softmax_scale),
+        sm_mant,
+        sm_exp,
         float(logits_soft_cap or 1.0),
         min(int(sliding_window or NO_WINDOW), NO_WINDOW),
         int(causal),
@@ -841,6 +1027,9 @@ def paged_attention(
         config.keys_per_split,
         page,
         page.bit_length() - 1,
+        cache.key_cache.shape[0],
+        block_tables.shape[1] * page,
+        pr_off,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_D=block_d,
@@ -873,7 +1062,7 @@ def paged_attention(
             pm,
             pl,
             cache.v_scale,
-            out,
+            out_arg,
             lse_arg,
             T,
             HQ,
@@ -881,9 +1070,13 @@ def paged_attention(
             group,
             config.num_splits,
             vs_strides[2],
+            pr_off,
             BLOCK_S=max(2, triton.next_power_of_2(config.num_splits)),
             BLOCK_D=block_d,
             TOKEN_SCALES=token_scales,
             WRITE_LSE=lse is not None,
             num_warps=4,
         )
+    if out_arg is not out:
+        hi = torch.finfo(out.dtype).max
+        out.copy_(out_arg.clamp_(-hi, hi))

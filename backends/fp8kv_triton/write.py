@@ -4,8 +4,12 @@ One kernel launch writes K and V. Program ``i`` takes ``BLOCK_R`` consecutive ro
 flattened ``[num_tokens * H, D]`` input (row ``r`` is token ``r // H``, head ``r % H``), so
 its loads are contiguous, and stores each row's ``D`` bytes at its slot:
 
-* ``slot = slot_mapping[token]``; negative slots (padding) are masked out entirely, so
-  nothing outside the mapped slots is touched;
+* ``slot = slot_mapping[token]``; a slot is written only if ``0 <= slot < num_slots``
+  (``num_blocks * block_size``, compared in int64 so ``2^40`` is refused too): negative
+  slots (padding) and out-of-range slots are masked out entirely, so nothing outside the
+  cache is ever touched, whether or not the host checked the values (``FP8KV_CHECK=shapes``,
+  ``validate=False``, a CUDA graph replayed with new slots). An out-of-range slot is not
+  written; it behaves like padding;
 * K and V each have their own (block, token-in-block, head) strides (:func:`cache_strides`):
   NHD ``[num_blocks, block_size, H, D]`` and HND ``[num_blocks, H, block_size, D]`` differ only
   in them, and so do views (``t[:, 0]`` / ``t[:, 1]`` of one ``[num_blocks, 2, ...]``
@@ -81,9 +85,9 @@ def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dma
     tl.store(dst_ptr + dst_row[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
 
 
-@triton.jit(do_not_specialize=["num_rows", "H", "page"])
+@triton.jit(do_not_specialize=["num_rows", "H", "page", "num_slots"])
 def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_ptr,
-                     num_rows, H, D,
+                     num_rows, H, D, num_slots,
                      k_sb, k_st, k_sh, v_sb, v_st, v_sh,
                      ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh,
                      page, page_shift,
@@ -96,14 +100,15 @@ def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_pt
     """``BLOCK_R`` rows of ``key``/``value`` (flattened ``[T * H, D]``) into both caches.
 
     ``k_s*`` / ``v_s*``: (block, token, head) strides of the K / V cache; ``ks_s*`` / ``vs_s*``:
-    those of the K / V scale tensors (see :func:`scale_strides`).
+    those of the K / V scale tensors (see :func:`scale_strides`). A row is written only if its
+    slot is in ``[0, num_slots)`` (int64 compare).
     """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < num_rows
     t = rows // H
     h = rows % H
     slot = tl.load(slot_ptr + t, mask=rmask, other=-1).to(tl.int64)
-    valid = rmask & (slot >= 0)
+    valid = rmask & (slot >= 0) & (slot < num_slots)  # padding and out-of-range slots: not written
     if PAGE_POW2:
         blk = slot >> page_shift
         off = slot & (page - 1)
@@ -165,7 +170,8 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
             ``key_cache``/``value_cache`` (and the scale tensors) may be strided views with
             different strides (see :func:`cache_strides`, :func:`scale_strides`).
         key, value: contiguous ``[T, H, D]`` float32/float16/bfloat16 on the cache's device.
-        slot_mapping: ``[T]`` int32/int64; negative entries are skipped.
+        slot_mapping: ``[T]`` int32/int64; negative entries are skipped, and so are entries
+            ``>= cache.num_blocks * block_size`` (never written: the kernel's own bound).
         encoder: :data:`fp8kv_triton.codec.ENC_INTEGER` or ``ENC_NATIVE`` (the policy's choice).
         block_rows / num_warps: launch overrides (benchmarks).
     """
@@ -188,7 +194,8 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
         key, value = key.view(torch.int16), value.view(torch.int16)
     _write_kv_kernel[grid](
         key, value, slot_mapping, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
-        cache.k_scale, cache.v_scale, rows, H, D, *k_strides, *v_strides, *ks_strides, *vs_strides,
+        cache.k_scale, cache.v_scale, rows, H, D, cache.num_blocks * page,
+        *k_strides, *v_strides, *ks_strides, *vs_strides,
         page, page.bit_length() - 1,
         PAGE_POW2=page & (page - 1) == 0, BLOCK_R=block_rows, BLOCK_D=block_d, SRC_KIND=src_kind,
         TOKEN_SCALES=cache.scale_granularity == "token_head", ENC=int(encoder == ENC_NATIVE),
