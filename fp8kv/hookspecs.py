@@ -185,6 +185,8 @@ class BackendSpec:
         Must be bit-exact with :func:`fp8kv.reference.write_kv` (codes and, for
         token_head, scales); must not touch any byte outside the mapped slots (codes or
         scales) nor modify its inputs. Padding slots may appear anywhere in the mapping.
+        Slots outside ``[0, num_slots)`` may arrive when the caller turned the host checks
+        off: treat them as padding (never written), decided inside the kernel.
         """
 
     @hookspec(firstresult=True)
@@ -231,4 +233,11 @@ class BackendSpec:
         value (0, -1) and must not be dereferenced. Sequences with no query tokens are skipped.
         Compute from the dequantized values in float32 (see :mod:`fp8kv.testing.tolerance`
         for what "matches the reference" means).
+
+        Memory safety does not rest on the host checks (an engine may skip them, or replay a
+        CUDA graph over refilled buffers): clamp query ranges to ``[0, num_tokens]`` and
+        sequence lengths to ``[0, max_blocks * block_size]``, and mask block ids outside
+        ``[0, num_blocks)`` (their keys are not visible); a row that sees no key gets 0 and an
+        ``lse`` of ``-inf``. Finite input never gives NaN or inf: logits saturate at
+        ``±fp8kv.reference.LOGIT_MAX``, outputs at their dtype's largest finite value.
         """

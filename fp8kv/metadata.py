@@ -463,6 +463,7 @@ def plan_attention(
         num_tokens = host["qsl_last"]
     if not decode and max_query_len is None:
         max_query_len = host["max_query_len"]
+    max_query_len = min(max_query_len, num_tokens)  # no query is longer than the step (unchecked input)
 
     # ---- the padded page table
     if csr:

@@ -16,7 +16,9 @@ variable                    meaning
                             error instead of a warning. Default ``0``.
 ``FP8KV_CHECK``             ``full`` (default): value checks (slot, block-table and
                             length ranges) in :func:`fp8kv.plan_attention` and the
-                            one-shot calls; ``shapes``: skip them (no host sync).
+                            one-shot calls; ``shapes``: skip them (no host sync;
+                            still memory-safe: kernels skip bad slots, mask bad
+                            block ids and clamp lengths).
 ``FP8KV_SIMULATE_DEVICE``   pretend the device is this one (``sm70``, ``sm90``,
                             ``gfx942``...) for selection and ``fp8kv probe``.
 ``FP8KV_TRITON_CODEC``      Triton backend codec: ``auto`` (default), ``integer``

@@ -319,6 +319,9 @@ def paged_attention_bounds(
     lbound = torch.zeros(T, Hq, 1, dtype=torch.float64, device=dev)
     vmax = torch.zeros(T, Hq, 1, dtype=torch.float64, device=dev)
     group = Hq // cache.num_kv_heads
+    # dequantized in float64: at extreme scales float32 would overflow and leave only inf bounds
+    keys64, values64 = ((cache.token_view(w).to(torch.float64) * cache.scale_per_slot(w).to(torch.float64)[..., None])
+                        for w in ("key", "value"))
     for i, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = starts[i], starts[i + 1]
         if hi == lo:
@@ -326,8 +329,8 @@ def paged_attention_bounds(
         pos = torch.arange(seq_len, device=dev)
         slots = block_tables[i].to(torch.long)[pos // cache.block_size] * cache.block_size \
             + pos % cache.block_size
-        k = cache.dequantized("key")[slots]  # [L, H, D]
-        v = cache.dequantized("value")[slots]
+        k = keys64[slots]  # [L, H, D]
+        v = values64[slots]
         vis = visible_mask(seq_len, hi - lo, causal, sliding_window, dev)  # [ql, L]
         num_keys[lo:hi, 0, 0] = vis.sum(-1).to(torch.float64)
         lbound[lo:hi] = logit_bound(query[lo:hi], k, scale, vis)
