@@ -862,10 +862,14 @@ def choose_config(
     max_query_len: int,
     max_keys: int,
     interpret: bool,
+    query_dtype: torch.dtype = torch.bfloat16,
 ) -> AttnConfig:
     """Pick tile sizes and the KV split from host-known sizes only (no device sync).
 
     ``max_keys`` is ``block_tables.shape[1] * block_size``, an upper bound of every sequence.
+    float32 queries (IEEE float32 products, whose operands take twice the shared memory) use
+    half the key tile and two stages: a 64 x 128 float32 prefill tile with 128 keys and three
+    stages needs 266 KB of shared memory on the H100 (limit 227 KB).
     """
     block_d = max(16, triton.next_power_of_2(head_size))
     gpad = max(16, triton.next_power_of_2(group))
@@ -876,8 +880,8 @@ def choose_config(
         block_m = gpad
     else:
         block_m = max(gpad, 64)
-    block_n = 64 if wide else 128
-    num_stages = 2 if wide else 3
+    block_n = 64 if wide or query_dtype == torch.float32 else 128
+    num_stages = 2 if wide or query_dtype == torch.float32 else 3
     if interpret:
         block_m, block_n = (gpad, 32)
     block_q = max(1, block_m // group)
@@ -956,6 +960,7 @@ def paged_attention(
             max_query_len=max_query_len,
             max_keys=block_tables.shape[1] * cache.block_size,
             interpret=interpret,
+            query_dtype=query.dtype,
         )
     block_d = max(16, triton.next_power_of_2(D))
     block_q = max(1, config.block_m // group)

@@ -77,7 +77,8 @@ class TritonBackend:
         config = choose_config(
             spec.device, group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
             num_seqs=metadata.num_seqs, num_kv_heads=spec.num_kv_heads, max_query_len=metadata.max_query_len,
-            max_keys=metadata.block_tables.shape[1] * spec.block_size, interpret=interpret)
+            max_keys=metadata.block_tables.shape[1] * spec.block_size, interpret=interpret,
+            query_dtype=metadata.query_dtype)
         return TritonPlan(choice.decoder, interpret, config)
 
     @hookimpl
