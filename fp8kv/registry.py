@@ -79,28 +79,20 @@ _OPTIONAL_HOOKS = ("fp8kv_plan_attention",)
 log = logging.getLogger("fp8kv")
 
 
-class DuplicateBackendError(PluginError):
-    """A backend name is already taken by another distribution (the message names both).
-
-    Attributes:
-        name: the backend name.
-    """
+class _NameError(PluginError):
+    """A plugin refused for the backend name it claims (``name``: that name)."""
 
     def __init__(self, message: str, name: str = ""):
         super().__init__(message)
         self.name = name
 
 
-class ReservedNameError(PluginError):
-    """A plugin from another distribution than fp8kv claims a name of :data:`RESERVED_NAMES`.
+class DuplicateBackendError(_NameError):
+    """A backend name is already taken by another distribution (the message names both)."""
 
-    Attributes:
-        name: the backend name.
-    """
 
-    def __init__(self, message: str, name: str = ""):
-        super().__init__(message)
-        self.name = name
+class ReservedNameError(_NameError):
+    """A plugin from another distribution than fp8kv claims a name of :data:`RESERVED_NAMES`."""
 
 
 def _describe_exception(exc: BaseException) -> str:
