@@ -102,7 +102,9 @@ class Fake:
 
     @hookimpl
     def fp8kv_backend_info(self):
-        return BackendInfo(self.name, "0", priority=self.priority, description="test fake", fast=True)
+        # not "fast": pure-PyTorch fakes, exempt from the kit's memory-safety pass (their indexing
+        # raises instead of touching foreign memory; see test_memory_safety_pass_* below)
+        return BackendInfo(self.name, "0", priority=self.priority, description="test fake", fast=False)
 
     @hookimpl
     def fp8kv_supports(self, device, request):
@@ -486,3 +488,36 @@ def test_every_installed_backend_conforms(name):
         pytest.skip(f"{name} serves nothing on {device.name}: {reasons[0]}")
     report = check_backend(name, known=KNOWN, **_limits(name))
     print(report.summary())
+
+
+class WrappingWrite(Fake):
+    """A "kernel" that wraps out-of-range slots into the cache instead of skipping them."""
+
+    name = "wrapping_write"
+
+    @hookimpl
+    def fp8kv_backend_info(self):
+        return BackendInfo(self.name, "0", priority=self.priority, description="test fake", fast=True)
+
+    @hookimpl
+    def fp8kv_write_kv(self, cache, key, value, slot_mapping):
+        reference.write_kv(cache, key, value, torch.where(slot_mapping >= 0, slot_mapping % cache.num_slots, -1))
+
+
+def test_memory_safety_pass_catches_a_write_that_wraps_bad_slots():
+    from fp8kv.testing import check_memory_safety
+
+    register_backend(WrappingWrite())
+    try:
+        with pytest.raises(AssertionError, match="out-of-range slot must not be written"):
+            check_memory_safety("wrapping_write", "cpu")
+    finally:
+        unregister_backend("wrapping_write")
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token_head"])
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_memory_safety_pass_holds_for_the_reference(layout, granularity):
+    from fp8kv.testing import check_memory_safety
+
+    check_memory_safety("reference", "cpu", layout=layout, granularity=granularity)

@@ -14,6 +14,8 @@ Contents:
 * :mod:`fp8kv.testing.strategies`: Hypothesis strategies for workloads (:func:`workloads`,
   :class:`Workload`).
 * :mod:`fp8kv.testing.conformance`: :func:`check_backend`.
+* :mod:`fp8kv.testing.safety`: :func:`check_memory_safety` (hostile indices with the host
+  checks off; part of :func:`check_backend` for fast backends).
 
 The tolerance needs only torch; the strategies and the checker need Hypothesis (a test
 dependency), so they are imported on first use.
@@ -37,11 +39,12 @@ _LAZY = {
     "workloads": "strategies",
     "check_backend": "conformance",
     "ConformanceReport": "conformance",
+    "check_memory_safety": "safety",
 }
 
 __all__ = [
     "ConformanceReport", "Workload", "assert_attention_close", "attention_error_bound", "attention_tolerance",
-    "check_backend", "logit_bound", "paged_attention_bounds", "ulp", "workloads",
+    "check_backend", "check_memory_safety", "logit_bound", "paged_attention_bounds", "ulp", "workloads",
 ]
 
 

@@ -14,6 +14,11 @@ For every drawn :class:`~fp8kv.testing.strategies.Workload` and each op, the bac
     the derived tolerance of :mod:`fp8kv.testing.tolerance` (the output and the log-sum-exp),
     write every output element and leave the cache alone;
 
+* once per check, for a ``fast`` backend that claims NHD e4m3 caches:
+  :func:`~fp8kv.testing.safety.check_memory_safety` (out-of-range slots, block ids, lengths and
+  query offsets with the host checks off must not touch memory outside the cache, nor write an
+  out-of-range slot);
+
 * it **refuses** the request: forcing it must raise :class:`fp8kv.Fp8KVError` containing
   its reason, and leave the cache unchanged.
 
@@ -42,12 +47,13 @@ from hypothesis import HealthCheck, example, given, settings
 
 from .. import reference
 from ..api import paged_attention, write_kv
-from ..cache import KVCache
+from ..cache import CacheSpec, KVCache
 from ..errors import Fp8KVError
-from ..hookspecs import OPS
+from ..hookspecs import OPS, Request
 from ..metadata import plan_attention
 from ..probe import DeviceInfo, probe
 from ..registry import Backend, registry, unregister_backend
+from .safety import check_memory_safety
 from .strategies import Workload, workloads
 from .tolerance import assert_attention_close, assert_lse_close, paged_attention_bounds
 
@@ -64,6 +70,8 @@ class ConformanceReport:
         served: op -> requests checked against the reference.
         refused: op -> requests refused (and checked to raise when forced).
         reasons: refusal reason -> count.
+        memory_safe: granularities checked by :func:`fp8kv.testing.safety.check_memory_safety`
+            (hostile slots, block ids, lengths and offsets with the host checks off).
     """
 
     backend: str
@@ -72,6 +80,7 @@ class ConformanceReport:
     served: Counter = field(default_factory=Counter)
     refused: Counter = field(default_factory=Counter)
     reasons: Counter = field(default_factory=Counter)
+    memory_safe: list = field(default_factory=list)
 
     def summary(self) -> str:
         ops = ", ".join(f"{op}: {self.served[op]} checked, {self.refused[op]} refused" for op in OPS)
@@ -217,6 +226,7 @@ def check_backend(
     examples: int | None = None,
     require_support: bool = True,
     known: Iterable[Workload] = (),
+    memory_safety: bool | None = None,
     **strategy_limits: Any,
 ) -> ConformanceReport:
     """Cross-check ``backend`` against the reference for exactly what it claims to support.
@@ -231,6 +241,9 @@ def check_backend(
             a sign that ``strategy_limits`` or the device do not fit the backend).
         known: workloads always checked first (``@example``s): keep every failure the
             kit ever found here, e.g. ``known=[Workload(...)]`` pasted from its report.
+        memory_safety: run :func:`~fp8kv.testing.safety.check_memory_safety` (default: for
+            ``fast`` backends, whose kernels could touch memory outside a tensor; a slow
+            PyTorch backend's indexing raises instead).
         **strategy_limits: passed to :func:`fp8kv.testing.strategies.workloads`
             (``max_seqs``, ``max_seq_len``, ``head_sizes``, ``kv_dtypes``, ``io_dtypes`` ...).
     Returns:
@@ -241,6 +254,8 @@ def check_backend(
     info = probe(dev)
     be, ours = _resolve(backend)
     report = ConformanceReport(be.name, info)
+    if memory_safety is None:
+        memory_safety = be.info.fast
     base = settings.default
     run_settings = settings(
         base, max_examples=examples if examples is not None else base.max_examples, deadline=None,
@@ -265,6 +280,12 @@ def check_backend(
     conformance = run_settings(given(wl=workloads(**strategy_limits))(conformance))
     try:
         conformance()
+        for gran in ("tensor", "token_head") if memory_safety else ():  # hostile indices, host checks off
+            spec = CacheSpec("fp8_e4m3", "NHD", gran, 6, 4, 2, 16, dev)
+            if all(be.check_supports(info, r) is None for r in (Request.for_write(spec, torch.float32),
+                                                                 Request.for_attention(spec, torch.float32))):
+                check_memory_safety(be.name, dev, granularity=gran)
+                report.memory_safe.append(gran)
     finally:
         if ours:
             unregister_backend(be.name)
