@@ -215,3 +215,28 @@ def test_probe_command_rejects_unknown_simulation(capsys):
     with pytest.raises(SystemExit):
         main(["probe", "--simulate", "sm99"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_probe_command_on_simulated_amd_picks_triton_and_says_it_was_not_run(arch, capsys, monkeypatch):
+    """The ROCm path: the Triton backend serves every format on gfx942/gfx950 (outside the
+    interpreter), and the probe says it was compiled for that arch, not run on AMD hardware."""
+    pytest.importorskip("triton")
+    from fp8kv_triton.plugin import TritonBackend
+
+    reg = Registry(loaded=True)
+    reg.add(reference.ReferenceBackend(), distribution="fp8kv")
+    reg.add(TritonBackend(), distribution="fp8kv")
+    monkeypatch.setattr(registry_mod, "_REGISTRY", reg)
+    for var in ("FP8KV_BACKEND", "FP8KV_SIMULATE_DEVICE", "FP8KV_AUTO_BACKENDS"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["probe", "--simulate", arch]) == 0
+    out = capsys.readouterr().out
+    rows = out.split("auto picks:")[1].splitlines()[2:4]
+    assert [r.split()[1:] for r in rows] == [["triton"] * 4] * 2
+    assert f"compiled for {arch}, not run on AMD hardware" in out
+    assert "triton on this device:" in out and "fp8_e4m3fnuz: encode integer bits, decode integer bits" in out
+    assert "NVIDIA GPUs only" not in out
+    assert main(["probe", "--simulate", "sm90", "--json"]) == 0  # NVIDIA: no AMD notes
+    assert json.loads(capsys.readouterr().out)["device_notes"] == {}

@@ -306,7 +306,8 @@ def test_supports_on_simulated_devices():
     from fp8kv_triton.capabilities import supports
 
     assert supports(simulated("sm70"), _req()) == "sm70: needs sm80+ (bf16 tensor-core dots)"
-    assert "NVIDIA GPUs only" in supports(simulated("gfx942"), _req())
+    # AMD: served (integer-bit codec), but not while TRITON_INTERPRET is set (this test session)
+    assert "TRITON_INTERPRET" in supports(simulated("gfx942"), _req())
     assert "head_size 512" in supports(simulated("sm90"), _req(D=512))
     # a GPU request while TRITON_INTERPRET is set (this test session) is refused with the reason
     assert "TRITON_INTERPRET" in supports(simulated("sm90"), _req())
@@ -320,6 +321,108 @@ def test_supports_cpu_without_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     assert "TRITON_INTERPRET=1" in supports(simulated("cpu"), _req(device_type="cpu"))
     assert supports(simulated("sm80"), _req(fmt="fp8_e4m3")) is None  # e4m3 on Ampere: integer encoder
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_amd_is_served_for_every_format(arch, monkeypatch):
+    from fp8kv_triton.capabilities import supports
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    for fmt in FORMATS:
+        for op in ("write_kv", "paged_attention"):
+            assert supports(simulated(arch), _req(op=op, fmt=fmt)) is None, (arch, fmt, op)
+    assert "head_size 512" in supports(simulated(arch), _req(D=512))
+    assert "AMD is served up to 128" in supports(simulated(arch), _req(D=256))  # prefill tile spills there
+    assert supports(simulated(arch), _req(D=96)) is None
+    other = replace(simulated("gfx942"), arch="gfx90a", native_fp8=frozenset())
+    assert "gfx942, gfx950" in supports(other, _req())
+    assert "triton is not installed" in supports(replace(simulated(arch), triton=False), _req())
+
+
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_selection_on_simulated_amd_picks_triton_with_reasons(arch, monkeypatch):
+    """Auto selection on a simulated MI300/MI350 lands on the Triton backend for every format,
+    and the probe notes say what was compiled and what was not run."""
+    from fp8kv.commands.probe import build_report, render
+    from fp8kv.registry import Registry
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    reg = Registry()  # fresh: answers are cached per (backend, device, request), not per environment
+    reg.load_entry_points()
+    device = simulated(arch)
+    for fmt in FORMATS:
+        for op in ("write_kv", "paged_attention"):
+            sel = reg.select(_req(op=op, fmt=fmt), device, None)
+            assert sel.backend.name == "triton", (fmt, op, sel.explain())
+    report = build_report(device, reg)
+    assert {a["backend"] for a in report["auto"]} == {"triton"}
+    notes = report["device_notes"]["triton"]
+    assert notes[0].startswith(f"compiled for {arch}, not run on AMD hardware")
+    assert all("encode integer bits, decode integer bits" in n for n in notes[1:]) and len(notes) == 5
+    assert f"compiled for {arch}, not run on AMD hardware" in render(report)
+
+
+def test_amd_codec_policy_is_integer_everywhere(monkeypatch):
+    from fp8kv_triton.capabilities import codec_for
+    from fp8kv_triton.modes import ENC_INTEGER, integer_decoder
+
+    for override in ("auto", "native"):  # FP8KV_TRITON_CODEC=native is about NVIDIA cvt: not on AMD
+        monkeypatch.setenv("FP8KV_TRITON_CODEC", override)
+        for arch in ("gfx942", "gfx950"):
+            for fmt in ALL:
+                c = codec_for(arch, fmt, interpret=False)
+                assert (c.encoder, c.decoder) == (ENC_INTEGER, integer_decoder(fmt.name)), (arch, fmt.name)
+                assert f"compiled for {arch}, not run on AMD hardware" in c.why
+    assert "no native OCP" in codec_for("gfx942", FORMATS["fp8_e4m3"], interpret=False).why
+    assert "no native fnuz" in codec_for("gfx950", FORMATS["fp8_e4m3fnuz"], interpret=False).why
+
+
+def test_amd_launch_choices_fit_64_wide_wavefronts():
+    from fp8kv_triton.attention import choose_config
+    from fp8kv_triton.write import write_launch
+
+    cpu = torch.device("cpu")
+    for arch in ("gfx942", "gfx950"):
+        for q_len, dtype in ((1, torch.bfloat16), (512, torch.bfloat16), (512, torch.float32)):
+            c = choose_config(cpu, group=8, head_size=128, num_seqs=4, num_kv_heads=8, max_query_len=q_len,
+                              max_keys=4096, interpret=False, query_dtype=dtype, arch=arch)
+            # 4 wavefronts of 64 lanes, one stage: no VGPR spill, 16 KiB of LDS (ci/reports/compile/)
+            assert (c.num_warps, c.num_stages, c.reduce_warps) == (4, 1, 4)
+        assert write_launch(128, arch) == (128, 32, 4)
+    nv = choose_config(cpu, group=8, head_size=128, num_seqs=4, num_kv_heads=8, max_query_len=1, max_keys=4096,
+                       interpret=False, arch="sm90")
+    assert (nv.num_warps, nv.num_stages) == (4, 3)  # NVIDIA unchanged
+
+
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz"])
+def test_kernels_in_the_interpreter_with_the_amd_codec_policy(fmt):
+    """The write and attention kernels, with the codec and launch sizes chosen for gfx942/gfx950,
+    run in the interpreter: writes byte-identical to the reference, attention within bounds."""
+    from fp8kv_triton.attention import choose_config, paged_attention
+    from fp8kv_triton.capabilities import codec_for
+    from fp8kv_triton.write import write_kv
+
+    for arch, gran in (("gfx942", "token_head"), ("gfx950", "tensor")):
+        choice = codec_for(arch, FORMATS[fmt], interpret=False)
+        cache, key, value, slots = _write_case(fmt, gran, "NHD", torch.bfloat16)
+        want = cache.clone()
+        fp8kv.write_kv(want, key, value, slots, backend="reference")
+        write_kv(cache, key, value, slots, encoder=choice.encoder, arch=arch)
+        for a, b in ((cache.key_cache, want.key_cache), (cache.value_cache, want.value_cache),
+                     (cache.k_scale, want.k_scale), (cache.v_scale, want.v_scale)):
+            assert torch.equal(_bytes(a), _bytes(b)), (arch, fmt)
+        cache, query, tables, lens, qsl = _attention_case(fmt=fmt, gran=gran, dtype=torch.float16, group=2,
+                                                          seq_lens=(20, 9), q_lens=(5, 1))
+        max_q = int((qsl[1:] - qsl[:-1]).max())
+        cfg = choose_config(query.device, group=2, head_size=cache.head_size, num_seqs=2,
+                            num_kv_heads=cache.num_kv_heads, max_query_len=max_q,
+                            max_keys=tables.shape[1] * cache.block_size, interpret=True, arch=arch)
+        out = torch.full_like(query, math.nan)
+        scale = query.shape[-1] ** -0.5
+        paged_attention(query, cache, tables, lens, qsl, max_q, scale, True, None, None, out,
+                        decode_mode=choice.decoder, interpret=True, config=cfg)
+        ref = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, backend="reference")
+        assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
 
 
 def test_codec_policy():

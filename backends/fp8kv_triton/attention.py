@@ -834,6 +834,16 @@ def _reduce_kernel(
 # ------------------------------------------------------------------------------- launch
 
 
+def is_amd(arch: str | None) -> bool:
+    """Whether ``arch`` is an AMD GPU (``gfx...``: 64-wide wavefronts)."""
+    return arch is not None and arch.startswith("gfx")
+
+
+def reduce_warps(arch: str | None) -> int:
+    """Warps of the split-KV reduce: 4 (on AMD 4 wavefronts of 64: with 2, gfx942 spills SGPRs)."""
+    return 4
+
+
 @dataclass(frozen=True)
 class AttnConfig:
     """Launch parameters of one call (chosen by :func:`choose_config`; benchmarks override)."""
@@ -845,6 +855,7 @@ class AttnConfig:
     num_warps: int
     num_stages: int
     pv_split: bool = True
+    reduce_warps: int = 4
 
 
 @functools.cache
@@ -863,6 +874,7 @@ def choose_config(
     max_keys: int,
     interpret: bool,
     query_dtype: torch.dtype = torch.bfloat16,
+    arch: str | None = None,
 ) -> AttnConfig:
     """Pick tile sizes and the KV split from host-known sizes only (no device sync).
 
@@ -870,6 +882,14 @@ def choose_config(
     float32 queries (IEEE float32 products, whose operands take twice the shared memory) use
     half the key tile and two stages: a 64 x 128 float32 prefill tile with 128 keys and three
     stages needs 266 KB of shared memory on the H100 (limit 227 KB).
+
+    ``arch`` (``"gfx942"``...; None or ``"sm.."`` = NVIDIA): on AMD a warp is a 64-wide
+    wavefront. The warp count stays 4 (8 above 64 rows), i.e. 256 lanes per program, and one
+    stage (no software pipelining). Compiled for gfx942/gfx950 (``python -m fp8kv_triton.aot``,
+    ci/reports/compile/): 2 wavefronts need ~420 VGPRs for a 16 x 128 decode tile and spill
+    to scratch for the 64-row prefill tile; two stages spill VGPRs to scratch in the prefill
+    tile (and take 128 KiB of LDS on gfx950); 8 wavefronts cap VGPRs at 256 and spill. 4
+    wavefronts, 1 stage: no VGPR spill, 16 KiB of LDS.
     """
     block_d = max(16, triton.next_power_of_2(head_size))
     gpad = max(16, triton.next_power_of_2(group))
@@ -897,7 +917,10 @@ def choose_config(
     keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_keys, keys_per_split)
     num_warps = 4 if block_m <= 64 else 8
-    return AttnConfig(block_m, block_n, num_splits, keys_per_split, num_warps, num_stages=num_stages)
+    if is_amd(arch):
+        num_stages = 1
+    return AttnConfig(block_m, block_n, num_splits, keys_per_split, num_warps, num_stages=num_stages,
+                      reduce_warps=reduce_warps(arch))
 
 
 def paged_attention(
@@ -1080,7 +1103,7 @@ def paged_attention(
             BLOCK_D=block_d,
             TOKEN_SCALES=token_scales,
             WRITE_LSE=lse is not None,
-            num_warps=4,
+            num_warps=config.reduce_warps,
         )
     if out_arg is not out:
         hi = torch.finfo(out.dtype).max

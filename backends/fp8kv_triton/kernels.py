@@ -19,7 +19,9 @@ Host-side launchers (tensors in, work enqueued, no host sync):
 
 Codec policy (which FP8 conversion is exact where): :func:`codec_for` returns a
 :class:`CodecChoice` (``encoder``/``decoder`` mode numbers and why) for an architecture and
-format; :func:`supports` is the Triton backend's capability rule.
+format (``"sm90"``, ``"gfx942"``...); :func:`supports` is the Triton backend's capability rule
+(NVIDIA sm80+, AMD gfx942/gfx950: see docs/rocm.md). :func:`write_launch` and
+:func:`choose_config` take the arch for their launch sizes (64-wide wavefronts on AMD).
 
 ``@triton.jit`` building blocks for kernels of your own: :func:`encode_f32_bits` (the
 integer-bit encoder mirroring :mod:`fp8kv.codec`), :func:`encode_native` (Triton's cast,
@@ -31,10 +33,10 @@ from .attention import AttnConfig, choose_config, paged_attention
 from .capabilities import CodecChoice, codec_for, supports
 from .codec import codec_args, decode, encode_f32_bits, encode_native
 from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
-from .write import cache_strides, scale_strides, write_kv
+from .write import cache_strides, scale_strides, write_kv, write_launch
 
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "AttnConfig", "CodecChoice",
     "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "encode_f32_bits", "encode_native",
-    "paged_attention", "scale_strides", "supports", "write_kv",
+    "paged_attention", "scale_strides", "supports", "write_kv", "write_launch",
 ]

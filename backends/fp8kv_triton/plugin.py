@@ -31,6 +31,8 @@ def _real_arch(device: torch.device) -> str | None:
     """The architecture the kernels will actually run on (never a simulated one)."""
     if device.type != "cuda":
         return None
+    if torch.version.hip:  # ROCm: torch's "cuda" device is an AMD GPU; get_device_capability() is (9, 4)
+        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
     major, minor = torch.cuda.get_device_capability(device)
     return f"sm{major}{minor}"
 
@@ -45,14 +47,15 @@ class TritonPlan:
 
 
 class TritonBackend:
-    """Fused FP8 cache write and paged attention in Triton (NVIDIA sm80+, CPU interpreter)."""
+    """Fused FP8 cache write and paged attention in Triton (NVIDIA sm80+, AMD gfx942/gfx950, CPU interpreter)."""
 
     @hookimpl
     def fp8kv_backend_info(self) -> BackendInfo:
         return BackendInfo(
             "triton", __version__, priority=100,
-            description="Triton kernels: NVIDIA sm80+ (e4m3 on sm80/86 through the integer-bit encoder), "
-                        "CPU through TRITON_INTERPRET=1",
+            description="Triton kernels: NVIDIA sm80+ (e4m3 on sm80/86 through the integer-bit encoder); "
+                        "AMD gfx942/gfx950 through the integer-bit codec (compiled for gfx942/gfx950, "
+                        "not run on AMD hardware); CPU through TRITON_INTERPRET=1",
             fast=True,
         )
 
@@ -60,12 +63,19 @@ class TritonBackend:
     def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:
         return supports(device, request)
 
+    def device_notes(self, device: DeviceInfo) -> list[str]:
+        """What ``fp8kv probe`` prints for this device: AMD honesty line, then the codec per format."""
+        from .capabilities import device_notes
+
+        return device_notes(device)
+
     @hookimpl
     def fp8kv_write_kv(self, cache, key, value, slot_mapping) -> None:
         from .write import write_kv
 
-        choice = codec_for(_real_arch(cache.device), cache.fmt, interpret=triton_interpreter())
-        write_kv(cache, key, value, slot_mapping, encoder=choice.encoder)
+        arch = _real_arch(cache.device)
+        choice = codec_for(arch, cache.fmt, interpret=triton_interpreter())
+        write_kv(cache, key, value, slot_mapping, encoder=choice.encoder, arch=arch)
 
     @hookimpl
     def fp8kv_plan_attention(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -73,12 +83,13 @@ class TritonBackend:
 
         spec = metadata.spec
         interpret = triton_interpreter()
-        choice = codec_for(_real_arch(spec.device), FORMATS[spec.kv_dtype], interpret=interpret)
+        arch = _real_arch(spec.device)
+        choice = codec_for(arch, FORMATS[spec.kv_dtype], interpret=interpret)
         config = choose_config(
             spec.device, group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
             num_seqs=metadata.num_seqs, num_kv_heads=spec.num_kv_heads, max_query_len=metadata.max_query_len,
             max_keys=metadata.block_tables.shape[1] * spec.block_size, interpret=interpret,
-            query_dtype=metadata.query_dtype)
+            query_dtype=metadata.query_dtype, arch=arch)
         return TritonPlan(choice.decoder, interpret, config)
 
     @hookimpl

@@ -161,8 +161,19 @@ def scale_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
     return 0, 0, s.stride(-1)
 
 
+def write_launch(head_size: int, arch: str | None = None) -> tuple[int, int, int]:
+    """``(BLOCK_D, BLOCK_R, num_warps)`` of the write kernel: about 4096 elements per program,
+    4 warps (on AMD, ``arch`` ``"gfx..."``, 4 wavefronts of 64 lanes: compiled for gfx942, 2
+    wavefronts need 80 VGPRs and ~600 SGPR spills to VGPR lanes, 4 need 45 and ~200).
+    ``arch`` is accepted so that a vendor-specific choice stays in this one place."""
+    block_d = max(16, triton.next_power_of_2(head_size))
+    block_rows = max(1, min(64, 4096 // block_d))
+    return block_d, block_rows, 4
+
+
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
-             encoder: int, block_rows: int | None = None, num_warps: int | None = None) -> None:
+             encoder: int, block_rows: int | None = None, num_warps: int | None = None,
+             arch: str | None = None) -> None:
     """Quantize and scatter ``key``/``value [T, H, D]`` into ``cache`` at ``slot_mapping [T]``.
 
     Args:
@@ -174,16 +185,18 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
             ``>= cache.num_blocks * block_size`` (never written: the kernel's own bound).
         encoder: :data:`fp8kv_triton.codec.ENC_INTEGER` or ``ENC_NATIVE`` (the policy's choice).
         block_rows / num_warps: launch overrides (benchmarks).
+        arch: the GPU architecture (``"sm90"``, ``"gfx942"``...) for the launch defaults
+            (:func:`write_launch`); None = NVIDIA defaults.
     """
     T, H, D = key.shape
     rows = T * H
     if rows == 0:
         return
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d, default_rows, default_warps = write_launch(D, arch)
     if block_rows is None:
-        block_rows = max(1, min(64, 4096 // block_d))
+        block_rows = default_rows
     if num_warps is None:
-        num_warps = 4
+        num_warps = default_warps
     a = codec_args(cache.fmt)
     k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
     ks_strides, vs_strides = scale_strides(cache, "key"), scale_strides(cache, "value")

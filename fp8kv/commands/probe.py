@@ -79,7 +79,28 @@ def build_report(device: DeviceInfo, reg: Registry | None = None) -> dict:
         "auto_backends": sorted(settings.auto_backends() or []),
         "support": support,
         "auto": auto,
+        "device_notes": device_notes(device, reg),
     }
+
+
+def device_notes(device: DeviceInfo, reg: Registry) -> dict[str, list[str]]:
+    """Per backend, what it says about this device (codec per format, what was and was not run).
+
+    Optional: a backend plugin object with a ``device_notes(device) -> list[str]`` method is
+    asked; one that raises is skipped (its table cells already say everything required).
+    """
+    notes = {}
+    for b in reg.ranked():
+        fn = getattr(b.plugin, "device_notes", None)
+        if not callable(fn):
+            continue
+        try:
+            lines = [str(x) for x in fn(device)]
+        except Exception:  # noqa: BLE001 - an optional extra: a failing one is left out
+            continue
+        if lines:
+            notes[b.name] = lines
+    return notes
 
 
 def _table(rows: list[list[str]]) -> list[str]:
@@ -138,6 +159,8 @@ def render(report: dict) -> str:
     out += _table(rows)
     if report["forced"]:
         out.append(f"  but FP8KV_BACKEND={report['forced']} forces that backend on every call")
+    for name, lines in report.get("device_notes", {}).items():
+        out += ["", f"{name} on this device:"] + [f"  {ln}" for ln in lines]
     out += [""] + [textwrap.fill(note, width=100, initial_indent="- ", subsequent_indent="  ")
                    for note in explain(report)]
     return "\n".join(out)
