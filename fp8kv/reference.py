@@ -162,7 +162,7 @@ class ReferenceBackend:
     @hookimpl
     def fp8kv_backend_info(self) -> BackendInfo:
         return BackendInfo("reference", __version__, priority=0,
-                           description="pure PyTorch, float32, any device (the oracle)", fast=False)
+                           description="pure PyTorch, float64 attention, any device (the oracle)", fast=False)
 
     @hookimpl
     def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:
