@@ -328,7 +328,9 @@ def apply_spill_budget(results: list[Result], baseline: dict[tuple[str, str, str
 def run(target: str, which: str = "representative", *, jobs: int = 1,
         baseline: dict[tuple[str, str, str, str], int] | None = None) -> list[Result]:
     """Compile every variant of ``which`` set for ``target``; ``jobs`` > 1 uses processes."""
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    from fp8kv import settings
+
+    if settings.triton_interpreter():
         raise RuntimeError("TRITON_INTERPRET is set: unset it to compile (the interpreter replaces triton.jit)")
     vs = variants(target, which)
     if jobs <= 1:
