@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from . import ops as _ops
-from .cache import KVCache
+from .cache import KVCache, may_share_bytes
 from .errors import bad_argument
 from .hookspecs import Request
 from .metadata import IO_DTYPES, AttentionMetadata, check_slot_mapping, check_tensor, plan_attention
@@ -172,8 +172,7 @@ def paged_attention(
             raise bad_argument("out", "a tensor that requires grad", "an output buffer without autograd history "
                                                                      "(fp8kv ops are inference only)")
         _check_separate(cache, out=out)
-        if not torch.compiler.is_compiling() and out.data_ptr() <= query.data_ptr() + query.nbytes - 1 and \
-                query.data_ptr() <= out.data_ptr() + out.nbytes - 1:
+        if not torch.compiler.is_compiling() and may_share_bytes(out, query):
             raise bad_argument("out", "a tensor sharing memory with query", "a separate output buffer")
     lse = torch.empty(want[:2], dtype=torch.float32, device=spec.device) if return_lse else None
     if meta.num_tokens:

@@ -78,7 +78,7 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     return t.data_ptr(), t.data_ptr() + (span + 1) * t.element_size() - 1
 
 
-def _may_share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+def may_share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether two tensors may address a common byte.
 
     Decided on byte addresses, whatever storage objects hold the tensors (two NumPy or DLPack
@@ -229,9 +229,13 @@ class KVCache:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 object.__setattr__(self, name, t.detach())
         object.__setattr__(self, "spec", self._validate())
-        object.__setattr__(self, "_extents", tuple(
-            _extent(t) for t in (self.key_cache, self.value_cache, self.k_scale, self.v_scale)))
-        object.__setattr__(self, "_span", (min(a for a, _ in self._extents), max(b for _, b in self._extents)))
+        self._record_addresses()
+
+    def _record_addresses(self) -> None:
+        """Remember each tensor's byte extent, and their span, for :meth:`shares_memory_with`."""
+        extents = tuple(_extent(t) for t in (self.key_cache, self.value_cache, self.k_scale, self.v_scale))
+        object.__setattr__(self, "_extents", extents)
+        object.__setattr__(self, "_span", (min(a for a, _ in extents), max(b for _, b in extents)))
 
     @classmethod
     def unchecked(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
@@ -244,9 +248,7 @@ class KVCache:
                       layout=layout, scale_granularity=scale_granularity, spec=spec)
         for name, value in fields.items():
             object.__setattr__(cache, name, value)
-        extents = tuple(_extent(t) for t in (key_cache, value_cache, k_scale, v_scale))
-        object.__setattr__(cache, "_extents", extents)
-        object.__setattr__(cache, "_span", (min(a for a, _ in extents), max(b for _, b in extents)))
+        cache._record_addresses()
         return cache
 
     def shares_memory_with(self, t: torch.Tensor) -> str | None:
@@ -262,7 +264,7 @@ class KVCache:
             return None
         names = ("key_cache", "value_cache", "k_scale", "v_scale")
         for name, (a, b) in zip(names, self._extents, strict=True):
-            if lo <= b and a <= hi and _may_share_bytes(t, getattr(self, name)):
+            if lo <= b and a <= hi and may_share_bytes(t, getattr(self, name)):
                 return name
         return None
 
@@ -299,7 +301,7 @@ class KVCache:
         for i, (na, a) in enumerate(named):
             for nb_, b in named[i + 1:]:
                 read_only = na == "k_scale" and self.scale_granularity != "token_head"
-                if not read_only and _may_share_bytes(a, b):
+                if not read_only and may_share_bytes(a, b):
                     raise bad_argument(nb_, f"a tensor sharing memory with {na}",
                                        "separate memory for key_cache, value_cache, k_scale and v_scale "
                                        "(static k/v scales may share)")
@@ -576,4 +578,4 @@ def _resolve_format(kv_dtype, device) -> Fp8Format:
     return ensure_fp8(kv_dtype)
 
 
-__all__ = ["GRANULARITIES", "LAYOUTS", "CacheSpec", "KVCache", "check_layout"]
+__all__ = ["GRANULARITIES", "LAYOUTS", "CacheSpec", "KVCache", "check_device", "check_layout", "may_share_bytes"]

@@ -437,13 +437,14 @@ def plan_attention(
                          ("min_pages", amin(pages)), ("max_pages", amax(pages)),
                          ("min_last", amin(torch.where(pages > 0, last, torch.ones_like(last)))),
                          ("max_last", amax(torch.where(pages > 0, last, torch.ones_like(last))))]
-                used = indices
-            else:
+                used, in_use = indices, torch.ones_like(indices, dtype=torch.bool)
+            else:  # the entries each sequence reads; masked with where (boolean indexing would sync)
                 cols = torch.arange(tables.shape[1], device=dev)
-                used = tables[cols[None, :] < (lens[:, None] + bs - 1).div(bs, rounding_mode="floor")] \
-                    if tables.shape[1] else tables.new_zeros(0)
-            if used.numel():
-                need += [("min_block", used.min().to(torch.int64)), ("max_block", used.max().to(torch.int64))]
+                used = tables
+                in_use = cols[None, :] < (lens[:, None] + bs - 1).div(bs, rounding_mode="floor")
+            if used.numel():  # with no entry in use: min INT32_MAX, max -1, both in range
+                need += [("min_block", torch.where(in_use, used, INT32_MAX).min().to(torch.int64)),
+                         ("max_block", torch.where(in_use, used, -1).max().to(torch.int64))]
             if slot_mapping is not None:
                 hi, _, dup = slot_stats(slot_mapping)
                 need += [("max_slot", hi), ("dup_slot", dup)]
