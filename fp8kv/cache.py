@@ -535,6 +535,17 @@ class KVCache:
         return KVCache(self.key_cache.clone(), self.value_cache.clone(), self.k_scale.clone(),
                        self.v_scale.clone(), self.fmt, self.layout, self.scale_granularity)
 
+    def copy_(self, other: KVCache) -> KVCache:
+        """Copy ``other``'s codes and scales into this cache's own tensors, in place (same shapes;
+        each tensor keeps its strides, so a view of an engine tensor stays one). Returns self."""
+        for dst, src in ((self.key_cache, other.key_cache), (self.value_cache, other.value_cache),
+                         (self.k_scale, other.k_scale), (self.v_scale, other.v_scale)):
+            if dst.element_size() == 1:
+                dst.view(torch.uint8).copy_(src.view(torch.uint8))
+            else:
+                dst.copy_(src)
+        return self
+
     def to(self, device: torch.device | str) -> KVCache:
         """A copy on ``device``."""
         return KVCache(self.key_cache.to(device), self.value_cache.to(device), self.k_scale.to(device),

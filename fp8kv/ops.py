@@ -338,14 +338,7 @@ def check_compile_on_device(device: str | torch.device = "cuda", *, backend: str
                                       scale_granularity="token_head", device=dev)
 
     def copy_of(cache: KVCache, kind: str) -> KVCache:  # same structure (views stay views), same bytes
-        new = make_cache(kind)
-        for dst, src in ((new.key_cache, cache.key_cache), (new.value_cache, cache.value_cache),
-                         (new.k_scale, cache.k_scale), (new.v_scale, cache.v_scale)):
-            if dst.element_size() == 1:
-                dst.view(torch.uint8).copy_(src.view(torch.uint8))
-            else:
-                dst.copy_(src)
-        return new
+        return make_cache(kind).copy_(cache)
 
     def step(q, k, v, caches, meta):
         outs = []

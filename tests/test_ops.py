@@ -100,13 +100,7 @@ def _attention_args(cache, q, meta, lse: bool, codes=torch.uint8):
 
 def _copy(cache: fp8kv.KVCache, granularity: str, layout: str, views: bool) -> fp8kv.KVCache:
     """A copy with the same structure (K/V views of one tensor stay so) and the same bytes."""
-    new = _cache(granularity, layout, views=views)
-    for dst, src in ((new.key_cache, cache.key_cache), (new.value_cache, cache.value_cache),
-                     (new.k_scale, cache.k_scale), (new.v_scale, cache.v_scale)):
-        if dst.element_size() == 1:
-            dst.view(torch.uint8).copy_(src.view(torch.uint8))
-        else:
-            dst.copy_(src)
+    new = _cache(granularity, layout, views=views).copy_(cache)
     assert new.same_bytes(cache)
     return new
 
