@@ -53,7 +53,7 @@ from ..hookspecs import OPS, Request
 from ..metadata import plan_attention
 from ..probe import DeviceInfo, probe
 from ..registry import Backend, registry, unregister_backend
-from .safety import check_memory_safety
+from .safety import as_bits, check_memory_safety
 from .strategies import Workload, workloads
 from .tolerance import assert_attention_close, assert_lse_close, paged_attention_bounds
 
@@ -89,13 +89,9 @@ class ConformanceReport:
                 + (f"; top refusals: {top}" if top else ""))
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
-
-
 def _first_difference(name: str, got: torch.Tensor, want: torch.Tensor) -> str | None:
     """None if byte-identical, else where and what differs."""
-    g, w = _bytes(got), _bytes(want)
+    g, w = as_bits(got), as_bits(want)
     if torch.equal(g, w):
         return None
     ne = (g != w).nonzero()
@@ -109,15 +105,15 @@ def _unmapped_changed(before: KVCache, after: KVCache, mapped: list[int]) -> str
     keep = torch.ones(before.num_slots, dtype=torch.bool)
     keep[torch.tensor(mapped, dtype=torch.long)] = False
     for which in ("key", "value"):
-        a = _bytes(before.token_view(which)).cpu()[keep]
-        b = _bytes(after.token_view(which)).cpu()[keep]
+        a = as_bits(before.token_view(which)).cpu()[keep]
+        b = as_bits(after.token_view(which)).cpu()[keep]
         if not torch.equal(a, b):
             slot = int(keep.nonzero()[(a != b).flatten(1).any(1).nonzero()[0, 0]])
             return f"{which}_cache changed at unmapped slot {slot} (padding or untouched slot written)"
     if before.scale_granularity == "token_head":
         for which in ("key", "value"):
-            a = _bytes(before.scale_per_slot(which)).cpu()[keep]
-            b = _bytes(after.scale_per_slot(which)).cpu()[keep]
+            a = as_bits(before.scale_per_slot(which)).cpu()[keep]
+            b = as_bits(after.scale_per_slot(which)).cpu()[keep]
             if not torch.equal(a, b):
                 slot = int(keep.nonzero()[(a != b).any(1).nonzero()[0, 0]])
                 return f"{which[0]}_scale changed at unmapped slot {slot}"
@@ -134,7 +130,7 @@ def check_write(backend: Backend, wl: Workload, device: torch.device) -> None:
     before = got.clone()
     write_kv(got, t.key, t.value, t.slot_mapping, backend=backend.name)
     where = f"backend {backend.name!r}, {wl.request('write_kv', device.type).describe()}: "
-    if not (torch.equal(_bytes(key0), _bytes(t.key)) and torch.equal(_bytes(value0), _bytes(t.value))):
+    if not (torch.equal(as_bits(key0), as_bits(t.key)) and torch.equal(as_bits(value0), as_bits(t.value))):
         raise AssertionError(where + "write_kv modified its key/value inputs")
     changed = _unmapped_changed(before, got, wl.mapped_slots())
     if changed:

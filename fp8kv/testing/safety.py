@@ -28,7 +28,7 @@ from ..cache import KVCache
 from ..formats import FORMATS
 from ..metadata import plan_attention
 
-__all__ = ["check_memory_safety"]
+__all__ = ["as_bits", "check_memory_safety"]
 
 H, D, BS, NB, GUARD = 2, 16, 4, 6, 2
 
@@ -52,8 +52,9 @@ def _guarded(device: torch.device, layout: str, granularity: str) -> tuple[KVCac
     return cache, parents
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32) if t.dtype == torch.float32 else t
+def as_bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers (uint8 or int32), so that NaN payloads and -0 compare exactly."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view(torch.int32)
 
 
 def check_memory_safety(backend: str, device: torch.device | str, *, layout: str = "NHD",
@@ -78,7 +79,7 @@ def check_memory_safety(backend: str, device: torch.device | str, *, layout: str
     write_kv(got, key, value, meta)
     reference.write_kv(want, key, value, slots)
     for a, b in zip(got_parents, want_parents, strict=True):
-        if not torch.equal(_bits(a), _bits(b)):
+        if not torch.equal(as_bits(a), as_bits(b)):
             raise AssertionError(where + "write_kv with out-of-range slots changed bytes the reference leaves "
                                          "alone (an out-of-range slot must not be written)")
     # -- attention over hostile metadata
@@ -98,5 +99,5 @@ def check_memory_safety(backend: str, device: torch.device | str, *, layout: str
         if not bool(torch.isfinite(out).all()):
             raise AssertionError(where + "paged_attention over hostile metadata gave a non-finite output")
     for a, b in zip(got_parents, snapshot, strict=True):
-        if not torch.equal(_bits(a), _bits(b)):
+        if not torch.equal(as_bits(a), as_bits(b)):
             raise AssertionError(where + "paged_attention over hostile metadata changed the cache or its guards")
