@@ -1,0 +1,492 @@
+// fp8kv_cuda: paged attention over the FP8 cache, one query token per CTA row group, split-KV.
+//
+// Grid (T, H * head_chunks, num_splits), NT = 128 threads. A CTA owns one query token t, one KV
+// head h and up to GPAD of the query heads sharing it (GQA packing: every K/V byte it loads
+// serves all of them), and the keys of split z: [z * keys_per_split, (z + 1) * keys_per_split).
+// Decode is one token per sequence; a chunked-prefill step runs the same kernel per query
+// token (token t finds its sequence by a binary search of query_start_loc; no tensor cores).
+//
+// Per tile of BLOCK_N keys:
+//   A. key metadata (block id through the block table, masked if outside [0, num_blocks);
+//      token_head: the logit factor of the key's k_scale and its v_scale) into shared memory,
+//      then the K and V rows (VEC-byte loads, 16 when aligned) into shared memory;
+//   B. logits: D_PAD / 16 threads per key, 16 FP8 bytes each decoded by bits (codec.cuh) and
+//      dotted with the GPAD float32 query rows, reduced by warp shuffles;
+//   C. online softmax in base 2, one warp per query head;
+//   D. p @ v: each thread owns 8 output dimensions of some heads, float32 accumulation.
+//
+// Numerics (the reference's, fp8kv/reference.py): the logit factor k_scale * softmax_scale *
+// log2(e) is never formed as one float32 (two factors on the same side of 1, see
+// scale_factors), queries above 2^101 are scaled down by a power of two first, base-2 logits
+// saturate at +-FLOAT32_MAX, static v_scale multiplies the normalised output, per-token-head
+// v_scale enters the weights in units of a running maximum R (acc * R is the true sum), and
+// the output saturates to its dtype's finite range. Rows that see no key get 0 and lse -inf.
+//
+// Memory safety without host checks: query_start_loc entries are clamped to [0, T], seq_lens
+// to [0, max_blocks * block_size] (the block table row is never read past its end), block ids
+// outside [0, num_blocks) are masked (never loaded), and tokens outside every sequence are
+// left alone.
+//
+// Macros (fp8kv_cuda.variants): the format's (codec.cuh), and
+//   FP8KV_QT: query/output dtype 0 float32, 1 float16, 2 bfloat16
+//   FP8KV_D_PAD: head size rounded up to a power of two in 16..256
+//   FP8KV_GPAD: query heads per CTA (power of two <= 16)
+//   FP8KV_BLOCK_N: keys per tile
+//   FP8KV_TOKEN_SCALES: per-token-head scales
+//   FP8KV_VEC: bytes per global K/V load (16, 8, 4, 2 or 1; divides D, the strides and the bases)
+#include "codec.cuh"
+
+namespace fp8kv {
+
+constexpr int QT = FP8KV_QT;
+constexpr int D_PAD = FP8KV_D_PAD;
+constexpr int GPAD = FP8KV_GPAD;
+constexpr int BLOCK_N = FP8KV_BLOCK_N;
+constexpr bool TOKEN_SCALES = FP8KV_TOKEN_SCALES != 0;
+constexpr int VEC = FP8KV_VEC;
+constexpr int NT = 128;
+constexpr int NWARPS = NT / 32;
+constexpr int TPK = D_PAD / 16;            // threads per key in the logit phase (16 bytes each)
+constexpr int KPP = NT / TPK;              // keys per pass of the logit phase
+constexpr int CPV = D_PAD / 8;             // 8-dimension chunks of the output
+constexpr int HPASS = NT / CPV;            // heads covered by one pass of the threads in p @ v
+constexpr int HPT = (GPAD + HPASS - 1) / HPASS;  // heads per thread in p @ v
+constexpr int HPW = (GPAD + NWARPS - 1) / NWARPS;  // heads per warp in the softmax phase
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float FLOAT32_MAX = 3.4028234663852886e38f;
+#define NEG_INF __int_as_float(0xff800000)
+
+static_assert(D_PAD >= 16 && D_PAD <= 256 && (D_PAD & (D_PAD - 1)) == 0, "D_PAD: a power of two in 16..256");
+static_assert(GPAD >= 1 && GPAD <= 16 && (GPAD & (GPAD - 1)) == 0, "GPAD: a power of two <= 16");
+static_assert(BLOCK_N % 32 == 0 && BLOCK_N <= NT, "BLOCK_N: a multiple of 32, at most NT");
+static_assert(VEC == 1 || VEC == 2 || VEC == 4 || VEC == 8 || VEC == 16, "VEC: 1, 2, 4, 8 or 16");
+
+#if FP8KV_QT == 0
+typedef float q_t;
+#else
+typedef u16 q_t;
+#endif
+
+__device__ __forceinline__ float load_q(const q_t* q, i64 i) {
+    if constexpr (QT == 0) {
+        return q[i];
+    } else if constexpr (QT == 1) {
+        return u2f(f16_to_f32_bits(q[i]));
+    } else {
+        return u2f((u32)q[i] << 16);
+    }
+}
+
+// o clamped to the output dtype's finite range (NaN stays NaN), stored.
+__device__ __forceinline__ void store_out(q_t* out, i64 i, float o) {
+    constexpr float HI = QT == 0 ? FLOAT32_MAX : (QT == 1 ? 65504.0f : 3.3895313892515355e38f);
+    o = o > HI ? HI : (o < -HI ? -HI : o);
+    if constexpr (QT == 0) {
+        out[i] = o;
+    } else if constexpr (QT == 1) {
+        out[i] = f32_to_f16_bits(o);
+    } else {
+        out[i] = f32_to_bf16_bits(o);
+    }
+}
+
+// x / y to 2 ulp over the full range (PTX div.full.f32: no slow-path call, so no spill around one;
+// the attention tolerance allows it, the write's bit-exact divisions stay IEEE).
+__device__ __forceinline__ float fdiv(float x, float y) {
+    float r;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+    return r;
+}
+
+__device__ __forceinline__ float saturate(float x) {  // +-FLOAT32_MAX, NaN kept
+    return x > FLOAT32_MAX ? FLOAT32_MAX : (x < -FLOAT32_MAX ? -FLOAT32_MAX : x);
+}
+
+__device__ __forceinline__ float pow2i(i32 e) {  // 2^e for e in [-126, 127]
+    return u2f((u32)(e + 127) << 23);
+}
+
+// Two float32 factors (f1, f2) with f1 * f2 = x * g_mant * 2^g_exp, on the same side of 1, each a
+// normal float32 (x: any float32 scale, subnormal included; g_mant in [1, 2)): (s * f1) * f2
+// overflows or underflows only if the logit itself does. Zero, inf and NaN keep their value in f1.
+__device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, float& f1, float& f2) {
+    const u32 bits = f2u(x);
+    const u32 eb = (bits >> 23) & 0xFFu;
+    const bool sub = eb == 0u;
+    const float m_int = (float)(bits & 0x7FFFFFu);  // a subnormal is (these bits) * 2^-149, exactly
+    const float xn = sub ? ((bits >> 31) ? -m_int : m_int) : x;
+    const u32 nbits = f2u(xn);
+    const float mant = u2f((nbits & 0x807FFFFFu) | 0x3F800000u) * g_mant;  // sign kept, [1, 4)
+    i32 e = (i32)((nbits >> 23) & 0xFFu) - 127 + (sub ? -149 : 0) + g_exp;
+    e = i32_min(i32_max(e, -250), 250);
+    const i32 e1 = i32_min(i32_max(e, -125), 125);
+    f1 = mant * pow2i(e1);
+    f2 = pow2i(e - e1);
+    if (eb == 255u || x == 0.0f) {
+        f1 = x * g_mant;
+        f2 = 1.0f;
+    }
+}
+
+// The sequence of query token t: s with qsl[s] <= t < qsl[s + 1] (entries clamped to [0, T]),
+// or -1 when t belongs to none. A binary search; with garbage offsets it still stays in bounds.
+__device__ __forceinline__ int find_seq(const int* qsl, int num_seqs, int T, int t, int& q_lo, int& q_hi) {
+    int lo = 0, hi = num_seqs;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        const int end = i32_min(i32_max(qsl[mid + 1], 0), T);
+        if (end <= t) lo = mid + 1; else hi = mid;
+    }
+    if (lo >= num_seqs) return -1;
+    q_lo = i32_min(i32_max(qsl[lo], 0), T);
+    q_hi = i32_min(i32_max(qsl[lo + 1], 0), T);
+    return (q_lo <= t && t < q_hi) ? lo : -1;
+}
+
+struct Shared {
+    float q[GPAD][D_PAD];                     // scaled queries, zero-padded
+    alignas(16) u8 k[BLOCK_N][D_PAD];         // K codes of the tile (zeros where masked)
+    alignas(16) u8 v[BLOCK_N][D_PAD];         // V codes of the tile
+    float s[GPAD][BLOCK_N];                   // logits, then weights
+    i64 row_k[BLOCK_N];                       // byte offset of each key's K row, -1: masked
+    i64 row_v[BLOCK_N];
+    float kf1[BLOCK_N], kf2[BLOCK_N], vsc[BLOCK_N];  // token_head: logit factors, v scale
+    float alpha[GPAD];                        // rescale of acc for this tile
+    float m[GPAD], l[GPAD], r[GPAD];          // final state per head
+    u32 qmax[NWARPS];
+};
+
+}  // namespace fp8kv
+
+using namespace fp8kv;
+
+extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
+    const q_t* __restrict__ query, const u8* __restrict__ key_cache, const u8* __restrict__ value_cache,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+    q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    float g_mant, int g_exp, float soft_cap, int use_cap, int window, int causal, int split, int write_lse,
+    i64 bt_stride, i64 k_sb, i64 k_st, i64 k_sh, i64 v_sb, i64 v_st, i64 v_sh,
+    i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,
+    int T, int HQ, int D, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,
+    int num_blocks, int keys_per_split) {
+    __shared__ Shared sh;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31;
+    const int warp = tid >> 5;
+    const int t = blockIdx.x;
+    const int h = blockIdx.y / head_chunks;
+    const int g0 = (blockIdx.y - h * head_chunks) * GPAD;  // first head of this CTA within the group
+    const int z = blockIdx.z;
+
+    int q_lo = 0, q_hi = 0;
+    const int s = find_seq(qsl, num_seqs, T, t, q_lo, q_hi);
+    if (s < 0) return;  // a token outside every sequence: left alone (uniform over the CTA)
+
+    // ---- the keys this row sees, and this split's part of them
+    const i64 max_keys = (i64)max_blocks * block_size;
+    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
+    const i64 pos = seq_len - (q_hi - q_lo) + (t - q_lo);
+    const i64 k_hi_vis = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
+    const i64 k_lo_vis = pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
+    const i64 kbeg = k_lo_vis > z_lo ? k_lo_vis : z_lo;
+    const i64 kend = k_hi_vis < z_hi ? k_hi_vis : z_hi;
+
+    // ---- queries: float32 in shared memory, scaled by 2^-qshift so that |q| < 2^101
+    u32 qmax = 0u;
+    for (int i = tid; i < GPAD * D_PAD; i += NT) {
+        const int g = i / D_PAD, d = i - g * D_PAD;
+        float x = 0.0f;
+        if (g0 + g < group && d < D) x = load_q(query, ((i64)t * HQ + (i64)h * group + g0 + g) * D + d);
+        sh.q[g][d] = x;
+        qmax = u32_max(qmax, f2u(x) & 0x7FFFFFFFu);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) qmax = u32_max(qmax, __shfl_xor_sync(0xFFFFFFFFu, qmax, o));
+    if (lane == 0) sh.qmax[warp] = qmax;
+    __syncthreads();
+    qmax = 0u;
+#pragma unroll
+    for (int w = 0; w < NWARPS; ++w) qmax = u32_max(qmax, sh.qmax[w]);
+    const i32 qexp = (i32)(qmax >> 23) - 127;  // inf/NaN (exponent 128): left as they are
+    const i32 qshift = (qmax < 0x7F800000u && qexp > 100) ? qexp - 100 : 0;
+    if (qshift) {
+        const float f = pow2i(-qshift);
+        for (int i = tid; i < GPAD * D_PAD; i += NT) (&sh.q[0][0])[i] *= f;
+    }
+    const i32 gexp = g_exp + qshift;
+    float f1 = 1.0f, f2 = 1.0f, vs_static = 1.0f;
+    if (!TOKEN_SCALES) {
+        scale_factors(k_scale[h * ks_sh], g_mant, gexp, f1, f2);
+        vs_static = v_scale[h * vs_sh];
+    }
+
+    // ---- per-warp softmax state of its heads (g = warp + i * NWARPS), same in every lane
+    float m_w[HPW], l_w[HPW], r_w[HPW];
+#pragma unroll
+    for (int i = 0; i < HPW; ++i) { m_w[i] = NEG_INF; l_w[i] = 0.0f; r_w[i] = 0.0f; }
+    // ---- p @ v accumulators: dims [cv * 8, cv * 8 + 8) of heads hs + k * HPASS
+    const int cv = tid % CPV, hs = tid / CPV;
+    float acc[HPT][8];
+#pragma unroll
+    for (int k = 0; k < HPT; ++k)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
+
+    const int* bt_row = block_tables + (i64)s * bt_stride;
+    for (i64 n0 = kbeg; n0 < kend; n0 += BLOCK_N) {
+        const int nk = (int)(kend - n0 < BLOCK_N ? kend - n0 : BLOCK_N);
+        __syncthreads();  // the previous tile's shared memory is consumed
+        // A1. key metadata
+        if (tid < BLOCK_N) {
+            i64 rk = -1, rv = -1;
+            float a = 1.0f, b = 1.0f, c = 0.0f;
+            if (tid < nk) {
+                const int n = (int)(n0 + tid);  // < seq_len <= INT32_MAX: 32-bit division (no call)
+                const int page = n / block_size;
+                const i64 tib = n - page * block_size;
+                const int blk = bt_row[page];
+                if (blk >= 0 && blk < num_blocks) {
+                    rk = (i64)blk * k_sb + tib * k_st + (i64)h * k_sh;
+                    rv = (i64)blk * v_sb + tib * v_st + (i64)h * v_sh;
+                    if (TOKEN_SCALES) {
+                        scale_factors(k_scale[(i64)blk * ks_sb + tib * ks_st + (i64)h * ks_sh], g_mant, gexp, a, b);
+                        c = v_scale[(i64)blk * vs_sb + tib * vs_st + (i64)h * vs_sh];
+                    }
+                }
+            }
+            sh.row_k[tid] = rk;
+            sh.row_v[tid] = rv;
+            if (TOKEN_SCALES) { sh.kf1[tid] = a; sh.kf2[tid] = b; sh.vsc[tid] = c; }
+        }
+        __syncthreads();
+        // A2. K and V rows into shared memory (zeros past D and for masked keys)
+        constexpr int CHUNKS = D_PAD / VEC;
+        for (int i = tid; i < BLOCK_N * CHUNKS; i += NT) {
+            const int j = i / CHUNKS, c = (i - j * CHUNKS) * VEC;
+            const i64 rk = sh.row_k[j];
+            const bool ok = rk >= 0 && c < D;
+            u8* dk = &sh.k[j][c];
+            u8* dv = &sh.v[j][c];
+            if constexpr (VEC == 16) {
+                uint4 a = make_uint4(0u, 0u, 0u, 0u), b = a;
+                if (ok) { a = *reinterpret_cast<const uint4*>(key_cache + rk + c);
+                          b = *reinterpret_cast<const uint4*>(value_cache + sh.row_v[j] + c); }
+                *reinterpret_cast<uint4*>(dk) = a; *reinterpret_cast<uint4*>(dv) = b;
+            } else if constexpr (VEC == 8) {
+                uint2 a = make_uint2(0u, 0u), b = a;
+                if (ok) { a = *reinterpret_cast<const uint2*>(key_cache + rk + c);
+                          b = *reinterpret_cast<const uint2*>(value_cache + sh.row_v[j] + c); }
+                *reinterpret_cast<uint2*>(dk) = a; *reinterpret_cast<uint2*>(dv) = b;
+            } else if constexpr (VEC == 4) {
+                u32 a = 0u, b = 0u;
+                if (ok) { a = *reinterpret_cast<const u32*>(key_cache + rk + c);
+                          b = *reinterpret_cast<const u32*>(value_cache + sh.row_v[j] + c); }
+                *reinterpret_cast<u32*>(dk) = a; *reinterpret_cast<u32*>(dv) = b;
+            } else if constexpr (VEC == 2) {
+                u16 a = 0u, b = 0u;
+                if (ok) { a = *reinterpret_cast<const u16*>(key_cache + rk + c);
+                          b = *reinterpret_cast<const u16*>(value_cache + sh.row_v[j] + c); }
+                *reinterpret_cast<u16*>(dk) = a; *reinterpret_cast<u16*>(dv) = b;
+            } else {
+                *dk = ok ? key_cache[rk + c] : (u8)0;
+                *dv = ok ? value_cache[sh.row_v[j] + c] : (u8)0;
+            }
+        }
+        __syncthreads();
+        // B. logits: thread (key j, chunk kc) dots 16 decoded K bytes with every head's query
+        const int kc = tid % TPK;
+        for (int j0 = 0; j0 < BLOCK_N; j0 += KPP) {
+            const int j = j0 + tid / TPK;
+            float part[GPAD];
+#pragma unroll
+            for (int g = 0; g < GPAD; ++g) part[g] = 0.0f;
+            if (j < nk) {
+                const uint4 w = *reinterpret_cast<const uint4*>(&sh.k[j][kc * 16]);
+                const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int e4 = 0; e4 < 4; ++e4) {
+                    float kf[4];
+#pragma unroll
+                    for (int b = 0; b < 4; ++b) kf[b] = decode((words[e4] >> (8 * b)) & 0xFFu);
+#pragma unroll
+                    for (int g = 0; g < GPAD; ++g) {
+                        const float4 qv = *reinterpret_cast<const float4*>(&sh.q[g][kc * 16 + e4 * 4]);
+                        part[g] = fmaf(kf[0], qv.x, part[g]);
+                        part[g] = fmaf(kf[1], qv.y, part[g]);
+                        part[g] = fmaf(kf[2], qv.z, part[g]);
+                        part[g] = fmaf(kf[3], qv.w, part[g]);
+                    }
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+                for (int o = TPK / 2; o > 0; o >>= 1) part[g] += __shfl_xor_sync(0xFFFFFFFFu, part[g], o);
+            if (kc == 0 && j < BLOCK_N) {
+                const bool live = j < nk && sh.row_k[j] >= 0;
+                const float a = TOKEN_SCALES ? sh.kf1[j] : f1;
+                const float b = TOKEN_SCALES ? sh.kf2[j] : f2;
+#pragma unroll
+                for (int g = 0; g < GPAD; ++g) {
+                    float x = (part[g] * a) * b;
+                    if (use_cap) x = soft_cap * tanhf(fdiv(x, soft_cap)) * LOG2E;
+                    sh.s[g][j] = live ? saturate(x) : NEG_INF;
+                }
+            }
+        }
+        __syncthreads();
+        // C. online softmax, one warp per head
+#pragma unroll
+        for (int i = 0; i < HPW; ++i) {
+            const int g = warp + i * NWARPS;
+            if (g < GPAD) {
+                float x[BLOCK_N / 32];
+                float tmax = NEG_INF;
+#pragma unroll
+                for (int u = 0; u < BLOCK_N / 32; ++u) {
+                    x[u] = sh.s[g][lane + 32 * u];
+                    tmax = fmaxf(tmax, x[u]);
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, o));
+                const float m_new = fmaxf(m_w[i], tmax);
+                const float m_safe = m_new == NEG_INF ? 0.0f : m_new;
+                const float alpha = exp2f(m_w[i] - m_safe);
+                float psum = 0.0f, wmax = 0.0f;
+#pragma unroll
+                for (int u = 0; u < BLOCK_N / 32; ++u) {
+                    x[u] = exp2f(x[u] - m_safe);  // masked keys: exp2(-inf) = 0
+                    psum += x[u];
+                    if (TOKEN_SCALES) {
+                        x[u] *= sh.vsc[lane + 32 * u];  // p <= 1: finite
+                        wmax = fmaxf(wmax, x[u]);
+                    }
+                }
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xFFFFFFFFu, psum, o);
+                m_w[i] = m_new;
+                l_w[i] = l_w[i] * alpha + psum;
+                float acc_scale = alpha;
+                if (TOKEN_SCALES) {
+                    // weights in units of R, the running maximum of p * v_scale (rescaled by alpha)
+#pragma unroll
+                    for (int o = 16; o > 0; o >>= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xFFFFFFFFu, wmax, o));
+                    const float r_scaled = r_w[i] * alpha;
+                    const float r_new = fmaxf(r_scaled, wmax);
+                    acc_scale = r_new > 0.0f ? fdiv(r_scaled, r_new) : 1.0f;
+#pragma unroll
+                    for (int u = 0; u < BLOCK_N / 32; ++u) x[u] = r_new > 0.0f ? fdiv(x[u], r_new) : 0.0f;
+                    r_w[i] = r_new;
+                }
+#pragma unroll
+                for (int u = 0; u < BLOCK_N / 32; ++u) sh.s[g][lane + 32 * u] = x[u];
+                if (lane == 0) sh.alpha[g] = acc_scale;
+            }
+        }
+        __syncthreads();
+        // D. acc = acc * alpha + w @ v (8 dims of HPT heads per thread)
+#pragma unroll
+        for (int k = 0; k < HPT; ++k) {
+            const int g = hs + k * HPASS;
+            const float al = g < GPAD ? sh.alpha[g] : 0.0f;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) acc[k][e] *= al;
+        }
+        for (int j = 0; j < nk; ++j) {
+            const uint2 w = *reinterpret_cast<const uint2*>(&sh.v[j][cv * 8]);
+            float vf[8];
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                vf[b] = decode((w.x >> (8 * b)) & 0xFFu);
+                vf[4 + b] = decode((w.y >> (8 * b)) & 0xFFu);
+            }
+#pragma unroll
+            for (int k = 0; k < HPT; ++k) {
+                const int g = hs + k * HPASS;
+                if (g < GPAD) {
+                    const float p = sh.s[g][j];
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc[k][e] = fmaf(p, vf[e], acc[k][e]);
+                }
+            }
+        }
+    }
+
+    // ---- epilogue: the owning warps publish (m, l, r); every thread stores its dims
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < HPW; ++i) {
+        const int g = warp + i * NWARPS;
+        if (g < GPAD && lane == 0) { sh.m[g] = m_w[i]; sh.l[g] = l_w[i]; sh.r[g] = r_w[i]; }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < HPT; ++k) {
+        const int g = hs + k * HPASS;
+        if (g >= GPAD || g0 + g >= group) continue;
+        const i64 qh = (i64)h * group + g0 + g;
+        const i64 row = (i64)t * HQ + qh;
+        if (split) {
+            const i64 prow = (i64)z * T * HQ + row;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int d = cv * 8 + e;
+                if (d < D) part_acc[prow * D + d] = acc[k][e];
+            }
+            if (cv == 0) {
+                part_ml[prow * 3] = sh.m[g];
+                part_ml[prow * 3 + 1] = sh.l[g];
+                part_ml[prow * 3 + 2] = sh.r[g];
+            }
+        } else {
+            const float l = sh.l[g];
+            const float mul = TOKEN_SCALES ? sh.r[g] : vs_static;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                const int d = cv * 8 + e;
+                if (d < D) store_out(out, row * D + d, fdiv(acc[k][e], l > 0.0f ? l : 1.0f) * mul);
+            }
+            if (cv == 0 && write_lse) lse[row] = l > 0.0f ? (sh.m[g] + log2f(l)) * LN2 : NEG_INF;
+        }
+    }
+}
+
+// Split-KV merge. Grid (T, HQ), NT threads over the head dimension. With w_s = 2^(m_s - max m):
+// static scales out = sum_s w_s acc_s / sum_s w_s l_s * v_scale; per-token-head (acc_s in units of
+// r_s) out = A * sum_s (w_s r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow).
+extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_scale,
+    const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
+    i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
+    const int t = blockIdx.x;
+    const int qh = blockIdx.y;
+    int q_lo = 0, q_hi = 0;
+    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;
+    const i64 row = (i64)t * HQ + qh;
+    const i64 stride = (i64)T * HQ;
+    float m_max = NEG_INF;
+    for (int z = 0; z < num_splits; ++z) m_max = fmaxf(m_max, part_ml[(z * stride + row) * 3]);
+    const float m_safe = m_max == NEG_INF ? 0.0f : m_max;
+    float den = 0.0f, a_max = 0.0f;
+    for (int z = 0; z < num_splits; ++z) {
+        const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
+        den += w * part_ml[(z * stride + row) * 3 + 1];
+        if (TOKEN_SCALES) a_max = fmaxf(a_max, w * part_ml[(z * stride + row) * 3 + 2]);
+    }
+    if (write_lse && threadIdx.x == 0) lse[row] = den > 0.0f ? (m_safe + log2f(den)) * LN2 : NEG_INF;
+    const float den_safe = den > 0.0f ? den : 1.0f;
+    const float a_div = a_max > 0.0f ? a_max : 1.0f;
+    const float mul = TOKEN_SCALES ? a_max : v_scale[(qh / group) * vs_sh];
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float num = 0.0f;
+        for (int z = 0; z < num_splits; ++z) {
+            const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
+            const float c = TOKEN_SCALES ? fdiv(w * part_ml[(z * stride + row) * 3 + 2], a_div) : w;
+            num = fmaf(c, part_acc[(z * stride + row) * D + d], num);
+        }
+        store_out(out, row * D + d, fdiv(num, den_safe) * mul);
+    }
+}

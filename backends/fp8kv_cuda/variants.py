@@ -1,0 +1,113 @@
+"""Kernel variants: which CUDA source, with which compile-time macros, and the NVRTC options.
+
+One place decides how a launch maps onto a compiled variant, shared by the runtime
+(:mod:`fp8kv_cuda.runtime`, CuPy on a GPU) and the CPU compile cells (:mod:`fp8kv_cuda.compile`,
+NVRTC from PyPI): both compile exactly :func:`source` with :func:`options`.
+
+Every format-specific number comes from :func:`fp8kv.codec.codec_constants` (none is typed in
+the CUDA sources). No CUDA header is included: the sources need only NVRTC's built-ins, so the
+CPU compile needs no toolkit headers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from importlib import resources
+
+from fp8kv.codec import codec_constants
+from fp8kv.formats import FORMATS
+
+KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
+           "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge"))}
+"""kernel family -> (source file in csrc/, entry points)."""
+
+FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
+IO_KINDS = {"float32": 0, "float16": 1, "bfloat16": 2}
+
+BASE_OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+"""IEEE division (the write's ``x / scale`` and the token_head scale must be correctly rounded)
+and denormals (the FP8 decoder multiplies float32 subnormals exactly) are required."""
+
+ATTN_THREADS = 128
+WRITE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One compilation unit: a kernel family, its format and its macros."""
+
+    kernel: str
+    fmt: str
+    macros: tuple[tuple[str, int], ...] = field(default_factory=tuple)
+
+    @property
+    def entry_points(self) -> tuple[str, ...]:
+        return KERNELS[self.kernel][1]
+
+    @property
+    def label(self) -> str:
+        m = " ".join(f"{k.removeprefix('FP8KV_').lower()}={v}" for k, v in self.macros)
+        return f"{self.kernel} {self.fmt} {m}"
+
+    def defines(self) -> tuple[str, ...]:
+        """``-D`` options: the format's constants, then this variant's macros."""
+        c = codec_constants(FORMATS[self.fmt])
+        fmt = {"FP8KV_MANT": c.mant_bits, "FP8KV_BIAS": c.bias, "FP8KV_FNUZ": int(c.fnuz),
+               "FP8KV_HASINF": int(c.has_inf), "FP8KV_MAXBITS": f"0x{c.max_f32_bits:08X}u",
+               "FP8KV_MAXMAG": f"0x{c.max_mag:02X}u"}
+        return tuple(f"-D{k}={v}" for k, v in (*fmt.items(), *self.macros))
+
+
+def write_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, vec: bool, slot64: bool) -> Variant:
+    """The write kernel for one format, input dtype (``"bfloat16"``...), granularity and alignment."""
+    return Variant("write", fmt, (("FP8KV_IN", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
+                                  ("FP8KV_D_PAD", d_pad), ("FP8KV_VEC", int(vec)), ("FP8KV_SLOT64", int(slot64))))
+
+
+def attention_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, gpad: int, block_n: int,
+                      vec: int) -> Variant:
+    """The attention kernels (decode + merge) for one format, query dtype, granularity and tile."""
+    return Variant("attention", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
+                                      ("FP8KV_D_PAD", d_pad), ("FP8KV_GPAD", gpad), ("FP8KV_BLOCK_N", block_n),
+                                      ("FP8KV_VEC", vec)))
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def write_d_pad(head_size: int) -> int:
+    """The write kernel's padded head size: a power of two >= 32 (one warp per row)."""
+    return max(32, next_pow2(head_size))
+
+
+def attention_tile(head_size: int, group: int) -> tuple[int, int, int]:
+    """``(D_PAD, GPAD, BLOCK_N)`` of the attention kernel: head size padded to a power of two
+    >= 16, up to 16 query heads per CTA (more are split into head chunks), 64 keys per tile (32
+    for head sizes above 128: the shared memory stays below the 48 KiB of a static allocation)."""
+    d_pad = max(16, next_pow2(head_size))
+    gpad = min(16, next_pow2(group))
+    block_n = 32 if d_pad > 128 else 64
+    return d_pad, gpad, block_n
+
+
+@functools.cache
+def _read(name: str) -> str:
+    return resources.files("fp8kv_cuda").joinpath("csrc", name).read_text()
+
+
+@functools.cache
+def source(kernel: str) -> str:
+    """The kernel family's CUDA source with ``codec.cuh`` inlined (so that a compile cache keyed
+    on the source text sees every change)."""
+    text = _read(KERNELS[kernel][0])
+    include = '#include "codec.cuh"'
+    if include not in text:
+        raise RuntimeError(f"{KERNELS[kernel][0]}: expected {include!r}")
+    return text.replace(include, _read("codec.cuh"), 1)
+
+
+def options(variant: Variant) -> tuple[str, ...]:
+    """NVRTC options (without the architecture, which the caller adds)."""
+    return (*BASE_OPTIONS, *variant.defines())
