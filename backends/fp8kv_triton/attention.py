@@ -77,7 +77,7 @@ import triton.language as tl
 
 from fp8kv.cache import KVCache
 
-from .codec import codec_args, decode
+from .codec import codec_args, decode, in_registers
 from .write import cache_strides, scale_strides
 
 LOG2E = 1.4426950408889634
@@ -239,6 +239,85 @@ def _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _logits(
+    q, kc, kmask, blk, tib, KS, f1, f2, g_mant, g_exp, soft_cap, stride_ksb, stride_kst,
+    USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr, QK_DT: tl.constexpr, DEC_MODE: tl.constexpr,
+    F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+    F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
+):
+    """Base-2 logits ``s [M, N]`` of queries ``q [M, D]`` against the FP8 codes ``kc [D, N]``:
+    scaled (``k_scale * softmax_scale * log2 e``, never as one float32: see :func:`_scale_factors`),
+    soft-capped if asked, and saturated to ``+-FLOAT32_MAX`` (unmasked).
+
+    ``KS`` points at the kv_head's ``k_scale``; per-token-head scales of key (``blk``, ``tib``)
+    are read at ``KS + blk * stride_ksb + tib * stride_kst``. Static scales: the factor is
+    ``f1 * f2``; per-token-head: built per key from its ``k_scale`` and ``g_mant * 2^g_exp``.
+    """
+    k = decode(kc, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
+    if QK_DT == tl.float32:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    if TOKEN_SCALES:
+        ks = tl.load(KS + blk * stride_ksb + tib * stride_kst, mask=kmask, other=1.0)
+        kf1, kf2 = _scale_factors(ks, g_mant, g_exp)
+        s = s * kf1[None, :] * kf2[None, :]
+    else:
+        s = s * f1 * f2
+    if USE_CAP:
+        s = soft_cap * _tanh(s / soft_cap) * 1.4426950408889634
+    return _saturate(s, 3.4028234663852886e38)  # base-2 logits: finite (s - m never inf - inf)
+
+
+@triton.jit
+def _softmax_pv(
+    s, vc, kmask, blk, tib, m_i, l_i, acc, r_i, VS, stride_vsb, stride_vst,
+    TOKEN_SCALES: tl.constexpr, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr, V_REGS: tl.constexpr,
+    DEC_MODE: tl.constexpr,
+    F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+    F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
+):
+    """One online-softmax step with the masked logits ``s [M, N]`` (invisible keys at ``-inf``)
+    and the value codes ``vc [N, D]``: returns the updated row max ``m_i``, sum ``l_i``, ``acc``
+    and, for per-token-head scales, the running value scale ``r_i`` (``acc * r_i`` is the true sum).
+
+    ``VS`` points at the kv_head's ``v_scale``; per-token-head ones are read like the key scales.
+    ``V_REGS``: decode V to float16 in registers before ``p @ v`` (see :func:`in_registers`).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if PV_F32:
+        v_dt: tl.constexpr = tl.float32
+    else:
+        v_dt: tl.constexpr = tl.float16
+    v = decode(vc, v_dt, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
+    if V_REGS and not PV_F32:
+        v = in_registers(v)
+    if TOKEN_SCALES:
+        vs = tl.load(VS + blk * stride_vsb + tib * stride_vst, mask=kmask, other=0.0)
+        w = p * vs[None, :]  # p <= 1: finite
+        r = tl.max(w, axis=1)
+        r_safe = tl.where(r > 0, r, 1.0)
+        w = tl.math.div_rn(w, r_safe[:, None] + tl.zeros_like(w))  # in [0, 1]; 1 / r may overflow
+        # acc is kept in units of r_i, the running max of the tiles' r (rescaled by alpha like acc),
+        # so it stays <= l * max|code| whatever v_scale is
+        r_old = r_i * alpha
+        r_new = tl.maximum(r_old, r)
+        r_div = tl.where(r_new > 0, r_new, 1.0)
+        c_old = tl.math.div_rn(r_old, r_div)
+        c_new = tl.math.div_rn(r, r_div)
+        acc = acc * c_old[:, None] + c_new[:, None] * _pv_dot(w, v, tl.zeros_like(acc), PV_F32, PV_SPLIT)
+        r_i = r_new
+    else:
+        acc = acc * alpha[:, None]
+        acc = _pv_dot(p, v, acc, PV_F32, PV_SPLIT)
+    return m_new, l_i, acc, r_i
+
+
+@triton.jit
 def _attend(
     q,
     kc,
@@ -282,61 +361,18 @@ def _attend(
     F_MAXMAG: tl.constexpr,
     F_BIAS: tl.constexpr,
 ):
-    """One tile of online softmax: returns the updated row max ``m_i``, sum ``l_i``, ``acc`` and,
-    for per-token-head scales, the running value scale ``r_i`` (``acc * r_i`` is the true sum).
-
-    ``KS``/``VS`` point at the kv_head's scale; per-token-head scales of key (``blk``, ``tib``)
-    are read at ``KS + blk * stride_ksb + tib * stride_kst`` (and likewise for V). Static scales:
-    the logit factor is ``f1 * f2`` (see :func:`_scale_factors`); per-token-head: built per key
-    from its ``k_scale`` and ``g_mant * 2^g_exp``.
-    """
-    k = decode(kc, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
-    if QK_DT == tl.float32:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
-    if TOKEN_SCALES:
-        ks = tl.load(KS + blk * stride_ksb + tib * stride_kst, mask=kmask, other=1.0)
-        kf1, kf2 = _scale_factors(ks, g_mant, g_exp)
-        s = s * kf1[None, :] * kf2[None, :]
-    else:
-        s = s * f1 * f2
-    if USE_CAP:
-        s = soft_cap * _tanh(s / soft_cap) * 1.4426950408889634
-    s = _saturate(s, 3.4028234663852886e38)  # base-2 logits: finite (s - m never inf - inf)
+    """One tile of online softmax for query rows at positions ``pos``: :func:`_logits`, the
+    causal/window/bounds mask where ``need_mask``, then :func:`_softmax_pv`."""
+    s = _logits(q, kc, kmask, blk, tib, KS, f1, f2, g_mant, g_exp, soft_cap, stride_ksb, stride_kst,
+                USE_CAP, TOKEN_SCALES, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF,
+                F_MAXMAG, F_BIAS)
     if need_mask:  # tiles inside every row's visible range skip this
         visible = kmask[None, :] & row_valid[:, None] & (n[None, :] > pos[:, None] - window)
         visible = visible & ((n[None, :] <= pos[:, None]) | (causal == 0))
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if PV_F32:
-        v_dt: tl.constexpr = tl.float32
-    else:
-        v_dt: tl.constexpr = tl.float16
-    v = decode(vc, v_dt, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
-    if TOKEN_SCALES:
-        vs = tl.load(VS + blk * stride_vsb + tib * stride_vst, mask=kmask, other=0.0)
-        w = p * vs[None, :]  # p <= 1: finite
-        r = tl.max(w, axis=1)
-        r_safe = tl.where(r > 0, r, 1.0)
-        w = tl.math.div_rn(w, r_safe[:, None] + tl.zeros_like(w))  # in [0, 1]; 1 / r may overflow
-        # acc is kept in units of r_i, the running max of the tiles' r (rescaled by alpha like acc),
-        # so it stays <= l * max|code| whatever v_scale is
-        r_old = r_i * alpha
-        r_new = tl.maximum(r_old, r)
-        r_div = tl.where(r_new > 0, r_new, 1.0)
-        c_old = tl.math.div_rn(r_old, r_div)
-        c_new = tl.math.div_rn(r, r_div)
-        acc = acc * c_old[:, None] + c_new[:, None] * _pv_dot(w, v, tl.zeros_like(acc), PV_F32, PV_SPLIT)
-        r_i = r_new
-    else:
-        acc = acc * alpha[:, None]
-        acc = _pv_dot(p, v, acc, PV_F32, PV_SPLIT)
-    return m_new, l_i, acc, r_i
+    return _softmax_pv(s, vc, kmask, blk, tib, m_i, l_i, acc, r_i, VS, stride_vsb, stride_vst, TOKEN_SCALES,
+                       PV_F32, PV_SPLIT, False, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG,
+                       F_BIAS)
 
 
 @triton.jit
@@ -856,6 +892,10 @@ class AttnConfig:
     num_stages: int
     pv_split: bool = True
     reduce_warps: int = 4
+    decode: bool = False
+    """Use the decode kernel (:mod:`fp8kv_triton.decode`): only for steps with ``max_query_len <= 1``."""
+    v_regs: bool = False
+    """Decode kernel: V decoded to 16 bits in registers before ``p @ v`` (NVIDIA GPUs only)."""
 
 
 @functools.cache
@@ -919,8 +959,9 @@ def choose_config(
     num_warps = 4 if block_m <= 64 else 8
     if is_amd(arch):
         num_stages = 1
+    decode = max_query_len <= 1
     return AttnConfig(block_m, block_n, num_splits, keys_per_split, num_warps, num_stages=num_stages,
-                      reduce_warps=reduce_warps(arch))
+                      reduce_warps=reduce_warps(arch), decode=decode, v_regs=decode and not is_amd(arch))
 
 
 def paged_attention(
@@ -1022,7 +1063,14 @@ def paged_attention(
     page = cache.block_size
     pow2 = page & (page - 1) == 0
     grid = (S * q_blocks, H, config.num_splits)
-    _attn_kernel[grid](
+    extra = {}
+    if config.decode and max_query_len == 1:
+        from .decode import _decode_kernel as kernel
+
+        extra["V_REGS"] = config.v_regs and not interpret
+    else:
+        kernel = _attn_kernel
+    kernel[grid](
         q_arg,
         cache.key_cache.view(torch.uint8),
         cache.value_cache.view(torch.uint8),
@@ -1083,6 +1131,7 @@ def paged_attention(
         F_BIAS=a.bias,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **extra,
     )
     if split:
         _reduce_kernel[(T, HQ)](

@@ -38,7 +38,7 @@ from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "CodecArgs",
     "codec_args", "decode", "decode_tensor", "default_decode_mode", "encode_f32_bits", "encode_native",
-    "encode_tensor",
+    "encode_tensor", "in_registers",
 ]
 
 
@@ -225,6 +225,18 @@ def decode(codes, OUT: tl.constexpr, DEC_MODE: tl.constexpr, F_KIND: tl.constexp
         x = _decode_generic_f32(codes.to(tl.int32), F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF,
                                 F_MAXMAG).to(OUT)
     return x
+
+
+@triton.jit
+def in_registers(x):
+    """``x`` (16-bit floats) unchanged, through an opaque PTX move (NVIDIA only, not the interpreter).
+
+    Triton moves the layout conversion of a ``tl.dot`` operand above the element-wise ops that
+    produce it, so an FP8 tile that is decoded and then transposed for ``p @ v`` is transposed
+    as bytes: read back from shared memory one byte at a time (``LDS.U8``). An op Triton cannot
+    see through keeps the decode in registers, and the 16-bit tile is transposed by ``ldmatrix``.
+    """
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
 
 
 # ------------------------------------------------------------------ elementwise entry points

@@ -1,0 +1,176 @@
+"""Tune the Triton decode kernel on a CUDA GPU: launch configurations against SDPA, FlashInfer and the roofline.
+
+Usage::
+
+    python benchmarks/decode_tune.py --out benchmarks/results/decode_tune_h100.json [--quick] [--flashinfer]
+
+For each decode shape of :data:`fp8kv_bench.kernels.DECODE_SHAPES` (GQA 32/8, D=128, block 16,
+e4m3 per-tensor cache, bf16 queries) it times, as CUDA-graph replays in one process:
+
+* the general kernel (``_attn_kernel``, what 0.2.0 ran for decode) with its default configuration;
+* the decode kernel (:mod:`fp8kv_triton.decode`) over a grid of tiles (keys per tile, warps,
+  pipeline stages), V decoded in registers or not, and KV splits sized to fill the GPU
+  ``waves`` times;
+* bf16 SDPA on contiguous K/V (``enable_gqa``) and, with ``--flashinfer`` and FlashInfer
+  importable, its FP8 decode (tensor-core path) on the same cache bytes.
+
+Every configuration's output is checked against the general kernel's before it is timed (max
+abs difference below 1e-2 for outputs of order 1: a tuning guard, not the conformance
+tolerance, which ``tests/`` apply). Prints progress and a table; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, replace
+
+import torch
+
+
+def _flashinfer_decode(cache, tables, lens, q):
+    """A zero-argument callable running FlashInfer's FP8 decode on ``cache`` (None if unavailable)."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    B, L = tables.shape[0], int(lens[0])
+    page = cache.block_size
+    nblk = tables.shape[1]
+    indptr = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * nblk
+    indices = tables.reshape(-1).contiguous()
+    last = torch.full((B,), L - (nblk - 1) * page, dtype=torch.int32, device=q.device)
+    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    w.plan(indptr, indices, last, q.shape[1], cache.num_kv_heads, cache.head_size, page,
+           q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    kc, vc = cache.key_cache, cache.value_cache
+    ks, vs = float(cache.k_scale), float(cache.v_scale)
+    out = torch.empty_like(q)
+    return lambda: w.run(q, (kc, vc), k_scale=ks, v_scale=vs, out=out), out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fp8kv_bench import kernels as kb
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--quick", action="store_true", help="a smaller grid")
+    p.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 decode")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    bw = kb.copy_bandwidth(device)["gbps"]
+    shapes = ([tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")] if args.shapes
+              else list(kb.DECODE_SHAPES))
+    if args.quick:
+        grid = list(itertools.product((64, 128), (4, 8), (3,), (True,), (2, 4)))
+    else:
+        grid = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (True,), (1, 2, 4, 8)))
+        grid += [(32, 4, 4, True, 4), (32, 8, 4, True, 4), (128, 4, 3, False, 4), (64, 8, 3, False, 4)]
+    env = kb.environment(device)
+    print(f"{env['device']}: copy {bw:.0f} GB/s, {sms} SMs; {len(grid)} configurations x {len(shapes)} shapes",
+          flush=True)
+    rows = []
+    for B, L in shapes:
+        rows += tune_shape(B, L, grid, device, sms, bw, args)
+        torch.cuda.empty_cache()
+    with open(args.out, "w") as f:
+        json.dump({"environment": env, "copy_gbps": bw, "rows": rows}, f, indent=1)
+    print("\n| B | L | SDPA bf16 us | general us | FlashInfer fp8 us | best decode us | roofline | config |")
+    print("|---|---|---|---|---|---|---|---|")
+    for B, L in shapes:
+        rs = [r for r in rows if (r["B"], r["L"]) == (B, L)]
+        get = {r["what"]: r for r in rs if r["what"] != "decode"}
+        best = min((r for r in rs if r["what"] == "decode" and r.get("ms")), key=lambda r: r["ms"])
+        fi = get.get("flashinfer_fp8_tc", {}).get("ms")
+        c = best["config"]
+        print(f"| {B} | {L} | {get['sdpa_bf16']['ms'] * 1e3:.1f} | {get['general']['ms'] * 1e3:.1f} | "
+              f"{fi * 1e3 if fi else float('nan'):.1f} | {best['ms'] * 1e3:.1f} | {best['frac_roofline']:.0%} | "
+              f"N{c['block_n']} w{c['num_warps']} s{c['num_stages']} split{c['num_splits']} vregs={c['v_regs']} |")
+    return 0
+
+
+def tune_shape(B: int, L: int, grid: list, device, sms: int, bw: float, args) -> list[dict]:
+    """Time every configuration of ``grid`` (and the baselines) on decode shape ``(B, L)``."""
+    from fp8kv_bench import kernels as kb
+    from fp8kv_triton import attention as A
+    from fp8kv_triton.capabilities import codec_for
+
+    cache, tables, lens, qsl, q, _ = _workload(B, L, device)
+    mode = codec_for("sm90" if torch.cuda.get_device_capability(device) == (9, 0) else None,
+                     cache.fmt, interpret=False).decoder
+    out = torch.empty_like(q)
+    max_keys = tables.shape[1] * kb.PAGE
+    base = A.choose_config(device, group=kb.HQ // kb.HKV, head_size=kb.HEAD, num_seqs=B, num_kv_heads=kb.HKV,
+                           max_query_len=1, max_keys=max_keys, interpret=False)
+    base = replace(base, decode=False)
+
+    def run(cfg, o=out):
+        A.paged_attention(q, cache, tables, lens, qsl, 1, kb.HEAD ** -0.5, True, None, None, o,
+                          decode_mode=mode, interpret=False, config=cfg)
+
+    ref = torch.empty_like(q)
+    run(base, ref)
+    roof_ms = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e3
+    k4 = torch.randn(B, kb.HKV, L, kb.HEAD, device=device, dtype=torch.bfloat16)
+    v4 = torch.randn_like(k4)
+    q4 = q.view(B, kb.HQ, 1, kb.HEAD)
+    sdpa = kb.time_graph(lambda: kb._sdpa(q4, k4, v4, enable_gqa=True), reps=args.reps)
+    rows = [{"B": B, "L": L, "what": "sdpa_bf16", "ms": sdpa},
+            {"B": B, "L": L, "what": "general", "config": asdict(base),
+             "ms": kb.time_graph(lambda: run(base), reps=args.reps)}]
+    if args.flashinfer:
+        fi = _flashinfer_decode(cache, tables, lens, q)
+        if fi is not None:
+            fn, fo = fi
+            fn()
+            rows.append({"B": B, "L": L, "what": "flashinfer_fp8_tc",
+                         "max_abs_diff": (fo.float() - ref.float()).abs().max().item(),
+                         "ms": kb.time_graph(fn, reps=args.reps)})
+    t0 = time.time()
+    for i, (bn, warps, stages, v_regs, waves) in enumerate(grid):
+        splits = max(1, min(math.ceil(waves * sms / (B * kb.HKV)), math.ceil(max_keys / (2 * bn)), 256))
+        kps = math.ceil(math.ceil(max_keys / splits) / bn) * bn
+        cfg = replace(base, decode=True, v_regs=v_regs, block_n=bn, num_warps=warps, num_stages=stages,
+                      num_splits=math.ceil(max_keys / kps), keys_per_split=kps)
+        row = {"B": B, "L": L, "what": "decode", "config": asdict(cfg), "waves": waves, "ms": None}
+        try:
+            run(cfg)
+            torch.cuda.synchronize()
+            row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
+            if row["max_abs_diff"] < 1e-2:
+                row["ms"] = kb.time_graph(lambda cfg=cfg: run(cfg), reps=args.reps)
+        except Exception as exc:  # noqa: BLE001 - a configuration that fails is a result
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        rows.append(row)
+        got = f"{row['ms'] * 1e3:.1f} us" if row["ms"] else row.get("error", row.get("max_abs_diff"))
+        print(f"  [{i + 1}/{len(grid)}] B={B} L={L} N{bn} w{warps} s{stages} vregs={v_regs} "
+              f"splits={cfg.num_splits}: {got}  ({time.time() - t0:.0f}s)", flush=True)
+    for r in rows:
+        if r.get("ms"):
+            r["frac_roofline"] = roof_ms / r["ms"]
+            r["speedup_vs_sdpa"] = sdpa / r["ms"]
+    best = min((r for r in rows if r["what"] == "decode" and r.get("ms")), key=lambda r: r["ms"])
+    print(f"B={B} L={L}: roofline {roof_ms * 1e3:.1f} us, SDPA {sdpa * 1e3:.1f} us, general "
+          f"{rows[1]['ms'] * 1e3:.1f} us, best decode {best['ms'] * 1e3:.1f} us "
+          f"({best['frac_roofline']:.0%} roofline) with {best['config']}", flush=True)
+    return rows
+
+
+def _workload(B: int, L: int, device):
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from bench_triton import _decode_workload
+
+    return _decode_workload(B, L, device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
