@@ -1,0 +1,134 @@
+"""Host launcher of paged attention (``csrc/attention.cu``): plan and per-layer launch.
+
+:func:`plan` picks the tile, the query-head chunks and the KV split from host-side sizes only
+(once per step, ``fp8kv_plan_attention``); :func:`paged_attention` launches the kernel (and,
+with a split, the merge) per layer, with no host sync. Decode and chunked prefill share the
+kernel: the grid has one row of CTAs per query token.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fp8kv.cache import KVCache
+
+from . import runtime
+from .variants import ATTN_THREADS, attention_tile, attention_variant
+from .write import cache_strides, scale_strides
+
+LOG2E = 1.4426950408889634
+FLOAT32_MAX = 3.4028234663852886e38
+NO_WINDOW = 1 << 30
+MAX_SPLITS = 128
+_IO = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """Launch parameters of one step: tile, head chunks and KV split."""
+
+    d_pad: int
+    gpad: int
+    block_n: int
+    head_chunks: int
+    num_splits: int
+    keys_per_split: int
+
+
+@functools.cache
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
+         max_keys: int) -> AttnPlan:
+    """Tile and split from host-known sizes (``max_keys = block_tables.shape[1] * block_size``, an
+    upper bound of every sequence). Splits the keys when the CTAs would not fill the GPU 4 times
+    over and each split keeps at least 4 tiles."""
+    d_pad, gpad, block_n = attention_tile(head_size, group)
+    chunks = _cdiv(group, gpad)
+    ctas = max(1, num_tokens) * num_kv_heads * chunks
+    target = 1
+    if device.type == "cuda":
+        target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    splits = 1
+    if ctas < target and max_keys > 4 * block_n:
+        splits = min(_cdiv(target, ctas), _cdiv(max_keys, 4 * block_n), MAX_SPLITS)
+    kps = _cdiv(_cdiv(max(max_keys, 1), splits), block_n) * block_n
+    splits = max(1, _cdiv(max_keys, kps))
+    return AttnPlan(d_pad, gpad, block_n, chunks, splits, kps)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _vec(cache: KVCache, D: int) -> int:
+    """Widest global load (16, 8, 4, 2, 1 bytes) that divides D, every K/V stride and both bases."""
+    vals = (D, cache.key_cache.data_ptr(), cache.value_cache.data_ptr(), *cache_strides(cache, "key"),
+            *cache_strides(cache, "value"))
+    for v in (16, 8, 4, 2):
+        if all(x % v == 0 for x in vals):
+            return v
+    return 1
+
+
+def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start_loc: torch.Tensor, softmax_scale: float, causal: bool, sliding_window: int | None,
+                    logits_soft_cap: float | None, out: torch.Tensor, lse: torch.Tensor | None,
+                    plan_: AttnPlan | None = None) -> None:
+    """Paged attention of ``query [T, Hq, D]`` over ``cache`` into ``out`` (and ``lse [T, Hq]`` float32).
+
+    ``block_tables [S, max_blocks]``, ``seq_lens [S]``, ``query_start_loc [S + 1]``: int32, contiguous
+    (the metadata's own). Memory-safe whatever their values (see ``csrc/attention.cu``).
+    """
+    T, HQ, D = query.shape
+    H = cache.num_kv_heads
+    group = HQ // H
+    S = seq_lens.shape[0]
+    if T == 0 or S == 0:
+        return
+    for name, x in (("softmax_scale", softmax_scale), ("logits_soft_cap", logits_soft_cap)):
+        if x is not None and not (math.isfinite(x) and 0 < x <= FLOAT32_MAX):
+            raise ValueError(f"{name}: got {x!r}, expected a finite number in (0, {FLOAT32_MAX:.4g}]")
+    max_keys = block_tables.shape[1] * cache.block_size
+    p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
+    # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
+    # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32
+    mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
+    mant, exp = 2.0 * mant, exp - 1
+    token_scales = cache.scale_granularity == "token_head"
+    variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n,
+                                _vec(cache, D))
+    split = p.num_splits > 1
+    dev = query.device
+    if split:
+        part_acc = torch.empty((p.num_splits, T, HQ, D), dtype=torch.float32, device=dev)
+        part_ml = torch.empty((p.num_splits, T, HQ, 3), dtype=torch.float32, device=dev)
+    else:
+        part_acc = part_ml = out  # unused
+    lse_arg = lse if lse is not None else out  # unused without write_lse
+    r = runtime
+    window = min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW
+    args = [r.ptr(query), r.ptr(cache.key_cache), r.ptr(cache.value_cache), r.ptr(cache.k_scale),
+            r.ptr(cache.v_scale), r.ptr(block_tables), r.ptr(seq_lens), r.ptr(query_start_loc), r.ptr(out),
+            r.ptr(lse_arg), r.ptr(part_acc), r.ptr(part_ml),
+            r.f32(mant), r.i32(exp), r.f32(logits_soft_cap or 1.0), r.i32(int(logits_soft_cap is not None)),
+            r.i32(window), r.i32(int(causal)), r.i32(int(split)), r.i32(int(lse is not None)),
+            r.i64(block_tables.stride(0)),
+            *map(r.i64, (*cache_strides(cache, "key"), *cache_strides(cache, "value"),
+                         *scale_strides(cache, "key"), *scale_strides(cache, "value"))),
+            r.i32(T), r.i32(HQ), r.i32(D), r.i32(group), r.i32(p.head_chunks), r.i32(S),
+            r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
+            r.i32(p.keys_per_split)]
+    grid = (T, H * p.head_chunks, p.num_splits)
+    runtime.launch(variant, "fp8kv_paged_attention", dev, grid, ATTN_THREADS, args)
+    if split:
+        margs = [r.ptr(part_acc), r.ptr(part_ml), r.ptr(cache.v_scale), r.ptr(query_start_loc), r.ptr(out),
+                 r.ptr(lse_arg), r.i32(int(lse is not None)), r.i64(scale_strides(cache, "value")[2]),
+                 r.i32(T), r.i32(HQ), r.i32(D), r.i32(group), r.i32(S), r.i32(p.num_splits)]
+        runtime.launch(variant, "fp8kv_merge", dev, (T, HQ, 1), ATTN_THREADS, margs)

@@ -1,0 +1,146 @@
+"""What the CUDA backend serves, where, and why not elsewhere: named predicates.
+
+Each predicate takes the (possibly simulated) :class:`~fp8kv.probe.DeviceInfo` and the
+:class:`~fp8kv.hookspecs.Request` and returns None (fine) or the reason users see in
+``fp8kv probe`` and in errors; :func:`supports` asks them in order.
+
+Served: NVIDIA sm70+ with CuPy, every format (fp8_e4m3, fp8_e5m2 and the fnuz pair), layouts
+NHD/HND, granularities tensor/head/token_head, head sizes 1..256, float32/float16/bfloat16
+I/O, and the features sliding_window, soft_cap, non_causal and chunked_prefill (a prefill
+step runs the decode kernel once per query token: correct, not yet fast; no tensor cores).
+
+Codec: the software codec (integer bits, ``csrc/codec.cuh``, a mirror of :mod:`fp8kv.codec`)
+on every architecture and for every format, encode and decode. sm70/sm75 have no FP8
+hardware at all; sm89+ have native e4m3/e5m2 conversions, which enter only once a GPU test
+proves them bit-exact (:data:`NATIVE_PROVEN_ARCHES`, empty today).
+
+Toolkit: CUDA 13's NVRTC refuses ``sm_70`` (and sm72), so Volta needs CuPy for CUDA 12
+(``cupy-cuda12x``); sm75+ works with CUDA 12 or 13.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+
+from fp8kv.hookspecs import Request
+from fp8kv.probe import DeviceInfo
+
+MIN_SM = 70
+CUDA13_MIN_SM = 75
+MAX_HEAD_SIZE = 256
+NATIVE_PROVEN_ARCHES: frozenset[str] = frozenset()
+"""Architectures where a GPU test proved native FP8 conversions bit-exact (none yet: the
+software codec serves everywhere)."""
+COMPILED_ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
+"""Architectures every kernel is compiled for in CPU CI (python -m fp8kv_cuda.compile)."""
+RUN_ARCHES = ("sm90",)
+"""Architectures a GPU run of tests/test_cuda_gpu.py is expected on (the H100); the others
+are compiled, not run."""
+
+
+def cupy_importable() -> bool:
+    try:
+        return importlib.util.find_spec("cupy") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@functools.cache
+def cupy_cuda_major() -> int | None:
+    """The CUDA major version of the installed CuPy's NVRTC (None when unknown or absent)."""
+    if not cupy_importable():
+        return None
+    try:
+        import cupy
+
+        major, _ = cupy.cuda.nvrtc.getVersion()
+        return int(major)
+    except Exception:  # a broken CuPy install: decided at compile time instead
+        return None
+
+
+def needs_gpu_tensors(device: DeviceInfo, request: Request) -> str | None:
+    if request.device_type != "cuda":
+        return f"{request.device_type} tensors: the CUDA backend runs on NVIDIA GPUs only (CuPy/NVRTC)"
+    return None
+
+
+def is_nvidia_sm70_plus(device: DeviceInfo, request: Request) -> str | None:
+    if device.vendor != "nvidia":
+        return f"{device.arch or device.vendor}: the CUDA backend runs on NVIDIA GPUs only"
+    if device.sm is None or device.sm < MIN_SM:
+        return f"{device.arch}: needs sm70+ (Volta or newer)"
+    return None
+
+
+def has_cupy(device: DeviceInfo, request: Request) -> str | None:
+    if not device.cupy:
+        return "cupy is not installed (pip install cupy-cuda12x; cupy-cuda13x serves sm75+ only)"
+    return None
+
+
+def toolkit_compiles_arch(device: DeviceInfo, request: Request) -> str | None:
+    """CUDA 13's NVRTC refuses sm70/sm72: a real Volta with a CUDA 13 CuPy is refused up front.
+    (Simulated devices assume the right toolkit; ``fp8kv probe`` says which one that is.)"""
+    if device.simulated or device.sm is None or device.sm >= CUDA13_MIN_SM:
+        return None
+    major = cupy_cuda_major()
+    if major is not None and major >= 13:
+        return (f"{device.arch}: CUDA {major}'s NVRTC cannot compile for {device.arch} (dropped in CUDA 13); "
+                "install CuPy for CUDA 12 (pip install cupy-cuda12x)")
+    return None
+
+
+def head_size_in_range(device: DeviceInfo, request: Request) -> str | None:
+    if not 1 <= request.head_size <= MAX_HEAD_SIZE:
+        return f"head_size {request.head_size} is outside 1..{MAX_HEAD_SIZE}"
+    return None
+
+
+PREDICATES: tuple[Callable[[DeviceInfo, Request], str | None], ...] = (
+    head_size_in_range, needs_gpu_tensors, is_nvidia_sm70_plus, has_cupy, toolkit_compiles_arch)
+
+
+def supports(device: DeviceInfo, request: Request) -> str | None:
+    """None when the CUDA backend serves ``request`` on ``device``, else the first reason."""
+    for predicate in PREDICATES:
+        reason = predicate(device, request)
+        if reason is not None:
+            return reason
+    return None
+
+
+def toolkit_note(device: DeviceInfo) -> str:
+    """Which CUDA toolkit (CuPy build) this device needs."""
+    if device.sm is not None and device.sm < CUDA13_MIN_SM:
+        return (f"{device.arch}: needs CUDA 12 (pip install cupy-cuda12x): CUDA 13's NVRTC refuses "
+                f"sm_{device.sm} (CUDA 13 dropped Volta)")
+    return f"{device.arch}: CUDA 12 or 13 (cupy-cuda12x or cupy-cuda13x)"
+
+
+def codec_note(device: DeviceInfo, fmt_name: str) -> str:
+    """Which codec a format gets on this device, and why."""
+    sm = device.sm or 0
+    if sm < 89:
+        why = f"{device.arch} has no FP8 conversion instructions"
+    elif device.arch in NATIVE_PROVEN_ARCHES and fmt_name in ("fp8_e4m3", "fp8_e5m2"):
+        why = "native cvt proven"  # pragma: no cover - none proven yet
+    elif fmt_name in ("fp8_e4m3", "fp8_e5m2"):
+        why = f"native cvt exists on {device.arch} but is not yet proven bit-exact by a GPU test"
+    else:
+        why = "NVIDIA has no fnuz conversions"
+    return f"{fmt_name}: encode and decode through the software codec (integer bits): {why}"
+
+
+def device_notes(device: DeviceInfo) -> list[str]:
+    """``fp8kv probe`` lines for an NVIDIA device: toolkit, codec per format, what ran where."""
+    if device.vendor != "nvidia" or device.sm is None or device.sm < MIN_SM:
+        return []
+    ran = "run on the H100 (sm90)" if device.arch in RUN_ARCHES else "compiled for it in CPU CI (NVRTC 12.9), not run " \
+        f"on {device.arch} hardware"
+    lines = [toolkit_note(device), f"kernels: {ran}; chunked prefill runs the decode kernel per query token "
+             "(no tensor cores yet)"]
+    lines += [codec_note(device, f) for f in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")]
+    return lines
