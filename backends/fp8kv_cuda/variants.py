@@ -19,7 +19,8 @@ from fp8kv.codec import codec_constants
 from fp8kv.formats import FORMATS
 
 KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
-           "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge"))}
+           "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
+           "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16"))}
 """kernel family -> (source file in csrc/, entry points)."""
 
 FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
@@ -71,6 +72,11 @@ def attention_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, g
     return Variant("attention", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
                                       ("FP8KV_D_PAD", d_pad), ("FP8KV_GPAD", gpad), ("FP8KV_BLOCK_N", block_n),
                                       ("FP8KV_VEC", vec)))
+
+
+def codec_variant(fmt: str) -> Variant:
+    """The elementwise codec kernels of one format (GPU proofs of the software codec)."""
+    return Variant("codec", fmt)
 
 
 def next_pow2(n: int) -> int:
