@@ -437,3 +437,127 @@ def test_one_metadata_per_step_is_shared_by_every_layer(monkeypatch):
     model.generate(input_ids=ids, max_new_tokens=steps, min_new_tokens=steps, do_sample=False, past_key_values=cache)
     assert len(planned) == steps  # one prefill + 3 decode steps, each shared by all LAYERS layers
     assert LAYERS > 1
+
+
+# ------------------------------------------------------------------------------------ batch surgery
+
+
+def _fp8kv_and_oracle(model, ids, mask):
+    """An fp8kv cache and the oracle cache, both after the prefill of ``ids``; with the logits."""
+    oracle = oracle_cache("fp8_e4m3")
+    want = run_oracle(model, lambda: model(input_ids=ids, attention_mask=mask, past_key_values=oracle).logits)
+    cache = enable(model, block_size=4, backend=BACKEND)
+    got = model(input_ids=ids, attention_mask=mask, past_key_values=cache).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], atol=2e-4, rtol=1e-4)
+    return cache, oracle
+
+
+def _step_both(model, cache, oracle, tokens, mask):
+    """One decode step of ``tokens`` ``[B, 1]`` through both caches; asserts equal logits."""
+    want = run_oracle(model, lambda: model(input_ids=tokens, attention_mask=mask, past_key_values=oracle).logits)
+    got = model(input_ids=tokens, attention_mask=mask, past_key_values=cache).logits
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+@torch.no_grad()
+def test_reorder_select_repeat_and_crop_match_the_oracle():
+    """Each operation applied to the fp8kv cache and to the oracle (a DynamicCache of
+    fake-quantized K/V), then a decode step: the logits agree, rows and lengths follow."""
+    model = tiny_llama()
+    ids, mask = padded_batch()  # rows of 7 and 4 tokens
+    cache, oracle = _fp8kv_and_oracle(model, ids, mask)
+    lens = [7, 4]
+    for op, arg in (("batch_repeat_interleave", 2), ("reorder_cache", torch.tensor([2, 2, 0, 1])),
+                    ("batch_select_indices", torch.tensor([3, 0, 1]))):
+        rows = torch.arange(len(lens)).repeat_interleave(2) if op == "batch_repeat_interleave" else arg
+        getattr(cache, op)(arg)
+        getattr(oracle, op)(arg)
+        lens, mask = [lens[i] for i in rows.tolist()], mask[rows]
+        assert cache.seq_lens == lens, op
+        mask = torch.cat([mask, torch.ones(len(lens), 1, dtype=mask.dtype)], dim=1)
+        _step_both(model, cache, oracle, torch.arange(20, 20 + len(lens))[:, None], mask)
+        lens = [n + 1 for n in lens]
+        assert cache.seq_lens == lens, op
+    cache.crop(-1)
+    oracle.crop(-1)
+    assert cache.seq_lens == [n - 1 for n in lens] and cache.get_seq_length() == mask.shape[1] - 1
+    _step_both(model, cache, oracle, torch.full((3, 1), 40), mask)
+
+
+@torch.no_grad()
+def test_freed_blocks_are_reused_and_copies_get_their_own():
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    cache, _ = _fp8kv_and_oracle(model, ids, mask)  # block_size 4: rows hold 2 and 1 blocks
+    kv = cache.layer_cache(0)
+    before = kv.key_cache.view(torch.uint8).clone()
+    assert cache.block_tables == [[0, 1], [2]]
+    cache.reorder_cache(torch.tensor([0, 0]))  # row 1 is dropped, row 0 doubled
+    assert cache.block_tables == [[0, 1], [2, 3]]  # the copy reuses row 1's freed block, then a new one
+    kv = cache.layer_cache(0)
+    raw = kv.key_cache.view(torch.uint8)
+    assert torch.equal(raw[[2, 3]], before[[0, 1]]) and torch.equal(raw[[0, 1]], before[[0, 1]])
+    assert torch.equal(kv.k_scale[[2, 3]], kv.k_scale[[0, 1]])
+    cache.batch_select_indices(torch.tensor([1]))
+    assert cache.block_tables == [[2, 3]] and cache.pool.free == [0, 1]
+
+
+@torch.no_grad()
+def test_beam_search_matches_the_oracle():
+    model = tiny_llama(seed=3)
+    ids, mask = padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, min_new_tokens=8, num_beams=3,
+              num_return_sequences=2, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    want = run_oracle(model, lambda: model.generate(**kw, past_key_values=oracle_cache("fp8_e4m3")))
+    cache = enable(model, block_size=4, backend=BACKEND)
+    got = model.generate(**kw, past_key_values=cache)
+    assert torch.equal(got.sequences, want.sequences)
+    torch.testing.assert_close(got.sequences_scores, want.sequences_scores, atol=1e-4, rtol=1e-4)
+    assert cache.pool.batch_size == 6 and len(cache.seq_lens) == 6
+
+
+@pytest.mark.parametrize("how", ["assistant_model", "prompt_lookup"])
+@torch.no_grad()
+def test_assisted_decoding_crops_and_equals_greedy(how, monkeypatch):
+    """Assisted and prompt-lookup decoding verify drafted tokens and crop the rejected ones: the
+    result is the plain greedy result of the same FP8 cache."""
+    model = tiny_llama(seed=3)
+    ids = torch.randint(3, 128, (1, 12), generator=torch.Generator().manual_seed(5))
+    ids[0, 6:9] = ids[0, 0:3]  # a repeat for prompt lookup to draft from
+    kw = dict(input_ids=ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    enable(model, block_size=4, backend=BACKEND)
+    plain = model.generate(**kw, past_key_values=FP8PagedCache.from_model(model))
+    crops = []
+    real_crop = FP8PagedCache.crop
+    monkeypatch.setattr(FP8PagedCache, "crop", lambda self, n: (crops.append(n), real_crop(self, n))[1])
+    extra = {"assistant_model": tiny_llama(seed=9)} if how == "assistant_model" else {"prompt_lookup_num_tokens": 3}
+    cache = FP8PagedCache.from_model(model)
+    got = model.generate(**kw, **extra, past_key_values=cache)
+    assert torch.equal(got, plain)
+    assert any(n < 0 for n in crops), crops  # drafts were rejected and cropped
+    assert cache.seq_lens == [ids.shape[1] + 16 - 1]
+
+
+def test_batch_surgery_errors_are_named():
+    model = tiny_llama()
+    ids, mask = padded_batch()
+    cache, _ = _fp8kv_and_oracle(model, ids, mask)
+    with pytest.raises(fp8kv.InvalidArgument, match="tokens_to_remove"):
+        cache.crop(3)  # transformers' convention: -n removes n
+    with pytest.raises(fp8kv.InvalidArgument, match="tokens_to_remove"):
+        cache.crop(-5)  # row 1 holds 4 tokens
+    with pytest.raises(fp8kv.InvalidArgument, match="index"):
+        cache.reorder_cache(torch.tensor([0, 2]))
+    with pytest.raises(fp8kv.InvalidArgument, match="indices"):
+        cache.batch_select_indices(torch.tensor([True, False]))
+    with pytest.raises(fp8kv.InvalidArgument, match="repeats"):
+        cache.batch_repeat_interleave(0)
+    with pytest.raises(NotImplementedError, match="FP8PagedCache"):
+        cache.layers[0].reorder_cache(torch.tensor([0, 1]))
+    with pytest.raises(NotImplementedError, match="offload"):
+        cache.layers[0].offload()
+    assert cache.seq_lens == [7, 4]  # nothing changed
+    empty = FP8PagedCache.from_model(model)
+    empty.batch_repeat_interleave(3)  # before the first forward: nothing to do, as DynamicCache
+    assert empty.seq_lens == []

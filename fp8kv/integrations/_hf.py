@@ -210,7 +210,7 @@ class FP8PagedLayer(CacheLayerMixin):
 
     is_compileable = False
     is_sliding = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(self, owner: FP8PagedCache, layer_idx: int):
         super().__init__()
@@ -249,20 +249,21 @@ class FP8PagedLayer(CacheLayerMixin):
     def prefetch(self):
         raise NotImplementedError("FP8PagedCache does not offload layers")
 
+    # Batch surgery changes every layer's blocks at once: FP8PagedCache does it (the block pool is
+    # shared), so these are reached only when a layer is used on its own.
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("FP8PagedCache does not support beam search (reorder_cache); "
-                                  "use greedy or sampling")
+        raise NotImplementedError("reorder_cache: call it on the FP8PagedCache (its layers share one block pool)")
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove == 0:
-            return
-        raise NotImplementedError("FP8PagedCache cannot be cropped (assisted/speculative decoding)")
+        raise NotImplementedError("crop: call it on the FP8PagedCache (its layers share one block pool)")
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("FP8PagedCache cannot repeat its batch (contrastive search)")
+        raise NotImplementedError("batch_repeat_interleave: call it on the FP8PagedCache (its layers share one "
+                                  "block pool)")
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("FP8PagedCache cannot select batch rows (contrastive search)")
+        raise NotImplementedError("batch_select_indices: call it on the FP8PagedCache (its layers share one "
+                                  "block pool)")
 
 
 class FP8PagedCache(Cache):
@@ -359,6 +360,71 @@ class FP8PagedCache(Cache):
         """Empty the cache for a new batch (allocations are kept and reused)."""
         super().reset()
         self.pool.reset()
+        self._step_plan, self._step_metadata = None, {}
+
+    # -- batch surgery: beam search, batch select / repeat, assisted decoding ---------
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row ``i`` becomes old row ``beam_idx[i]`` (``[B]`` ints). A row taken once
+        keeps its blocks; each extra copy of a row gets new blocks with its FP8 bytes copied."""
+        self._rearrange(_rows("beam_idx", beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the rows ``indices`` (``[B']`` ints, in that order); the others' blocks are freed."""
+        self._rearrange(_rows("indices", indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in place (row ``i`` becomes rows ``i*repeats ...``)."""
+        if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+            raise bad_argument("repeats", repr(repeats), "a positive int")
+        if self.pool.batch_size is not None:
+            self._rearrange([i for i in range(self.pool.batch_size) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` tokens of every row (assisted / speculative decoding).
+
+        transformers' convention: a count <= 0 (0: nothing). The rows keep their blocks, which
+        the next tokens overwrite."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise bad_argument("tokens_to_remove", repr(tokens_to_remove),
+                               "a count <= 0 (transformers' crop convention: -n removes n tokens)")
+        n = -tokens_to_remove
+        if n == 0 or self.pool.batch_size is None:
+            return
+        self._check_between_steps("crop")
+        columns = self.layers[0].columns
+        if n > columns:
+            raise bad_argument("tokens_to_remove", str(tokens_to_remove), f"at least -{columns} (the cache holds "
+                               f"{columns} columns)")
+        self.pool.crop(n)
+        for layer in self.layers:
+            layer.columns -= n
+        self._step_plan, self._step_metadata = None, {}
+
+    def _check_between_steps(self, what: str) -> None:
+        if any(layer.steps != self.pool.steps for layer in self.layers):
+            raise Fp8KVError(f"{what}: called in the middle of a forward step (some layers have not run it); "
+                             "call it between steps")
+
+    def _rearrange(self, index: list[int]) -> None:
+        """Row ``i`` takes old row ``index[i]``'s tokens, in every layer."""
+        if self.pool.batch_size is None:
+            return  # nothing stored yet: the next forward sets the batch
+        self._check_between_steps("reordering the batch")
+        src, dst = self.pool.rearrange(index)
+        for layer in self.layers:
+            kv = layer.kv
+            if kv is None:
+                continue
+            kv = self._layer_kv(layer, kv.num_kv_heads, kv.head_size, kv.key_cache.device)
+            if src:
+                s = torch.tensor(src, device=kv.key_cache.device)
+                d = torch.tensor(dst, device=kv.key_cache.device)
+                for t in (kv.key_cache, kv.value_cache):  # block-major in both layouts
+                    raw = t.view(torch.uint8)
+                    raw[d] = raw[s]
+                if kv.scale_granularity == "token_head":
+                    for t in (kv.k_scale, kv.v_scale):  # [num_blocks, block_size, H]
+                        t[d] = t[s]
         self._step_plan, self._step_metadata = None, {}
 
     # -- introspection ----------------------------------------------------------------
@@ -476,6 +542,14 @@ class FP8PagedCache(Cache):
             full.index_copy_(0, plan.token_index, out)
             out = full
         return out.view(B, q_len, Hq, D)
+
+
+def _rows(name: str, index) -> list[int]:
+    """A 1-D integer tensor or sequence of row ids as a list."""
+    t = torch.as_tensor(index)
+    if t.dim() != 1 or t.dtype in (torch.bool,) or t.is_floating_point() or t.is_complex():
+        raise bad_argument(name, f"{t.dtype} of shape {tuple(t.shape)}", "a 1-D tensor of row indices")
+    return [int(i) for i in t.tolist()]
 
 
 # ------------------------------------------------------------------------------------ interfaces

@@ -74,6 +74,7 @@ class BlockPool:
         self.seq_lens: list[int] = []
         self.tables: list[list[int]] = []
         self.next_free = 0
+        self.free: list[int] = []  # blocks below next_free that no row holds (after a rearrange)
         self.steps = 0
         self.plan: StepPlan | None = None
         if not hasattr(self, "capacity"):
@@ -83,7 +84,7 @@ class BlockPool:
     # -- blocks ---------------------------------------------------------------------
     def _reserve(self, extra: int, batch_size: int) -> None:
         """Make room for ``extra`` more blocks, growing the pool if allowed."""
-        need = self.next_free + extra
+        need = self.next_free + max(0, extra - len(self.free))
         if self.max_cache_len is not None:
             if self.capacity == 0:
                 self.capacity = batch_size * -(-self.max_cache_len // self.block_size)
@@ -94,6 +95,74 @@ class BlockPool:
 
     def _blocks_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.block_size)
+
+    def _take(self, n: int) -> list[int]:
+        """``n`` block ids for a row: freed ones first, then new ones (the caller reserved room)."""
+        if n <= 0:
+            return []
+        reuse = min(n, len(self.free))
+        out = self.free[:reuse]
+        del self.free[:reuse]
+        out += range(self.next_free, self.next_free + n - reuse)
+        self.next_free += n - reuse
+        return out
+
+    # -- batch surgery (beam search, batch select / repeat, crop) ----------------------
+    def rearrange(self, index: list[int]) -> tuple[list[int], list[int]]:
+        """Make row ``i`` hold what row ``index[i]`` holds; return the block copies this needs.
+
+        The first new row that takes an old row takes its blocks as they are; every further
+        copy of that row gets blocks of its own, whose contents the caller must copy (the
+        returned ``(src, dst)`` block ids, same length). Blocks of rows nobody takes are freed.
+        May grow :attr:`capacity` (the caller grows the layers' caches before copying).
+        """
+        if self.batch_size is None:
+            raise Fp8KVError("cache: it holds no rows yet (nothing to reorder, select or repeat)")
+        bad = [j for j in index if not 0 <= j < self.batch_size]
+        if bad or not index:
+            raise bad_argument("index", f"rows {bad[:4] or index}",
+                               f"a non-empty list of rows in [0, {self.batch_size})")
+        for j in sorted(set(range(self.batch_size)) - set(index)):  # rows nobody takes: free first
+            self.free += self.tables[j]
+        copies = [j for i, j in enumerate(index) if j in index[:i]]
+        self._reserve_blocks(sum(self._blocks_for(self.seq_lens[j]) for j in copies), len(index))
+        taken: set[int] = set()
+        tables, src, dst = [], [], []
+        for j in index:
+            if j not in taken:
+                taken.add(j)
+                tables.append(self.tables[j])
+                continue
+            n = self._blocks_for(self.seq_lens[j])
+            new = self._take(n)
+            src += self.tables[j][:n]
+            dst += new
+            tables.append(new)
+        self.seq_lens = [self.seq_lens[j] for j in index]
+        self.tables = tables
+        self.batch_size = len(index)
+        self.plan = None
+        return src, dst
+
+    def _reserve_blocks(self, n: int, batch_size: int) -> None:
+        """Room for ``n`` more blocks outside a step: grows the pool in either mode."""
+        need = self.next_free + max(0, n - len(self.free))
+        if self.max_cache_len is not None:
+            need = max(need, batch_size * self._blocks_for(self.max_cache_len))
+        if need > self.capacity:
+            self.capacity = need if self.max_cache_len is not None else max(need, 2 * self.capacity)
+            self.growths += 1
+
+    def crop(self, n: int) -> None:
+        """Forget the last ``n`` tokens of every row (their blocks stay with the row for reuse)."""
+        if self.batch_size is None or n == 0:
+            return
+        short = [i for i, s in enumerate(self.seq_lens) if s < n]
+        if short:
+            raise bad_argument("tokens_to_remove", str(-n), f"at most the shortest row's {min(self.seq_lens)} "
+                               "tokens")
+        self.seq_lens = [s - n for s in self.seq_lens]
+        self.plan = None
 
     # -- steps ----------------------------------------------------------------------
     def step(self, valid: torch.Tensor | None, batch_size: int, q_len: int, device: torch.device,
@@ -133,8 +202,7 @@ class BlockPool:
         extra = [self._blocks_for(n) - len(t) for n, t in zip(new_lens, self.tables, strict=True)]
         self._reserve(sum(extra), batch_size)
         for table, e in zip(self.tables, extra, strict=True):
-            table.extend(range(self.next_free, self.next_free + e))
-            self.next_free += e
+            table.extend(self._take(e))
         old = torch.tensor(self.seq_lens, dtype=torch.int64, device=device)
         self.seq_lens = new_lens
         self.steps += 1
