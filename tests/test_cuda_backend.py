@@ -1,0 +1,149 @@
+"""The CUDA backend's plugin surface, on any machine: registration, what it claims where (simulated
+devices), its reasons and probe notes, the launch plan and the kernel variants. The kernels
+themselves run in tests/test_cuda_gpu.py (GPU) and compile in tests/test_cuda_compile.py (CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fp8kv
+from fp8kv.hookspecs import Request
+from fp8kv.probe import simulate_device, simulated
+from fp8kv.registry import available_backends, get_backend, select_backend
+
+FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
+
+
+def _req(op="paged_attention", kv="fp8_e4m3", layout="NHD", gran="tensor", D=128, dtype=torch.bfloat16,
+         dev="cuda", features=frozenset()):
+    return Request(op, kv, layout, gran, D, dtype, dev, frozenset(features) if op == "paged_attention" else frozenset())
+
+
+def test_registered_through_the_entry_point_below_triton():
+    assert "cuda" in available_backends()
+    info = get_backend("cuda").info
+    assert info.fast and 0 < info.priority < get_backend("triton").info.priority
+
+
+@pytest.mark.parametrize("arch", ["sm70", "sm75"])
+def test_auto_picks_cuda_on_volta_and_turing_for_everything(arch):
+    with simulate_device(arch):
+        for kv in FORMATS:
+            for layout in ("NHD", "HND"):
+                for gran in ("tensor", "head", "token_head"):
+                    for op, feats in (("write_kv", ()), ("paged_attention", ()),
+                                      ("paged_attention", ("chunked_prefill", "sliding_window", "soft_cap")),
+                                      ("paged_attention", ("non_causal",))):
+                        req = _req(op, kv, layout, gran, features=feats)
+                        assert select_backend(req, torch.device("cuda")).backend.name == "cuda", (kv, layout, op)
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm86", "sm89", "sm90"])
+def test_triton_keeps_ampere_and_newer_but_cuda_serves_there_too(arch):
+    info = simulated(arch)
+    assert get_backend("cuda").check_supports(info, _req()) is None
+    triton_serves = get_backend("triton").check_supports(info, _req()) is None  # not under TRITON_INTERPRET=1
+    with simulate_device(arch):
+        sel = select_backend(_req(), torch.device("cuda"))
+        assert sel.backend.name == ("triton" if triton_serves else "cuda")
+
+
+@pytest.mark.parametrize(("device", "request_kw", "reason"), [
+    ("sm70", dict(D=512), "head_size 512 is outside 1..256"),
+    ("sm70", dict(dev="cpu"), "cpu tensors: the CUDA backend runs on NVIDIA GPUs only"),
+    ("gfx942", {}, "gfx942: the CUDA backend runs on NVIDIA GPUs only"),
+    ("cpu", {}, "cpu: the CUDA backend runs on NVIDIA GPUs only"),
+])
+def test_refusals_say_why(device, request_kw, reason):
+    got = get_backend("cuda").check_supports(simulated(device), _req(**request_kw))
+    assert got is not None and reason in got
+
+
+def test_old_gpus_and_missing_cupy_are_refused():
+    old = dataclasses.replace(simulated("sm70"), arch="sm61", name="P100")
+    assert get_backend("cuda").check_supports(old, _req()) == "sm61: needs sm70+ (Volta or newer)"
+    no_cupy = dataclasses.replace(simulated("sm75"), cupy=False)
+    assert "cupy is not installed" in get_backend("cuda").check_supports(no_cupy, _req())
+
+
+def test_a_real_volta_with_a_cuda13_cupy_is_refused(monkeypatch):
+    from fp8kv_cuda import capabilities
+
+    real_v100 = dataclasses.replace(simulated("sm70"), simulated=False)
+    monkeypatch.setattr(capabilities, "cupy_cuda_major", lambda: 13)
+    reason = capabilities.supports(real_v100, _req())
+    assert reason and "CUDA 13's NVRTC cannot compile for sm70" in reason and "cupy-cuda12x" in reason
+    assert capabilities.supports(dataclasses.replace(real_v100, arch="sm75"), _req()) is None
+    monkeypatch.setattr(capabilities, "cupy_cuda_major", lambda: 12)
+    assert capabilities.supports(real_v100, _req()) is None
+
+
+def test_probe_notes_explain_toolkit_and_codec():
+    from fp8kv_cuda.capabilities import device_notes
+
+    v100 = "\n".join(device_notes(simulated("sm70")))
+    assert "needs CUDA 12" in v100 and "refuses sm_70" in v100 and "not run on sm70 hardware" in v100
+    for fmt in FORMATS:
+        assert f"{fmt}: encode and decode through the software codec" in v100
+    h100 = "\n".join(device_notes(simulated("sm90")))
+    assert "CUDA 12 or 13" in h100 and "not yet proven bit-exact" in h100 and "no fnuz conversions" in h100
+    assert device_notes(simulated("gfx942")) == [] and device_notes(simulated("cpu")) == []
+
+
+def test_probe_command_shows_cuda_serving_on_sm70(capsys):
+    from fp8kv.cli import main
+
+    assert main(["probe", "--simulate", "sm75"]) == 0
+    out = capsys.readouterr().out
+    assert "cuda on this device:" in out and "sm75: CUDA 12 or 13" in out
+    picks = out.split("auto picks:", 1)[1].split("\n\n", 1)[0]
+    assert picks.count("cuda") == 8  # 2 ops x 4 formats
+
+
+def test_forcing_cuda_on_cpu_tensors_raises_the_reason():
+    cache = fp8kv.KVCache.allocate(4, 4, 2, 16)
+    k = torch.randn(3, 2, 16)
+    with pytest.raises(fp8kv.Fp8KVError, match="cpu tensors: the CUDA backend runs on NVIDIA GPUs only"):
+        fp8kv.write_kv(cache, k, k, torch.arange(3), backend="cuda")
+
+
+def test_plan_splits_only_when_the_gpu_would_idle(monkeypatch):
+    from fp8kv_cuda import attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    # B=32 x 8 KV heads = 256 CTAs < 4 x 132: split 4096 keys in pieces of whole tiles
+    p = attention.plan(dev, num_tokens=32, num_kv_heads=8, group=4, head_size=128, max_keys=4096)
+    assert (p.d_pad, p.gpad, p.block_n, p.head_chunks) == (128, 4, 64, 1)
+    assert p.num_splits == 3 and p.keys_per_split % p.block_n == 0
+    assert p.num_splits * p.keys_per_split >= 4096 > (p.num_splits - 1) * p.keys_per_split
+    # one long sequence: many splits (capped), every key covered
+    p = attention.plan(dev, num_tokens=1, num_kv_heads=8, group=4, head_size=128, max_keys=131072)
+    assert p.num_splits == 64 and p.num_splits * p.keys_per_split >= 131072
+    # a prefill step with many tokens, or short contexts: no split
+    assert attention.plan(dev, num_tokens=4096, num_kv_heads=8, group=4, head_size=128, max_keys=8192).num_splits == 1
+    assert attention.plan(dev, num_tokens=1, num_kv_heads=1, group=1, head_size=64, max_keys=200).num_splits == 1
+    # 32 query heads per KV head: two chunks of 16; head size 256: 32-key tiles
+    p = attention.plan(dev, num_tokens=4, num_kv_heads=1, group=32, head_size=256, max_keys=64)
+    assert (p.d_pad, p.gpad, p.block_n, p.head_chunks) == (256, 16, 32, 2)
+
+
+def test_variants_take_every_constant_from_the_codec():
+    from fp8kv_cuda.variants import attention_variant, options, source, write_variant
+
+    from fp8kv.codec import codec_constants
+    from fp8kv.formats import FORMATS as ALL
+
+    for name in FORMATS:
+        c = codec_constants(ALL[name])
+        opts = options(write_variant(name, "bfloat16", True, 128, True, True))
+        assert f"-DFP8KV_MAXBITS=0x{c.max_f32_bits:08X}u" in opts and f"-DFP8KV_BIAS={c.bias}" in opts
+        assert "-ftz=false" in opts and "-prec-div=true" in opts
+    for kernel in ("write", "attention", "codec"):
+        src = source(kernel)
+        assert "#include" not in src.split("namespace fp8kv", 1)[1] and "encode_bits" in src
+    v = attention_variant("fp8_e5m2", "float16", True, 128, 8, 64, 16)
+    assert v.entry_points == ("fp8kv_paged_attention", "fp8kv_merge") and "gpad=8" in v.label

@@ -1,0 +1,83 @@
+"""CPU compile cells of the CUDA backend: every kernel builds for sm70..sm90 without spills.
+
+NVRTC 12.x from PyPI (``cuda-compile`` extra: ``nvidia-cuda-nvrtc-cu12`` + ``cuda-bindings<13``)
+compiles a representative variant per kernel and format class (OCP and fnuz, each I/O dtype,
+static and per-token-head scales, the largest tiles: head size 256 with 16 query heads per CTA)
+to cubins for sm70, sm75, sm80, sm86, sm89 and sm90 on this CPU, no GPU or driver involved.
+A compile error fails, and so does any spill in a hot kernel (ptxas -v). ~10 s on 2 cores.
+The full set is ``python -m fp8kv_cuda.compile --set full`` (the CI matrix's compile cells;
+results in ci/reports/compile/cuda_full.json).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="needs NVRTC from PyPI: pip install -e '.[cuda-compile]'")
+
+
+def test_every_kernel_compiles_for_every_architecture_without_spills(tmp_path):
+    from fp8kv_cuda import compile as cc
+
+    assert cc.nvrtc_version()[0] == 12, "sm70 needs CUDA 12's NVRTC (CUDA 13 refuses sm_70)"
+    out = tmp_path / "report.json"
+    r = subprocess.run([sys.executable, "-m", "fp8kv_cuda.compile", "--jobs", "2", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert report["failures"] == [] and all(x["ok"] for x in results)
+    for arch in cc.ARCHES:
+        mine = [x for x in results if x["arch"] == arch]
+        assert {x["kernel"] for x in mine} == set(cc.HOT_KERNELS), arch
+        for kernel in cc.HOT_KERNELS:
+            fmts = {x["fmt"] for x in mine if x["kernel"] == kernel}
+            assert fmts & {"fp8_e4m3", "fp8_e5m2"} and fmts & {"fp8_e4m3fnuz", "fp8_e5m2fnuz"}, (arch, kernel)
+        for x in mine:
+            assert x["regs"] and x["spill_stores"] == 0 and x["spill_loads"] == 0, x
+            assert x["smem"] <= 48 << 10, x  # static shared memory limit of every architecture
+    assert "| sm70 | fp8kv_paged_attention |" in r.stdout
+
+
+def test_a_compile_error_and_a_spill_fail_the_cell(monkeypatch):
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.variants import Variant
+
+    broken = Variant("write", "fp8_e4m3", (("FP8KV_IN", 1),))  # its other macros missing: must not build
+    (res,) = cc.compile_one(broken, "sm80")
+    assert not res.ok and "error" in res.error
+    assert cc.failures([res])
+    spilled = cc.Result("sm90", "fp8kv_paged_attention", "fp8_e4m3", "x", True, 255, 8, 8, 16, 0)
+    assert cc.failures([spilled]) == ["sm90 fp8kv_paged_attention (x): 8 bytes spill stores, 8 loads"]
+
+
+def test_ptxas_report_parsing():
+    from fp8kv_cuda.compile import parse_ptxas
+
+    log = """ptxas info    : Compiling entry function 'fp8kv_merge' for 'sm_90'
+ptxas info    : Function properties for fp8kv_merge
+ptxas         .     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 8 bytes cumulative stack size
+ptxas info    : Compiling entry function 'fp8kv_paged_attention' for 'sm_90'
+ptxas info    : Function properties for fp8kv_paged_attention
+ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 21328 bytes smem
+"""
+    assert parse_ptxas(log) == {
+        "fp8kv_merge": {"smem": 0, "stack": 8, "spill_stores": 4, "spill_loads": 12, "regs": 32},
+        "fp8kv_paged_attention": {"smem": 21328, "stack": 0, "spill_stores": 0, "spill_loads": 0, "regs": 168},
+    }
+
+
+def test_the_variant_sets():
+    from fp8kv_cuda import compile as cc
+
+    rep = cc.variants("representative")
+    assert {v.kernel for v in rep} == {"write", "attention"}
+    full = cc.variants("full")
+    assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
+    assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
