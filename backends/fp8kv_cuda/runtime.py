@@ -1,9 +1,13 @@
-"""Compile-and-cache through CuPy (NVRTC) and launch on torch's current stream.
+"""Compile-and-cache through CuPy's NVRTC and launch on torch's current stream.
 
 A variant (:class:`fp8kv_cuda.variants.Variant`) is compiled the first time it is launched on
-a device, for that device's architecture, by ``cupy.RawModule`` (CuPy also keeps the cubin
-in its on-disk kernel cache, keyed on the source text, which has ``codec.cuh`` inlined, and
-the options). Modules are cached per (variant, device) in this process, behind a lock.
+a device, for that device's architecture (``--gpu-architecture=sm_XY``), with exactly the
+options of :func:`fp8kv_cuda.variants.options` (the CPU compile cells use the same), through
+CuPy's NVRTC bindings (``cupy.cuda.nvrtc``), and the cubin is loaded as a CuPy module.
+``cupy.RawModule`` is *not* used: it appends ``-ftz=true`` to the caller's options (NVRTC honours
+the last), which flushes float32 subnormals and would break the write's bit-exact ``x / scale``.
+Modules are cached per (variant, device) in this process, behind a lock (no on-disk cache yet:
+a variant compiles in well under a second).
 
 Launches go to torch's current stream of the tensors' device (``cupy.cuda.ExternalStream``),
 so CUDA-graph capture and stream semantics are torch's. Arguments are packed with explicit
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 
 import numpy as np
 import torch
@@ -44,18 +49,39 @@ def function(variant: Variant, entry: str, device: torch.device):
         with _lock:
             mod = _modules.get(key)
             if mod is None:
+                major, minor = torch.cuda.get_device_capability(index)
+                cubin = compile_cubin(variant, f"sm_{major}{minor}")
                 cp = cupy()
                 with cp.cuda.Device(index):
-                    mod = cp.RawModule(code=source(variant.kernel), options=options(variant), backend="nvrtc")
+                    mod = cp.cuda.function.Module()
+                    mod.load(cubin)
                     for name in variant.entry_points:
-                        mod.get_function(name)  # compile and load now, not inside a graph capture
+                        mod.get_function(name)  # resolve now, not inside a graph capture
                 _modules[key] = mod
     return mod.get_function(entry)
 
 
+def compile_cubin(variant: Variant, arch: str) -> bytes:
+    """A cubin of ``variant`` for ``arch`` (``"sm_90"``) through CuPy's NVRTC (RuntimeError with
+    NVRTC's log on failure)."""
+    nvrtc = cupy().cuda.nvrtc
+    prog = nvrtc.createProgram(source(variant.kernel), f"{variant.kernel}.cu", [], [])
+    try:
+        try:
+            nvrtc.compileProgram(prog, [*options(variant), f"--gpu-architecture={arch}"])
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC could not compile {variant.label} for {arch}: {exc}\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        return nvrtc.getCUBIN(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
 @functools.cache
 def _external_stream(ptr: int, index: int):
-    return cupy().cuda.ExternalStream(ptr, index)
+    with warnings.catch_warnings():  # CuPy 14 deprecates it for Stream.from_external (not in CuPy 12/13)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy().cuda.ExternalStream(ptr, index)
 
 
 def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, int, int], block: int,

@@ -8,6 +8,8 @@
 // from fp8kv.codec.codec_constants (never typed by hand here):
 //   FP8KV_MANT, FP8KV_BIAS, FP8KV_FNUZ, FP8KV_HASINF, FP8KV_MAXBITS (float32 bits of +max),
 //   FP8KV_MAXMAG (the byte of +max).
+// The kernels are compiled with -ftz=false (IEEE denormals: the write's x / scale must be
+// correctly rounded for subnormal x too); the decoder does not depend on it.
 // The header is also compiled as plain host C++ (g++) by tests/test_cuda_codec.py, which checks
 // it bit for bit against the reference on every fp16/bf16 pattern and millions of float32s.
 #pragma once
@@ -117,21 +119,26 @@ FP8KV_HD u32 encode_bits(u32 bits) {
 }
 
 // ------------------------------------------------------------------ decode
-// FP8 byte -> its exact float32 value. The 7 magnitude bits shifted into a float32's exponent and
-// mantissa fields give 2^(e - 127) * 1.m (normal) or the float32 subnormal m * 2^(20 + MANT - 149)
-// (e == 0); one exact multiply by 2^(127 - BIAS) makes both the FP8 value (needs denormals on:
-// the kernels are compiled with -ftz=false). Specials patched: OCP NaN/inf, the fnuz NaN 0x80.
+// FP8 byte -> its exact float32 value, by integer operations and exact float32 products only:
+// never a subnormal float32 (so it is exact whether or not denormals are flushed). Normal bytes:
+// the 7 magnitude bits shifted into a float32's exponent and mantissa fields, the exponent
+// rebiased by an integer add; subnormal bytes (e == 0): m * 2^(1 - BIAS - MANT), a small integer
+// times a normal power of two. Specials patched: OCP NaN/inf, the fnuz NaN 0x80.
 FP8KV_HD float decode(u32 v) {
     const u32 mag = v & 0x7Fu;
-    const float f = u2f(((v & 0x80u) << 24) | (mag << DROP)) * u2f((u32)(127 - BIAS + 127) << 23);
+    const u32 sign = (v & 0x80u) << 24;
+    const u32 m = mag & ((1u << MANT) - 1u);
+    const float sub = (float)(i32)m * u2f((u32)(127 + 1 - BIAS - MANT) << 23);
+    const u32 normal = (mag << DROP) + ((u32)(127 - BIAS) << 23);
+    const u32 bits = ((mag >> MANT) == 0u ? f2u(sub) : normal) | sign;
     if (FNUZ) {
-        return v == 0x80u ? u2f(0x7FC00000u) : f;
+        return v == 0x80u ? u2f(0x7FC00000u) : u2f(bits);
     }
     if (mag > MAXMAG) {
         const bool inf = HASINF && mag == MAXMAG + 1u;
-        return u2f(((v & 0x80u) << 24) | (inf ? 0x7F800000u : 0x7FC00000u));
+        return u2f(sign | (inf ? 0x7F800000u : 0x7FC00000u));
     }
-    return f;
+    return u2f(bits);
 }
 
 // ------------------------------------------------------------------ 16-bit floats
