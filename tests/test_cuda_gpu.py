@@ -324,8 +324,9 @@ def test_cuda_graph_capture_matches_eager(gran, new):
 
     def step(c, out, lse):
         fp8kv.write_kv(c, key, value, slots, backend="cuda")
-        fp8kv.paged_attention(query, c, tables2, lens2, query_start_loc=qsl, max_query_len=new, out=out,
-                              lse=lse, backend="cuda")
+        _, got = fp8kv.paged_attention(query, c, tables2, lens2, query_start_loc=qsl, max_query_len=new, out=out,
+                                       return_lse=True, backend="cuda")
+        lse.copy_(got)
 
     eager, out_eager, lse_eager = big.clone(), torch.empty_like(query), torch.empty(4 * new, Hq, device="cuda")
     step(eager, out_eager, lse_eager)
