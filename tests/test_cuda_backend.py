@@ -90,6 +90,7 @@ def test_probe_notes_explain_toolkit_and_codec():
         assert f"{fmt}: encode and decode through the software codec" in v100
     h100 = "\n".join(device_notes(simulated("sm90")))
     assert "CUDA 12 or 13" in h100 and "not yet proven bit-exact" in h100 and "no fnuz conversions" in h100
+    assert "run on sm90" in h100 and "not run on sm75 hardware" in "\n".join(device_notes(simulated("sm75")))
     assert device_notes(simulated("gfx942")) == [] and device_notes(simulated("cpu")) == []
 
 
