@@ -48,9 +48,10 @@ constexpr int NT = 128;
 constexpr int NWARPS = NT / 32;
 constexpr int TPK = D_PAD / 16;            // threads per key in the logit phase (16 bytes each)
 constexpr int KPP = NT / TPK;              // keys per pass of the logit phase
-constexpr int CPV = D_PAD / 8;             // 8-dimension chunks of the output
-constexpr int HPASS = NT / CPV;            // heads covered by one pass of the threads in p @ v
-constexpr int HPT = (GPAD + HPASS - 1) / HPASS;  // heads per thread in p @ v
+constexpr int DPT = D_PAD > NT ? D_PAD / NT : 1;  // output dimensions per thread in p @ v
+constexpr int NDT = D_PAD / DPT;           // threads per key group in p @ v (one per DPT dims)
+constexpr int KG = NT / NDT;               // key groups in p @ v (keys j = kg, kg + KG, ...)
+constexpr bool Q_IN_REGS = GPAD <= 4;      // the logit phase keeps its 16 query values per head in registers
 constexpr int HPW = (GPAD + NWARPS - 1) / NWARPS;  // heads per warp in the softmax phase
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float LN2 = 0.6931471805599453f;
@@ -148,7 +149,8 @@ struct Shared {
     float q[GPAD][D_PAD];                     // scaled queries, zero-padded
     alignas(16) u8 k[BLOCK_N][D_PAD];         // K codes of the tile (zeros where masked)
     alignas(16) u8 v[BLOCK_N][D_PAD];         // V codes of the tile
-    float s[GPAD][BLOCK_N];                   // logits, then weights
+    float s[GPAD][BLOCK_N];                   // logits
+    alignas(16) float p[BLOCK_N][GPAD];       // weights, key-major (one vector read per key in p @ v)
     i64 row_k[BLOCK_N];                       // byte offset of each key's K row, -1: masked
     i64 row_v[BLOCK_N];
     float kf1[BLOCK_N], kf2[BLOCK_N], vsc[BLOCK_N];  // token_head: logit factors, v scale
@@ -227,13 +229,23 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
     float m_w[HPW], l_w[HPW], r_w[HPW];
 #pragma unroll
     for (int i = 0; i < HPW; ++i) { m_w[i] = NEG_INF; l_w[i] = 0.0f; r_w[i] = 0.0f; }
-    // ---- p @ v accumulators: dims [cv * 8, cv * 8 + 8) of heads hs + k * HPASS
-    const int cv = tid % CPV, hs = tid / CPV;
-    float acc[HPT][8];
+    // ---- p @ v accumulators: dims [dg * DPT, dg * DPT + DPT) of every head, keys kg, kg + KG, ...
+    const int dg = tid % NDT, kg = tid / NDT;
+    float acc[GPAD][DPT];
 #pragma unroll
-    for (int k = 0; k < HPT; ++k)
+    for (int g = 0; g < GPAD; ++g)
 #pragma unroll
-        for (int e = 0; e < 8; ++e) acc[k][e] = 0.0f;
+        for (int e = 0; e < DPT; ++e) acc[g][e] = 0.0f;
+    // ---- the logit phase's chunk of the queries (its 16 dims never change)
+    const int kc = tid % TPK;
+    float qr[Q_IN_REGS ? GPAD : 1][16];
+    __syncthreads();  // the scaled queries are in shared memory
+    if constexpr (Q_IN_REGS) {
+#pragma unroll
+        for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+            for (int e = 0; e < 16; ++e) qr[g][e] = sh.q[g][kc * 16 + e];
+    }
 
     const int* bt_row = block_tables + (i64)s * bt_stride;
     for (i64 n0 = kbeg; n0 < kend; n0 += BLOCK_N) {
@@ -297,7 +309,6 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
         }
         __syncthreads();
         // B. logits: thread (key j, chunk kc) dots 16 decoded K bytes with every head's query
-        const int kc = tid % TPK;
         for (int j0 = 0; j0 < BLOCK_N; j0 += KPP) {
             const int j = j0 + tid / TPK;
             float part[GPAD];
@@ -313,7 +324,12 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
                     for (int b = 0; b < 4; ++b) kf[b] = decode((words[e4] >> (8 * b)) & 0xFFu);
 #pragma unroll
                     for (int g = 0; g < GPAD; ++g) {
-                        const float4 qv = *reinterpret_cast<const float4*>(&sh.q[g][kc * 16 + e4 * 4]);
+                        float4 qv;
+                        if constexpr (Q_IN_REGS) {
+                            qv = make_float4(qr[g][e4 * 4], qr[g][e4 * 4 + 1], qr[g][e4 * 4 + 2], qr[g][e4 * 4 + 3]);
+                        } else {
+                            qv = *reinterpret_cast<const float4*>(&sh.q[g][kc * 16 + e4 * 4]);
+                        }
                         part[g] = fmaf(kf[0], qv.x, part[g]);
                         part[g] = fmaf(kf[1], qv.y, part[g]);
                         part[g] = fmaf(kf[2], qv.z, part[g]);
@@ -382,74 +398,109 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
                     r_w[i] = r_new;
                 }
 #pragma unroll
-                for (int u = 0; u < BLOCK_N / 32; ++u) sh.s[g][lane + 32 * u] = x[u];
+                for (int u = 0; u < BLOCK_N / 32; ++u) sh.p[lane + 32 * u][g] = x[u];
                 if (lane == 0) sh.alpha[g] = acc_scale;
             }
         }
         __syncthreads();
-        // D. acc = acc * alpha + w @ v (8 dims of HPT heads per thread)
+        // D. acc = acc * alpha + w @ v: each V byte decoded once, by the thread owning its dimension
 #pragma unroll
-        for (int k = 0; k < HPT; ++k) {
-            const int g = hs + k * HPASS;
-            const float al = g < GPAD ? sh.alpha[g] : 0.0f;
+        for (int g = 0; g < GPAD; ++g) {
+            const float al = sh.alpha[g];
 #pragma unroll
-            for (int e = 0; e < 8; ++e) acc[k][e] *= al;
+            for (int e = 0; e < DPT; ++e) acc[g][e] *= al;
         }
-        for (int j = 0; j < nk; ++j) {
-            const uint2 w = *reinterpret_cast<const uint2*>(&sh.v[j][cv * 8]);
-            float vf[8];
-#pragma unroll
-            for (int b = 0; b < 4; ++b) {
-                vf[b] = decode((w.x >> (8 * b)) & 0xFFu);
-                vf[4 + b] = decode((w.y >> (8 * b)) & 0xFFu);
+        for (int j = kg; j < nk; j += KG) {
+            float vf[DPT];
+            if constexpr (DPT == 1) {
+                vf[0] = decode(sh.v[j][dg]);
+            } else {
+                const u32 two = *reinterpret_cast<const u16*>(&sh.v[j][dg * 2]);
+                vf[0] = decode(two & 0xFFu);
+                vf[1] = decode(two >> 8);
             }
+            if constexpr (GPAD >= 4) {
 #pragma unroll
-            for (int k = 0; k < HPT; ++k) {
-                const int g = hs + k * HPASS;
-                if (g < GPAD) {
-                    const float p = sh.s[g][j];
+                for (int g4 = 0; g4 < GPAD / 4; ++g4) {
+                    const float4 w = *reinterpret_cast<const float4*>(&sh.p[j][g4 * 4]);
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) acc[k][e] = fmaf(p, vf[e], acc[k][e]);
+                    for (int e = 0; e < DPT; ++e) {
+                        acc[g4 * 4][e] = fmaf(w.x, vf[e], acc[g4 * 4][e]);
+                        acc[g4 * 4 + 1][e] = fmaf(w.y, vf[e], acc[g4 * 4 + 1][e]);
+                        acc[g4 * 4 + 2][e] = fmaf(w.z, vf[e], acc[g4 * 4 + 2][e]);
+                        acc[g4 * 4 + 3][e] = fmaf(w.w, vf[e], acc[g4 * 4 + 3][e]);
+                    }
+                }
+            } else {
+#pragma unroll
+                for (int g = 0; g < GPAD; ++g) {
+                    const float w = sh.p[j][g];
+#pragma unroll
+                    for (int e = 0; e < DPT; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
                 }
             }
         }
     }
 
-    // ---- epilogue: the owning warps publish (m, l, r); every thread stores its dims
+    // ---- epilogue: the owning warps publish (m, l, r); the key groups' partial sums are added
+    // (through the query buffer, no longer needed); key group 0 stores its dims of every head
     __syncthreads();
 #pragma unroll
     for (int i = 0; i < HPW; ++i) {
         const int g = warp + i * NWARPS;
         if (g < GPAD && lane == 0) { sh.m[g] = m_w[i]; sh.l[g] = l_w[i]; sh.r[g] = r_w[i]; }
     }
-    __syncthreads();
 #pragma unroll
-    for (int k = 0; k < HPT; ++k) {
-        const int g = hs + k * HPASS;
-        if (g >= GPAD || g0 + g >= group) continue;
-        const i64 qh = (i64)h * group + g0 + g;
-        const i64 row = (i64)t * HQ + qh;
+    for (int r = 1; r < KG; ++r) {
+        if (kg == r) {
+#pragma unroll
+            for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+                for (int e = 0; e < DPT; ++e) sh.q[g][dg * DPT + e] = acc[g][e];
+        }
+        __syncthreads();
+        if (kg == 0) {
+#pragma unroll
+            for (int g = 0; g < GPAD; ++g)
+#pragma unroll
+                for (int e = 0; e < DPT; ++e) acc[g][e] += sh.q[g][dg * DPT + e];
+        }
+        __syncthreads();
+    }
+    if (KG == 1) __syncthreads();  // (m, l, r) visible
+    if (tid < GPAD && g0 + tid < group) {  // one thread per head: the row statistics
+        const i64 row = (i64)t * HQ + (i64)h * group + g0 + tid;
+        if (split) {
+            const i64 prow = (i64)z * T * HQ + row;
+            part_ml[prow * 3] = sh.m[tid];
+            part_ml[prow * 3 + 1] = sh.l[tid];
+            part_ml[prow * 3 + 2] = sh.r[tid];
+        } else if (write_lse) {
+            const float l = sh.l[tid];
+            lse[row] = l > 0.0f ? (sh.m[tid] + log2f(l)) * LN2 : NEG_INF;
+        }
+    }
+    if (kg != 0) return;
+#pragma unroll
+    for (int g = 0; g < GPAD; ++g) {
+        if (g0 + g >= group) continue;
+        const i64 row = (i64)t * HQ + (i64)h * group + g0 + g;
         if (split) {
             const i64 prow = (i64)z * T * HQ + row;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int d = cv * 8 + e;
-                if (d < D) part_acc[prow * D + d] = acc[k][e];
-            }
-            if (cv == 0) {
-                part_ml[prow * 3] = sh.m[g];
-                part_ml[prow * 3 + 1] = sh.l[g];
-                part_ml[prow * 3 + 2] = sh.r[g];
+            for (int e = 0; e < DPT; ++e) {
+                const int d = dg * DPT + e;
+                if (d < D) part_acc[prow * D + d] = acc[g][e];
             }
         } else {
             const float l = sh.l[g];
+            const float inv = fdiv(1.0f, l > 0.0f ? l : 1.0f);
             const float mul = TOKEN_SCALES ? sh.r[g] : vs_static;
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int d = cv * 8 + e;
-                if (d < D) store_out(out, row * D + d, fdiv(acc[k][e], l > 0.0f ? l : 1.0f) * mul);
+            for (int e = 0; e < DPT; ++e) {
+                const int d = dg * DPT + e;
+                if (d < D) store_out(out, row * D + d, (acc[g][e] * inv) * mul);
             }
-            if (cv == 0 && write_lse) lse[row] = l > 0.0f ? (sh.m[g] + log2f(l)) * LN2 : NEG_INF;
         }
     }
 }

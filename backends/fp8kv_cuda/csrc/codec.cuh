@@ -124,7 +124,7 @@ FP8KV_HD u32 encode_bits(u32 bits) {
 // the 7 magnitude bits shifted into a float32's exponent and mantissa fields, the exponent
 // rebiased by an integer add; subnormal bytes (e == 0): m * 2^(1 - BIAS - MANT), a small integer
 // times a normal power of two. Specials patched: OCP NaN/inf, the fnuz NaN 0x80.
-FP8KV_HD float decode(u32 v) {
+FP8KV_HD float decode_generic(u32 v) {
     const u32 mag = v & 0x7Fu;
     const u32 sign = (v & 0x80u) << 24;
     const u32 m = mag & ((1u << MANT) - 1u);
@@ -139,6 +139,36 @@ FP8KV_HD float decode(u32 v) {
         return u2f(sign | (inf ? 0x7F800000u : 0x7FC00000u));
     }
     return u2f(bits);
+}
+
+#ifdef FP8KV_DEVICE
+__device__ __forceinline__ float half_bits_to_float(u32 h) {  // exact (cvt.f32.f16 has no flush)
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"((u16)h));
+    return f;
+}
+#endif
+
+// FP8 byte -> exact float32, the kernels' decoder. On the device, the cheapest exact path per
+// format: e5m2 is the top byte of the float16 of the same value (inf/NaN included); e4m3fn and
+// e4m3fnuz are a float16 whose exponent is off by 15 - BIAS (subnormals included), fixed by one
+// exact power-of-two product, NaN bytes patched; e5m2fnuz takes the generic decoder. On the host
+// (g++ tests) the generic decoder. tests/test_cuda_gpu.py proves the device paths on all 256 bytes.
+FP8KV_HD float decode(u32 v) {
+#ifdef FP8KV_DEVICE
+    if constexpr (MANT == 2 && !FNUZ) {
+        return half_bits_to_float(v << 8);
+    } else if constexpr (MANT == 3) {
+        const u32 h = ((v & 0x7Fu) << 7) | ((v & 0x80u) << 8);
+        const float f = half_bits_to_float(h) * u2f((u32)(127 + 15 - BIAS) << 23);
+        if (FNUZ) return v == 0x80u ? u2f(0x7FC00000u) : f;
+        return (v & 0x7Fu) == 0x7Fu ? u2f(((v & 0x80u) << 24) | 0x7FC00000u) : f;
+    } else {
+        return decode_generic(v);
+    }
+#else
+    return decode_generic(v);
+#endif
 }
 
 // ------------------------------------------------------------------ 16-bit floats
