@@ -13,7 +13,8 @@
 //   B. logits: D_PAD / 16 threads per key, 16 FP8 bytes each decoded by bits (codec.cuh) and
 //      dotted with the GPAD float32 query rows, reduced by warp shuffles;
 //   C. online softmax in base 2, one warp per query head;
-//   D. p @ v: each thread owns 8 output dimensions of some heads, float32 accumulation.
+//   D. p @ v: each thread owns DPT output dimensions of every head (each V byte decoded once);
+//      with D_PAD < 128 the keys are split among KG thread groups, added in the epilogue.
 //
 // Numerics (the reference's, fp8kv/reference.py): the logit factor k_scale * softmax_scale *
 // log2(e) is never formed as one float32 (two factors on the same side of 1, see
