@@ -65,7 +65,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--greedy-tokens", type=int, default=32)
     p.add_argument("--speed-tokens", type=int, default=64)
     p.add_argument("--speed-batch", type=int, nargs="+", default=[1])
-    p.add_argument("--speed-repeats", type=int, default=3, help="timed generate calls per cache (best kept)")
+    p.add_argument("--speed-repeats", type=int, default=5, help="timed rounds (each cache once per round)")
+    p.add_argument("--speed-caches", nargs="+", default=["none", "hf-fp8", "fp8kv-e4m3-token_head"])
+    p.add_argument("--speed-backends", nargs="+", default=None,
+                   help="fp8kv backends for the speed runs (default: torch and reference on CPU, auto on GPU)")
     p.add_argument("--only", nargs="+", choices=("ppl", "greedy", "bytes", "speed"), default=None)
     p.add_argument("--margin", type=float, default=1.0, help="head-room of calibrated static scales")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -138,15 +141,58 @@ def hf_eval_shape(cfg) -> dict:
 
 
 def speed_rows(model, tok, makers, args, log) -> list[dict]:
+    """generate() tokens/s of ``--speed-caches``, the fp8kv ones on each of ``--speed-backends``.
+
+    Round robin: every repeat runs each cache once in turn, so a load change on a shared
+    machine hits all of them alike; the best and the median of the repeats are kept, and each
+    cache's ratio to ``none`` in the same repeat gives the median ratio."""
+    from fp8kv_bench.hf_kl import Maker
+
+    by = {m.name: m for m in makers}
+    runs = []
+    for name in args.speed_caches:
+        if name.startswith("fp8kv"):
+            base = by[name]
+            for be in args.speed_backends:
+                cm = base.new_cache
+                maker = hf_eval.CacheMaker(model, cm.spec, backend=be, calibration_ids=None) if cm.scales is None \
+                    else _with_backend(cm, be)
+                runs.append((f"{name} ({be})", Maker(name, maker, "fp8kv"), be))
+        else:
+            runs.append((name, by[name], None))
     rows = []
-    for m in makers:
-        for b in args.speed_batch:
-            r = hf_eval.generate_speed(model, tok, lambda m=m: m(model), batch_size=b,
-                                       max_new_tokens=args.speed_tokens, repeats=args.speed_repeats)
-            r["cache"] = m.name
-            rows.append(r)
-            log(f"  {m.name:24s} batch {b}: {r['tokens_per_s']:.2f} tokens/s")
+    for b in args.speed_batch:
+        times = {label: [] for label, _, _ in runs}
+        for rep in range(args.speed_repeats + 1):  # the first round warms up
+            for label, m, _ in runs:
+                r = hf_eval.generate_speed(model, tok, lambda m=m: m(model), batch_size=b,
+                                           max_new_tokens=args.speed_tokens, repeats=0)
+                if rep:
+                    times[label].append(r["seconds"])
+            log(f"  batch {b} round {rep}: " + ", ".join(f"{lab} {b * args.speed_tokens / t[-1]:.1f}"
+                                                        for lab, t in times.items() if t))
+        for label, _, be in runs:
+            t = sorted(times[label])
+            ratios = sorted(tn / tc for tn, tc in zip(times["none"], times[label], strict=True)) \
+                if "none" in times else []
+            row = {"cache": label, "backend": be, "batch_size": b, "new_tokens": args.speed_tokens,
+                   "repeats": len(t), "tokens_per_s": b * args.speed_tokens / t[0],
+                   "tokens_per_s_median": b * args.speed_tokens / t[len(t) // 2],
+                   "ratio_to_none_median": ratios[len(ratios) // 2] if ratios else None}
+            rows.append(row)
+            log(f"  {label:32s} batch {b}: best {row['tokens_per_s']:.2f} tokens/s, median "
+                f"{row['tokens_per_s_median']:.2f}" + (f", {row['ratio_to_none_median']:.3f}x none (median of "
+                                                       "paired rounds)" if ratios else ""))
     return rows
+
+
+def _with_backend(cm, backend: str):
+    """A copy of a CacheMaker with calibrated scales, on another fp8kv backend."""
+    import copy
+
+    new = copy.copy(cm)
+    new.backend = backend
+    return new
 
 
 def check_bounds(result: dict) -> list[dict]:
@@ -237,6 +283,34 @@ def plot(result: dict, path: str) -> None:
     plt.close(fig)
 
 
+def plot_speed(result: dict, path: str) -> None:
+    """Bars of generate() tokens/s (best and median of the rounds), one group per batch size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = result["speed"]
+    labels = list(dict.fromkeys(r["cache"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for j, key in enumerate(("tokens_per_s", "tokens_per_s_median")):
+        vals = [next(r[key] for r in rows if r["cache"] == lab) for lab in labels]
+        bars = ax.bar([i + (j - 0.5) * 0.4 for i in range(len(labels))], vals, 0.4,
+                      label="best round" if j == 0 else "median round")
+        for bar, v in zip(bars, vals, strict=True):
+            ax.annotate(f"{v:.1f}", (bar.get_x() + bar.get_width() / 2, v), ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(labels)))
+    ax.set_xticklabels([lab.replace(" (", "\n(") for lab in labels], fontsize=7)
+    ax.set_ylabel("generate() tokens/s")
+    env = result["environment"]
+    ax.set_title(f"SmolLM2-135M generate, batch {rows[0]['batch_size']}, {rows[0]['new_tokens']} new tokens, "
+                 f"{env['device']} ({env['cpu_count']} cores), torch {env['torch']}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -248,12 +322,17 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         os.environ.setdefault("FP8KV_CHECK", "shapes")  # no host syncs for value checks in the timed loop
     only = set(args.only or ("ppl", "greedy", "bytes", "speed"))
+    if args.speed_backends is None:
+        args.speed_backends = ["torch", "reference"] if device.type == "cpu" else ["auto"]
     names = ["none", *(c for c in args.caches if c != "none")]
     log = lambda s: print(s, flush=True)
     t_all = time.perf_counter()
     model, tok = hf_eval.load_smollm2(device, dtype)
     calib = tok(hf_eval.calibration_text(), return_tensors="pt").input_ids.to(device)
     makers = hf_kl.standard_makers(model, names, backend, calib, args.margin)
+    if "speed" in only:  # speed-only caches too, not measured elsewhere
+        extra = [c for c in args.speed_caches if c not in names]
+        speed_makers = makers + hf_kl.standard_makers(model, extra, backend, calib, args.margin)
     _, source = hf_kl.eval_text()
     result = {
         "environment": environment(args, dtype, backend),
@@ -287,7 +366,7 @@ def main(argv=None) -> int:
         result["greedy"] = greedy_agreement(model, tok, makers, args, log)
     if "speed" in only:
         log("generate speed")
-        result["speed"] = speed_rows(model, tok, makers, args, log)
+        result["speed"] = speed_rows(model, tok, speed_makers, args, log)
     result["bounds"] = check_bounds(result)
     result["seconds"] = time.perf_counter() - t_all
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
@@ -297,6 +376,10 @@ def main(argv=None) -> int:
     if not args.no_plot and ("ppl" in only or "greedy" in only):
         png = os.path.splitext(args.out)[0] + ".png"
         plot(result, png)
+        log(f"wrote {png}")
+    elif not args.no_plot and "speed" in only:
+        png = os.path.splitext(args.out)[0] + ".png"
+        plot_speed(result, png)
         log(f"wrote {png}")
     print_table(result, log)
     bad = [c for c in result["bounds"] if not c["ok"]]
@@ -315,7 +398,9 @@ def print_table(result: dict, log) -> None:
     for r in result.get("greedy", []):
         log(f"  greedy {r['cache']:24s} {r['identical']:2d}/{r['prompts']}")
     for r in result.get("speed", []):
-        log(f"  speed {r['cache']:24s} batch {r['batch_size']}: {r['tokens_per_s']:.2f} tokens/s")
+        ratio = "" if r["ratio_to_none_median"] is None else f", {r['ratio_to_none_median']:.3f}x none"
+        log(f"  speed {r['cache']:32s} batch {r['batch_size']}: {r['tokens_per_s']:.2f} tokens/s (best), "
+            f"{r['tokens_per_s_median']:.2f} (median){ratio}")
 
 
 if __name__ == "__main__":

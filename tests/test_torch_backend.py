@@ -66,3 +66,19 @@ def test_one_index_per_step_rebuilt_after_an_update(monkeypatch):
     want = fp8kv.paged_attention(q, caches[0], tables, torch.tensor([12, 7], dtype=torch.int32), backend="reference")
     torch.testing.assert_close(after, want, atol=1e-6, rtol=1e-5)
     assert not torch.equal(after, outs[0])
+
+
+@torch.inference_mode()
+def test_inference_mode_metadata_is_supported():
+    """transformers' generate runs under inference_mode: its tensors have no version counter."""
+    cache = fp8kv.KVCache.allocate(4, 4, 2, 16, kv_dtype="fp8_e5m2", scale_granularity="token_head")
+    k = torch.randn(6, 2, 16)
+    meta = fp8kv.plan_attention(cache, num_q_heads=2, query_dtype=torch.float32,
+                                block_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+                                seq_lens=torch.tensor([6], dtype=torch.int32), slot_mapping=torch.arange(6),
+                                query_start_loc=torch.tensor([0, 6], dtype=torch.int32), backend="torch")
+    fp8kv.write_kv(cache, k, k, meta)
+    got = fp8kv.paged_attention(k, cache, meta)
+    want = fp8kv.paged_attention(k, cache, meta.block_tables, meta.seq_lens, query_start_loc=meta.query_start_loc,
+                                 backend="reference")
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -9,9 +9,8 @@ rows without a visible key give 0), done for every sequence at once:
 * per layer: one gather of the K and V codes (and token_head scales) of every sequence,
   dequantization, two batched matrix products and a masked softmax.
 
-The index is rebuilt whenever the metadata's buffers were refilled in place
-(``AttentionMetadata.update``: their version counters move), so a replayed step never reads a
-stale index.
+The index is rebuilt whenever the metadata's buffers were refilled in place with other values
+(``AttentionMetadata.update``), so a replayed step never reads a stale index.
 """
 
 from __future__ import annotations
@@ -80,15 +79,18 @@ class StepIndex:
 @dataclass
 class TorchPlan:
     """The backend's per-step state: the :class:`StepIndex`, built lazily and rebuilt when the
-    metadata's buffers change (their version counters)."""
+    metadata's buffers hold other values (``AttentionMetadata.update`` refills them in place).
+
+    The check compares small CPU tensors (block tables, lengths, offsets) with a snapshot of the
+    ones the index was built from: this backend serves CPU tensors only, where reading them is
+    not a device synchronisation (inference tensors carry no version counter to compare)."""
 
     index: StepIndex | None = None
-    versions: tuple = field(default=())
+    snapshot: tuple = field(default=())
 
 
-def _versions(meta: AttentionMetadata) -> tuple:
-    return (id(meta.block_tables), meta.block_tables._version, meta.seq_lens._version,
-            meta.query_start_loc._version)
+def _buffers(meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+    return meta.block_tables, meta.seq_lens, meta.query_start_loc
 
 
 def step_index(meta: AttentionMetadata) -> StepIndex:
@@ -96,9 +98,10 @@ def step_index(meta: AttentionMetadata) -> StepIndex:
     plan = meta.backend_plan
     if not isinstance(plan, TorchPlan):  # planned by another backend's hook, or none
         return StepIndex.build(meta)
-    v = _versions(meta)
-    if plan.index is None or plan.versions != v:
-        plan.index, plan.versions = StepIndex.build(meta), v
+    now = _buffers(meta)
+    if plan.index is None or not all(a.shape == b.shape and torch.equal(a, b)
+                                     for a, b in zip(now, plan.snapshot, strict=True)):
+        plan.index, plan.snapshot = StepIndex.build(meta), tuple(t.clone() for t in now)
     return plan.index
 
 
