@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 decode")
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
+    p.add_argument("--grid", default="",
+                   help="block_n,warps,stages,v_regs(0/1),waves;... or 'none' (default: the built-in grid)")
+    p.add_argument("--decode-mode", type=int, default=None, help="force a decoder (fp8kv_triton.modes)")
+    p.add_argument("--granularity", default="tensor", choices=("tensor", "head", "token_head"))
+    p.add_argument("--qdtype", default="bfloat16", choices=("bfloat16", "float16"), help="query dtype")
     args = p.parse_args(argv)
 
     device = torch.device("cuda")
@@ -70,7 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     bw = kb.copy_bandwidth(device)["gbps"]
     shapes = ([tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")] if args.shapes
               else list(kb.DECODE_SHAPES))
-    if args.quick:
+    if args.grid == "none":
+        grid = []
+    elif args.grid:
+        grid = [tuple(int(x) for x in g.split(",")) for g in args.grid.split(";")]
+        grid = [(bn, w, st, bool(vr), wv) for bn, w, st, vr, wv in grid]
+    elif args.quick:
         grid = list(itertools.product((64, 128), (4, 8), (3,), (True,), (2, 4)))
     else:
         grid = list(itertools.product((64, 128), (4, 8), (2, 3, 4), (True,), (1, 2, 4, 8)))
@@ -83,18 +93,25 @@ def main(argv: list[str] | None = None) -> int:
         rows += tune_shape(B, L, grid, device, sms, bw, args)
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
-        json.dump({"environment": env, "copy_gbps": bw, "rows": rows}, f, indent=1)
-    print("\n| B | L | SDPA bf16 us | general us | FlashInfer fp8 us | best decode us | roofline | config |")
-    print("|---|---|---|---|---|---|---|---|")
+        json.dump({"environment": env, "copy_gbps": bw, "query_dtype": args.qdtype, "granularity": args.granularity,
+                   "rows": rows}, f, indent=1)
+    print("\n| B | L | SDPA bf16 us | 0.2.0 kernel us | shipped decode us | FP8 roofline | vs SDPA | "
+          "FlashInfer fp8 us | vs FlashInfer | best in grid us | its config |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for B, L in shapes:
         rs = [r for r in rows if (r["B"], r["L"]) == (B, L)]
         get = {r["what"]: r for r in rs if r["what"] != "decode"}
-        best = min((r for r in rs if r["what"] == "decode" and r.get("ms")), key=lambda r: r["ms"])
+        d = get["default"]
         fi = get.get("flashinfer_fp8_tc", {}).get("ms")
-        c = best["config"]
+        grid_rows = [r for r in rs if r["what"] == "decode" and r.get("ms")]
+        best = min(grid_rows, key=lambda r: r["ms"]) if grid_rows else None
+        tiles = (f"N{best['config']['block_n']} w{best['config']['num_warps']} s{best['config']['num_stages']} "
+                 f"split{best['config']['num_splits']}") if best else "-"
         print(f"| {B} | {L} | {get['sdpa_bf16']['ms'] * 1e3:.1f} | {get['general']['ms'] * 1e3:.1f} | "
-              f"{fi * 1e3 if fi else float('nan'):.1f} | {best['ms'] * 1e3:.1f} | {best['frac_roofline']:.0%} | "
-              f"N{c['block_n']} w{c['num_warps']} s{c['num_stages']} split{c['num_splits']} vregs={c['v_regs']} |")
+              f"{d['ms'] * 1e3:.1f} | {d['frac_roofline']:.0%} | {d['speedup_vs_sdpa']:.2f}x | "
+              f"{fi * 1e3 if fi else float('nan'):.1f} | {fi / d['ms'] if fi else float('nan'):.2f}x | "
+              f"{best['ms'] * 1e3 if best else float('nan'):.1f} | "
+              f"{tiles} |")
     return 0
 
 
@@ -104,14 +121,16 @@ def tune_shape(B: int, L: int, grid: list, device, sms: int, bw: float, args) ->
     from fp8kv_triton import attention as A
     from fp8kv_triton.capabilities import codec_for
 
-    cache, tables, lens, qsl, q, _ = _workload(B, L, device)
+    cache, tables, lens, qsl, q = _workload(B, L, device, args.granularity)
+    q = q.to(getattr(torch, args.qdtype))
     mode = codec_for("sm90" if torch.cuda.get_device_capability(device) == (9, 0) else None,
                      cache.fmt, interpret=False).decoder
+    mode = mode if args.decode_mode is None else args.decode_mode
     out = torch.empty_like(q)
     max_keys = tables.shape[1] * kb.PAGE
-    base = A.choose_config(device, group=kb.HQ // kb.HKV, head_size=kb.HEAD, num_seqs=B, num_kv_heads=kb.HKV,
-                           max_query_len=1, max_keys=max_keys, interpret=False)
-    base = replace(base, decode=False)
+    shipped = A.choose_config(device, group=kb.HQ // kb.HKV, head_size=kb.HEAD, num_seqs=B, num_kv_heads=kb.HKV,
+                              max_query_len=1, max_keys=max_keys, interpret=False, arch=_arch(device))
+    base = replace(shipped, decode=False, v_regs=False, block_n=128, num_stages=3)  # 0.2.0's decode launch
 
     def run(cfg, o=out):
         A.paged_attention(q, cache, tables, lens, qsl, 1, kb.HEAD ** -0.5, True, None, None, o,
@@ -120,14 +139,18 @@ def tune_shape(B: int, L: int, grid: list, device, sms: int, bw: float, args) ->
     ref = torch.empty_like(q)
     run(base, ref)
     roof_ms = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e3
-    k4 = torch.randn(B, kb.HKV, L, kb.HEAD, device=device, dtype=torch.bfloat16)
+    k4 = torch.randn(B, kb.HKV, L, kb.HEAD, device=device, dtype=q.dtype)
     v4 = torch.randn_like(k4)
     q4 = q.view(B, kb.HQ, 1, kb.HEAD)
     sdpa = kb.time_graph(lambda: kb._sdpa(q4, k4, v4, enable_gqa=True), reps=args.reps)
     rows = [{"B": B, "L": L, "what": "sdpa_bf16", "ms": sdpa},
             {"B": B, "L": L, "what": "general", "config": asdict(base),
              "ms": kb.time_graph(lambda: run(base), reps=args.reps)}]
-    if args.flashinfer:
+    run(shipped)
+    rows.append({"B": B, "L": L, "what": "default", "config": asdict(shipped),
+                 "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
+                 "ms": kb.time_graph(lambda: run(shipped), reps=args.reps)})
+    if args.flashinfer and args.granularity == "tensor" and q.dtype == torch.bfloat16:
         fi = _flashinfer_decode(cache, tables, lens, q)
         if fi is not None:
             fn, fo = fi
@@ -158,18 +181,35 @@ def tune_shape(B: int, L: int, grid: list, device, sms: int, bw: float, args) ->
         if r.get("ms"):
             r["frac_roofline"] = roof_ms / r["ms"]
             r["speedup_vs_sdpa"] = sdpa / r["ms"]
-    best = min((r for r in rows if r["what"] == "decode" and r.get("ms")), key=lambda r: r["ms"])
+    best = min((r for r in rows if r["what"] in ("decode", "default") and r.get("ms")), key=lambda r: r["ms"])
     print(f"B={B} L={L}: roofline {roof_ms * 1e3:.1f} us, SDPA {sdpa * 1e3:.1f} us, general "
-          f"{rows[1]['ms'] * 1e3:.1f} us, best decode {best['ms'] * 1e3:.1f} us "
+          f"{rows[1]['ms'] * 1e3:.1f} us, default {rows[2]['ms'] * 1e3:.1f} us, best {best['ms'] * 1e3:.1f} us "
           f"({best['frac_roofline']:.0%} roofline) with {best['config']}", flush=True)
     return rows
 
 
-def _workload(B: int, L: int, device):
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from bench_triton import _decode_workload
+def _arch(device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
 
-    return _decode_workload(B, L, device)
+
+def _workload(B: int, L: int, device, granularity: str = "tensor"):
+    """An e4m3 cache of ``B`` sequences of ``L`` random tokens (random block tables), bf16 queries."""
+    from fp8kv_bench import kernels as kb
+
+    import fp8kv
+
+    gen = torch.Generator().manual_seed(1)
+    tables, nblocks = kb._paged_tables(B, L, device, gen)
+    scales = {} if granularity == "token_head" else {"k_scale": 0.05, "v_scale": 0.05}
+    cache = fp8kv.KVCache.allocate(nblocks, kb.PAGE, kb.HKV, kb.HEAD, kv_dtype="fp8_e4m3",
+                                   scale_granularity=granularity, device=device, **scales)
+    kb._fill_cache(cache, kb._backend("triton", "write_kv", cache, torch.bfloat16, device), nblocks * kb.PAGE,
+                   device, gen)
+    q = torch.randn(B, kb.HQ, kb.HEAD, generator=gen).to(device=device, dtype=torch.bfloat16)
+    lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    return cache, tables, lens, qsl, q
 
 
 if __name__ == "__main__":

@@ -54,6 +54,9 @@ _ATTN_PTRS = {"Q": "*fp16", "KC": "*u8", "VC": "*u8", "KS": "*fp32", "VS": "*fp3
               "LSE": "*fp32", "sm_scale": "fp32", "soft_cap": "fp32", "stride_kb": "i64", "stride_vb": "i64",
               "stride_ksb": "i64", "stride_vsb": "i64"}
 _TL_PTR = {"float16": "*fp16", "bfloat16": "*bf16", "float32": "*fp32"}
+ALIGNED_INTS = frozenset({"D", "stride_kb", "stride_kt", "stride_kh", "stride_vb", "stride_vt", "stride_vh",
+                          "k_sb", "k_st", "k_sh", "v_sb", "v_st", "v_sh"})
+"""Integer arguments compiled as multiples of 16 (head size and K/V cache strides, as in a typical call)."""
 
 
 @dataclass
@@ -127,9 +130,13 @@ def _attn_variants(target: str, fmt: str, io: str, token: bool, D: int, shape: s
                   PV_F32=io == "float32", PV_SPLIT=cfg.pv_split, DEC_MODE=choice.decoder, F_KIND=a.fp8_kind,
                   F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits, F_FNUZ=a.fnuz,
                   F_HASINF=a.has_inf, F_MAXMAG=a.max_mag, F_BIAS=a.bias)
+    kernel = "_attn_kernel"
+    if cfg.decode:  # one query token per sequence: the decode kernel (fp8kv_triton.decode)
+        kernel = "_decode_kernel"
+        consts["V_REGS"] = cfg.v_regs
     label = (f"attn {shape} {io} {'token_head' if token else 'tensor'} D{D} "
              f"M{cfg.block_m} N{cfg.block_n} dec={choice.decoder_name}")
-    return Variant("_attn_kernel", label, fmt, sig, consts, cfg.num_warps, cfg.num_stages)
+    return Variant(kernel, label, fmt, sig, consts, cfg.num_warps, cfg.num_stages)
 
 
 def _reduce_variant(target: str, D: int, token: bool) -> Variant:
@@ -256,17 +263,22 @@ def compile_variant(target: str, v: Variant) -> Result:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    from . import attention, write
+    from . import attention, decode, write
 
-    fn = {"_attn_kernel": attention._attn_kernel, "_reduce_kernel": attention._reduce_kernel,
-          "_write_kv_kernel": write._write_kv_kernel}[v.kernel]
+    fn = {"_attn_kernel": attention._attn_kernel, "_decode_kernel": decode._decode_kernel,
+          "_reduce_kernel": attention._reduce_kernel, "_write_kv_kernel": write._write_kv_kernel}[v.kernel]
     names = fn.arg_names
     signature = {n: v.signature.get(n, "constexpr" if n in v.constexprs else "i32") for n in names}
     constexprs = {(names.index(k),): val for k, val in v.constexprs.items()}
+    # specialised as the JIT specialises a typical call: 16-byte aligned tensors, and head size and
+    # cache strides that are multiples of 16 (without it the code is not the code that runs:
+    # no vector loads, and e.g. 208 spill bytes in the sm90 decode kernel that has none when launched)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in ALIGNED_INTS}
     res = Result(target, v.kernel, v.label, v.fmt, False, 0.0, v.num_warps, v.num_stages)
     t0 = time.perf_counter()
     try:
-        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
         k = triton.compile(src, target=GPUTarget(*TARGETS[target]),
                            options=dict(num_warps=v.num_warps, num_stages=v.num_stages))
     except Exception as exc:  # noqa: BLE001 - every compile error is a result, reported as such

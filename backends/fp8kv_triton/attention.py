@@ -299,11 +299,14 @@ def _softmax_pv(
     if TOKEN_SCALES:
         vs = tl.load(VS + blk * stride_vsb + tib * stride_vst, mask=kmask, other=0.0)
         w = p * vs[None, :]  # p <= 1: finite
-        r = tl.max(w, axis=1)
-        r_safe = tl.where(r > 0, r, 1.0)
-        w = tl.math.div_rn(w, r_safe[:, None] + tl.zeros_like(w))  # in [0, 1]; 1 / r may overflow
+        # the tile's unit r = 2^e <= max_j w_j (e from the exponent bits, in [-126, 126]): w / r is
+        # exact (a power of two) and in [0, 4), so no per-element division and no overflow
+        r_exp = ((tl.max(w, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        r_exp = tl.minimum(tl.maximum(r_exp, -126), 126)
+        w = w * _pow2(-r_exp)[:, None]
+        r = _pow2(r_exp)
         # acc is kept in units of r_i, the running max of the tiles' r (rescaled by alpha like acc),
-        # so it stays <= l * max|code| whatever v_scale is
+        # so it stays <= 4 l max|code| whatever v_scale is
         r_old = r_i * alpha
         r_new = tl.maximum(r_old, r)
         r_div = tl.where(r_new > 0, r_new, 1.0)
@@ -933,13 +936,13 @@ def choose_config(
     """
     block_d = max(16, triton.next_power_of_2(head_size))
     gpad = max(16, triton.next_power_of_2(group))
-    # tiles from the H100 sweep (benchmarks/bench_triton.py run --sweep): 128 keys, 4 warps,
-    # 3 stages for decode; 64 query rows for prefill; smaller for head sizes above 128
     wide = block_d > 128
     if max_query_len <= 1:
-        block_m = gpad
-    else:
-        block_m = max(gpad, 64)
+        return _decode_config(device, gpad=gpad, wide=wide, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
+                              max_keys=max_keys, interpret=interpret, query_dtype=query_dtype, arch=arch)
+    # prefill tiles from the H100 sweep (benchmarks/bench_triton.py run --sweep): 64 query rows,
+    # 128 keys, 4 warps, 3 stages; smaller for head sizes above 128
+    block_m = max(gpad, 64)
     block_n = 64 if wide or query_dtype == torch.float32 else 128
     num_stages = 2 if wide or query_dtype == torch.float32 else 3
     if interpret:
@@ -959,9 +962,53 @@ def choose_config(
     num_warps = 4 if block_m <= 64 else 8
     if is_amd(arch):
         num_stages = 1
-    decode = max_query_len <= 1
     return AttnConfig(block_m, block_n, num_splits, keys_per_split, num_warps, num_stages=num_stages,
-                      reduce_warps=reduce_warps(arch), decode=decode, v_regs=decode and not is_amd(arch))
+                      reduce_warps=reduce_warps(arch))
+
+
+DECODE_KEYS_PER_SPLIT = 2048
+"""Decode: the key range is cut into pieces of about this many keys (and at least enough pieces
+that every SM holds programs). Measured on the H100 (benchmarks/results/decode_tune_h100.json,
+B=8 L=32768): 16 pieces of 2048 keys ran at 258 us, 9 of 3641 at 302 us, 3 at 313 us."""
+
+DECODE_PROGRAMS_PER_SM = 2
+"""Decode programs one H100 SM holds at once with 128-key tiles, 4 warps and two stages (106 KB
+of shared memory each: Nsight Compute, benchmarks/results/decode_ncu_h100.txt)."""
+
+
+def _decode_config(device: torch.device, *, gpad: int, wide: bool, num_seqs: int, num_kv_heads: int,
+                   max_keys: int, interpret: bool, query_dtype: torch.dtype, arch: str | None) -> AttnConfig:
+    """Launch configuration of the decode kernel (:mod:`fp8kv_triton.decode`).
+
+    Tiles from the H100 tuning (benchmarks/decode_tune.py; GQA 32/8, D=128, e4m3, bf16
+    queries): 128 keys, 4 warps, 2 stages and V decoded in registers (``v_regs``) beat every
+    other combination of 32/64/128/256 keys, 2/4/8 warps and 1-4 stages at all four bench
+    shapes (e.g. B=32 L=4096: 135 us; 3 stages 147-160 us, 8 warps 225 us, 64-key tiles 143 us;
+    without ``v_regs`` 211 us). Head sizes above 128 and float32 queries halve the key tile
+    (registers, shared memory). Splits: enough for ``DECODE_PROGRAMS_PER_SM`` programs on every
+    SM, and pieces of at most :data:`DECODE_KEYS_PER_SPLIT` keys. AMD: the general kernel
+    (``decode=False``: compiled for gfx950 the decode kernel spills VGPRs to scratch), 4 wavefronts,
+    one stage (see :func:`choose_config`), no ``v_regs`` (its barrier is PTX).
+    """
+    block_n = 64 if wide or query_dtype == torch.float32 else 128
+    num_warps, num_stages = 4, 2
+    if is_amd(arch):
+        num_stages = 1
+    if interpret:
+        block_n, num_stages = 32, 1
+    programs = num_seqs * num_kv_heads
+    if interpret or device.type != "cuda":
+        slots = 1
+    else:
+        slots = DECODE_PROGRAMS_PER_SM * _num_sms(device.index if device.index is not None
+                                                  else torch.cuda.current_device())
+    num_splits = max(triton.cdiv(slots, programs), triton.cdiv(max_keys, DECODE_KEYS_PER_SPLIT))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n), 256))
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_keys, keys_per_split)
+    # AMD keeps the general kernel: compiled for gfx950, the decode kernel spills VGPRs to scratch
+    return AttnConfig(gpad, block_n, num_splits, keys_per_split, num_warps, num_stages=num_stages,
+                      reduce_warps=reduce_warps(arch), decode=not is_amd(arch), v_regs=not is_amd(arch))
 
 
 def paged_attention(

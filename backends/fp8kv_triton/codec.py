@@ -33,7 +33,15 @@ import triton.language as tl
 from fp8kv.codec import codec_constants
 from fp8kv.formats import Fp8Format
 
-from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE, integer_decoder
+from .modes import (
+    DEC_E4M3,
+    DEC_E5M2,
+    DEC_GENERIC,
+    DEC_NATIVE,
+    ENC_INTEGER,
+    ENC_NATIVE,
+    integer_decoder,
+)
 
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "CodecArgs",

@@ -1,0 +1,76 @@
+"""Tune the Triton cache write on a CUDA GPU: rows per program and warps, per scale granularity.
+
+Usage::
+
+    python benchmarks/write_tune.py --out benchmarks/results/write_tune_h100.json
+
+Writes 16k tokens x 8 KV heads x 128 (bf16 in) into an e4m3 cache, as CUDA-graph replays, for
+each (granularity, rows per program, warps), and reports GB/s (bytes read + written, scales
+included) against the same-run copy bandwidth. Every configuration's cache bytes (and scales)
+must equal the default configuration's before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+
+def main(argv: list[str] | None = None) -> int:
+    from fp8kv_bench import kernels as kb
+    from fp8kv_triton.capabilities import codec_for
+    from fp8kv_triton.write import write_kv
+
+    import fp8kv
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    device = torch.device("cuda")
+    bw = kb.copy_bandwidth(device)["gbps"]
+    T, H, D = 16384, kb.HKV, kb.HEAD
+    gen = torch.Generator().manual_seed(3)
+    k = torch.randn(T, H, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    v = torch.randn(T, H, D, generator=gen).to(device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(T, generator=gen).to(device)
+    rows = []
+    print(f"{kb.environment(device)['device']}: copy {bw:.0f} GB/s", flush=True)
+    for gran in ("tensor", "token_head"):
+        scales = {} if gran == "token_head" else {"k_scale": 0.05, "v_scale": 0.05}
+        cache = fp8kv.KVCache.allocate(T // kb.PAGE, kb.PAGE, H, D, kv_dtype="fp8_e4m3", scale_granularity=gran,
+                                       device=device, **scales)
+        enc = codec_for("sm90", cache.fmt, interpret=False).encoder
+        write_kv(cache, k, v, slots, encoder=enc)
+        ref = [t.clone() for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)]
+        # as fp8kv_bench.kernels.bench_write: bf16 read, FP8 written, int64 slots, float32 scales
+        nbytes = 2 * k.numel() * (2 + 1) + T * 8 + (2 * T * H * 4 if gran == "token_head" else 0)
+        for block_rows, warps in itertools.product((4, 8, 16, 32), (2, 4, 8)):
+            for t in (cache.key_cache, cache.value_cache):
+                t.view(torch.uint8).zero_()
+
+            def call(block_rows=block_rows, warps=warps, cache=cache, enc=enc):
+                write_kv(cache, k, v, slots, encoder=enc, block_rows=block_rows, num_warps=warps)
+
+            call()
+            now = (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)
+            same = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                       for a, b in zip(now, ref, strict=True))
+            ms = kb.time_graph(call, reps=args.reps) if same else None
+            row = {"granularity": gran, "block_rows": block_rows, "num_warps": warps, "bit_exact": same,
+                   "ms": ms, "gbps": nbytes / (ms * 1e-3) / 1e9 if ms else None}
+            row["frac_copy"] = row["gbps"] / bw if ms else None
+            rows.append(row)
+            got = f"{ms * 1e3:.1f} us, {row['gbps']:.0f} GB/s, {row['frac_copy']:.1%} of copy" if ms else "MISMATCH"
+            print(f"{gran} rows={block_rows} warps={warps}: {got}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"environment": kb.environment(device), "copy_gbps": bw, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
