@@ -118,7 +118,7 @@ def test_plan_splits_only_when_the_gpu_would_idle(monkeypatch):
     dev = torch.device("cuda", 0)
     # B=32 x 8 KV heads = 256 CTAs < 4 x 132: split 4096 keys in pieces of whole tiles
     p = attention.plan(dev, num_tokens=32, num_kv_heads=8, group=4, head_size=128, max_keys=4096)
-    assert (p.d_pad, p.gpad, p.block_n, p.head_chunks) == (128, 4, 64, 1)
+    assert (p.d_pad, p.gpad, p.block_n, p.head_chunks) == (128, 4, 128, 1)
     assert p.num_splits == 3 and p.keys_per_split % p.block_n == 0
     assert p.num_splits * p.keys_per_split >= 4096 > (p.num_splits - 1) * p.keys_per_split
     # one long sequence: many splits (capped), every key covered

@@ -90,11 +90,12 @@ def write_d_pad(head_size: int) -> int:
 
 def attention_tile(head_size: int, group: int) -> tuple[int, int, int]:
     """``(D_PAD, GPAD, BLOCK_N)`` of the attention kernel: head size padded to a power of two
-    >= 16, up to 16 query heads per CTA (more are split into head chunks), 64 keys per tile (32
-    for head sizes above 128: the shared memory stays below the 48 KiB of a static allocation)."""
+    >= 16, up to 16 query heads per CTA (more are split into head chunks), keys per tile as many as
+    the 48 KiB of a static shared allocation allow: 128 for head sizes up to 128 with up to 4 query
+    heads per CTA (more loads in flight per round trip), 64 with more heads, 32 above 128."""
     d_pad = max(16, next_pow2(head_size))
     gpad = min(16, next_pow2(group))
-    block_n = 32 if d_pad > 128 else 64
+    block_n = 32 if d_pad > 128 else (128 if gpad <= 4 else 64)
     return d_pad, gpad, block_n
 
 
