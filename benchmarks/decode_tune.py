@@ -3,6 +3,8 @@
 Usage::
 
     python benchmarks/decode_tune.py --out benchmarks/results/decode_tune_h100.json [--quick] [--flashinfer]
+    python benchmarks/decode_tune.py --grid none --flashinfer --out benchmarks/results/decode_h100.json
+    python benchmarks/decode_tune.py --plot benchmarks/results/decode_h100.json   # -> .png beside it
 
 For each decode shape of :data:`fp8kv_bench.kernels.DECODE_SHAPES` (GQA 32/8, D=128, block 16,
 e4m3 per-tensor cache, bf16 queries) it times, as CUDA-graph replays in one process:
@@ -58,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     from fp8kv_bench import kernels as kb
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", help="JSON to write (required unless --plot)")
+    p.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results JSON (runs anywhere)")
     p.add_argument("--quick", action="store_true", help="a smaller grid")
     p.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 decode")
     p.add_argument("--reps", type=int, default=15)
@@ -69,6 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--granularity", default="tensor", choices=("tensor", "head", "token_head"))
     p.add_argument("--qdtype", default="bfloat16", choices=("bfloat16", "float16"), help="query dtype")
     args = p.parse_args(argv)
+    if args.plot:
+        return plot(args.plot)
+    if not args.out:
+        p.error("--out is required")
 
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -112,6 +119,51 @@ def main(argv: list[str] | None = None) -> int:
               f"{fi * 1e3 if fi else float('nan'):.1f} | {fi / d['ms'] if fi else float('nan'):.2f}x | "
               f"{best['ms'] * 1e3 if best else float('nan'):.1f} | "
               f"{tiles} |")
+    plot(args.out)
+    return 0
+
+
+def plot(path: str) -> int:
+    """A bar chart (PNG beside ``path``) of each shape: SDPA bf16, the 0.2.0 kernel, the shipped decode
+    kernel, FlashInfer's FP8 decode (if measured) and the FP8 roofline, in microseconds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        record = json.load(f)
+    rows = record["rows"]
+    shapes = list(dict.fromkeys((r["B"], r["L"]) for r in rows))
+    series = [("sdpa_bf16", "SDPA bf16 (contiguous K/V)"), ("general", "0.2.0 kernel (general)"),
+              ("default", "fp8kv decode kernel (shipped)"),
+              ("flashinfer_fp8_tc", "FlashInfer 0.6.6 FP8 (tensor cores)")]
+    series = [(k, label) for k, label in series if any(r["what"] == k for r in rows)]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / (len(series) + 1)
+    for j, (what, label) in enumerate(series):
+        ys = [next((r["ms"] * 1e3 for r in rows if (r["B"], r["L"]) == sh and r["what"] == what), 0) for sh in shapes]
+        ax.bar([i + j * width for i in range(len(shapes))], ys, width, label=label)
+    roof = [next(r["ms"] * r["frac_roofline"] * 1e3 for r in rows if (r["B"], r["L"]) == sh and r.get("frac_roofline"))
+            for sh in shapes]
+    ax.bar([i + len(series) * width for i in range(len(shapes))], roof, width, label="FP8 roofline (bytes / copy BW)")
+    for i, sh in enumerate(shapes):
+        d = next((r for r in rows if (r["B"], r["L"]) == sh and r["what"] == "default"), None)
+        if d:
+            j = [k for k, _ in series].index("default")
+            ax.text(i + j * width, d["ms"] * 1e3, f"{d['speedup_vs_sdpa']:.2f}x\n{d['frac_roofline']:.0%}",
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_xticks([i + len(series) * width / 2 for i in range(len(shapes))], [f"B={b} L={n}" for b, n in shapes])
+    ax.set_ylabel("microseconds")
+    env = record["environment"]
+    ax.set_title(f"decode, Hq=32 Hkv=8 D=128, block 16, e4m3 {record.get('granularity', 'tensor')} scales, "
+                 f"{record.get('query_dtype', 'bfloat16')} queries\n{env['device']}, torch {env['torch']}, "
+                 f"Triton {env.get('triton')}, {env['date'][:10]} (label: x vs SDPA, % of roofline)", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
     return 0
 
 

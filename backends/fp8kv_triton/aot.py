@@ -158,7 +158,7 @@ def _write_variant(target: str, fmt: str, src: str, token: bool, D: int) -> Vari
 
     a = codec_args(ALL[fmt])
     choice = codec_for(target_arch(target), ALL[fmt], interpret=False)
-    block_d, block_rows, warps = write_launch(D, target_arch(target))
+    block_d, block_rows, warps = write_launch(D, target_arch(target), token)
     src_kind = {"float32": 0, "float16": 1, "bfloat16": 2}[src]
     sig = {n: "*u8" for n in ("kc_ptr", "vc_ptr")} | {n: "*fp32" for n in ("ks_ptr", "vs_ptr")} | {
         "key_ptr": "*fp32" if src_kind == 0 else "*i16", "value_ptr": "*fp32" if src_kind == 0 else "*i16",
