@@ -1,4 +1,9 @@
-"""Paged attention over the FP8 cache: one kernel for decode and chunked prefill, split-KV.
+"""Paged attention over the FP8 cache: the general kernel (chunked prefill, and decode on AMD), split-KV.
+
+Steps with one query token per sequence run the decode kernel on NVIDIA
+(:mod:`fp8kv_triton.decode`, chosen by :func:`choose_config`, launched by :func:`paged_attention`
+with the same arguments); it reuses this module's building blocks (:func:`_logits`,
+:func:`_softmax_pv`, the scale and saturation helpers) and the split-KV merge ``_reduce_kernel``.
 
 Kernel structure (``_attn_kernel``), grid ``(num_seqs * q_blocks, H, num_splits)``:
 
@@ -983,7 +988,7 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, num_seqs: int
     Tiles from the H100 tuning (benchmarks/decode_tune.py; GQA 32/8, D=128, e4m3, bf16
     queries): 128 keys, 4 warps, 2 stages and V decoded in registers (``v_regs``) beat every
     other combination of 32/64/128/256 keys, 2/4/8 warps and 1-4 stages at all four bench
-    shapes (e.g. B=32 L=4096: 135 us; 3 stages 147-160 us, 8 warps 225 us, 64-key tiles 143 us;
+    shapes (e.g. B=32 L=4096: 135 us; 3 stages 173-195 us, 8 warps 225 us, 64-key tiles 143 us;
     without ``v_regs`` 211 us). Head sizes above 128 and float32 queries halve the key tile
     (registers, shared memory). Splits: enough for ``DECODE_PROGRAMS_PER_SM`` programs on every
     SM, and pieces of at most :data:`DECODE_KEYS_PER_SPLIT` keys. AMD: the general kernel
