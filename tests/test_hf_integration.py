@@ -561,3 +561,23 @@ def test_batch_surgery_errors_are_named():
     empty = FP8PagedCache.from_model(model)
     empty.batch_repeat_interleave(3)  # before the first forward: nothing to do, as DynamicCache
     assert empty.seq_lens == []
+
+
+def test_block_tables_on_the_device_follow_the_rows():
+    """The pool keeps its block tables as a tensor between steps and adds only new entries; after
+    steps that cross blocks, growth, a rearrange and a crop it still equals the rows' tables."""
+    from fp8kv.integrations._paging import BlockPool
+
+    pool = BlockPool(block_size=2)
+    valid = torch.tensor([[True, True, True], [False, True, True]])
+    pool.step(valid, 2, 3, torch.device("cpu"), new=True)
+    for n in range(7):
+        plan = pool.step(None, 2, 1, torch.device("cpu"), new=True)
+        width = max(len(t) for t in pool.tables)
+        want = torch.tensor([t + [0] * (width - len(t)) for t in pool.tables], dtype=torch.int32)
+        assert torch.equal(plan.block_tables, want), n
+        if n == 3:
+            pool.rearrange([1, 1])
+        if n == 5:
+            pool.crop(2)
+    assert pool.seq_lens == [pool.seq_lens[0]] * 2

@@ -18,9 +18,9 @@ from fp8kv.scales import token_head_scale
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize ``key``/``value`` ``[n, H, D]`` into ``slot_mapping`` ``[n]``; slots < 0 or >= the
     cache's slots are skipped (never written)."""
-    valid = (slot_mapping >= 0) & (slot_mapping < cache.num_slots)
-    slots = slot_mapping[valid].to(torch.long)
-    x = torch.stack((key[valid], value[valid]))  # [2, n, H, D]
+    rows = ((slot_mapping >= 0) & (slot_mapping < cache.num_slots)).nonzero().view(-1)
+    slots = slot_mapping.index_select(0, rows).to(torch.long)
+    x = torch.stack((key, value)).index_select(1, rows)  # [2, n, H, D]
     block, offset = slots // cache.block_size, slots % cache.block_size
     if cache.scale_granularity == "token_head":
         scale = token_head_scale(x, cache.fmt)  # [2, n, H]

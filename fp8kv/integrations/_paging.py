@@ -77,6 +77,8 @@ class BlockPool:
         self.free: list[int] = []  # blocks below next_free that no row holds (after a rearrange)
         self.steps = 0
         self.plan: StepPlan | None = None
+        self._device_tables: torch.Tensor | None = None  # [B, capacity] int32 block ids, see _tables_on
+        self._device_known: list[int] = []  # entries of each row already in _device_tables
         if not hasattr(self, "capacity"):
             self.capacity = 0
             self.growths = 0
@@ -140,6 +142,7 @@ class BlockPool:
             tables.append(new)
         self.seq_lens = [self.seq_lens[j] for j in index]
         self.tables = tables
+        self._device_tables = None  # rows moved: rebuild
         self.batch_size = len(index)
         self.plan = None
         return src, dst
@@ -209,20 +212,44 @@ class BlockPool:
         self.plan = self._make_plan(valid, old, counts, batch_size, q_len, device)
         return self.plan
 
+    def _tables_on(self, device: torch.device) -> torch.Tensor:
+        """``[B, width]`` int32 block tables on ``device`` (width: the longest row, at least 1).
+
+        Kept on the device between steps and updated with only the entries added since (a row's
+        table only grows, except in :meth:`rearrange`, which drops the copy), so a decode step
+        at a long context does not rebuild and copy every row's table from Python lists."""
+        width = max((len(t) for t in self.tables), default=0) or 1
+        dev = self._device_tables
+        if dev is None or dev.device != device or dev.shape[0] != len(self.tables) or dev.shape[1] < width:
+            cap = max(width, 2 * dev.shape[1] if dev is not None and dev.shape[0] == len(self.tables) else width)
+            full = torch.zeros((len(self.tables), cap), dtype=torch.int32)
+            for i, t in enumerate(self.tables):
+                full[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            self._device_tables, self._device_known = full.to(device), [len(t) for t in self.tables]
+        else:
+            rows, cols, vals = [], [], []
+            for i, t in enumerate(self.tables):
+                k = self._device_known[i]
+                if len(t) > k:
+                    rows += [i] * (len(t) - k)
+                    cols += range(k, len(t))
+                    vals += t[k:]
+                    self._device_known[i] = len(t)
+            if rows:
+                self._device_tables[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = \
+                    torch.tensor(vals, dtype=torch.int32, device=device)
+        return self._device_tables[:, :width].contiguous()
+
     def _make_plan(self, valid, old: torch.Tensor, counts: list[int], batch_size: int, q_len: int,
                    device: torch.device) -> StepPlan:
-        width = max((len(t) for t in self.tables), default=0) or 1
-        tables = torch.zeros((batch_size, width), dtype=torch.int64)
-        for i, t in enumerate(self.tables):
-            tables[i, : len(t)] = torch.tensor(t, dtype=torch.int64)
-        tables = tables.to(device)
+        tables = self._tables_on(device)
         if valid is None:
             rank = torch.arange(q_len, device=device).expand(batch_size, q_len)
         else:
             valid = valid.to(device=device, dtype=torch.bool)
             rank = valid.to(torch.int64).cumsum(dim=1) - 1
         pos = old[:, None] + rank  # [B, q]
-        block = tables.gather(1, (pos // self.block_size).clamp_min(0))
+        block = tables.gather(1, (pos // self.block_size).clamp_min(0)).to(torch.int64)
         slots = block * self.block_size + pos % self.block_size
         token_index = None
         if valid is not None and sum(counts) != batch_size * q_len:
@@ -236,6 +263,6 @@ class BlockPool:
         return StepPlan(
             batch_size=batch_size, q_len=q_len, slot_mapping=slots.reshape(-1), token_index=token_index,
             query_start_loc=qsl, seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            block_tables=tables.to(torch.int32), max_query_len=max(counts, default=0),
+            block_tables=tables, max_query_len=max(counts, default=0),
             num_tokens=sum(counts),
         )
