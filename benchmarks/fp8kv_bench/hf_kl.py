@@ -324,9 +324,11 @@ def greedy_rows(model, tokenizer, prompts: list[str], max_new_tokens: int, maker
                 log=print) -> list[dict]:
     """Greedy agreement of every maker with the first (unquantized): identical continuations and
     the mean length of the common prefix. Include ``bf16-kv`` to see the noise floor."""
-    conts = [greedy_batch(model, tokenizer, prompts, max_new_tokens, m) for m in makers]
-    rows = []
-    for m, c in zip(makers, conts, strict=True):
+    rows, conts = [], []
+    for m in makers:
+        t0 = time.perf_counter()
+        c = greedy_batch(model, tokenizer, prompts, max_new_tokens, m)
+        conts.append(c)
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
                   for a, b in zip(c, conts[0], strict=True)]
         row = {"cache": m.name, "prompts": len(prompts), "new_tokens": max_new_tokens,
@@ -334,5 +336,5 @@ def greedy_rows(model, tokenizer, prompts: list[str], max_new_tokens: int, maker
                "mean_matching_prefix": sum(prefix) / len(prefix), "continuations": c}
         rows.append(row)
         log(f"  greedy {m.name:28s} identical {row['identical']}/{len(prompts)}, mean matching prefix "
-            f"{row['mean_matching_prefix']:.1f}/{max_new_tokens}")
+            f"{row['mean_matching_prefix']:.1f}/{max_new_tokens} [{time.perf_counter() - t0:.0f}s]")
     return rows
