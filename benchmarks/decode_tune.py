@@ -34,28 +34,6 @@ from dataclasses import asdict, replace
 import torch
 
 
-def _flashinfer_decode(cache, tables, lens, q):
-    """A zero-argument callable running FlashInfer's FP8 decode on ``cache`` (None if unavailable)."""
-    try:
-        import flashinfer
-    except ImportError:
-        return None
-    B, L = tables.shape[0], int(lens[0])
-    page = cache.block_size
-    nblk = tables.shape[1]
-    indptr = torch.arange(0, B + 1, dtype=torch.int32, device=q.device) * nblk
-    indices = tables.reshape(-1).contiguous()
-    last = torch.full((B,), L - (nblk - 1) * page, dtype=torch.int32, device=q.device)
-    ws = torch.zeros(128 << 20, dtype=torch.uint8, device=q.device)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
-    w.plan(indptr, indices, last, q.shape[1], cache.num_kv_heads, cache.head_size, page,
-           q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
-    kc, vc = cache.key_cache, cache.value_cache
-    ks, vs = float(cache.k_scale), float(cache.v_scale)
-    out = torch.empty_like(q)
-    return lambda: w.run(q, (kc, vc), k_scale=ks, v_scale=vs, out=out), out
-
-
 def main(argv: list[str] | None = None) -> int:
     from fp8kv_bench import kernels as kb
 
@@ -203,7 +181,7 @@ def tune_shape(B: int, L: int, grid: list, device, sms: int, bw: float, args) ->
                  "max_abs_diff": (out.float() - ref.float()).abs().max().item(),
                  "ms": kb.time_graph(lambda: run(shipped), reps=args.reps)})
     if args.flashinfer and args.granularity == "tensor" and q.dtype == torch.bfloat16:
-        fi = _flashinfer_decode(cache, tables, lens, q)
+        fi = kb.flashinfer_decode(cache, tables, L, q)
         if fi is not None:
             fn, fo = fi
             fn()

@@ -9,8 +9,9 @@ written) and then, for the chosen backend:
   (bytes read + written) and as a fraction of the copy bandwidth;
 * **decode**: (B, L) in (32, 4096), (8, 32768), (64, 2048), (1, 131072) with Hq=32, H=8,
   D=128, block size 16, against ``torch.nn.functional.scaled_dot_product_attention`` on
-  contiguous bf16 K/V (``enable_gqa=True``) and against the FP8 roofline
-  (KV bytes / copy bandwidth);
+  contiguous bf16 K/V (``enable_gqa=True``), against the FP8 roofline (KV bytes / copy
+  bandwidth) and, when ``flashinfer`` is importable, against FlashInfer's FP8 decode on the same
+  cache bytes (:func:`flashinfer_decode`; outputs compared before timing);
 * **prefill**: 4 sequences x 2048 new tokens over 2048 cached, against SDPA causal bf16
   (bottom-right aligned, as chunked prefill is).
 
@@ -185,6 +186,37 @@ def _sdpa(q, k, v, **kw):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
 
 
+def flashinfer_decode(cache, block_tables: torch.Tensor, seq_len: int, query: torch.Tensor):
+    """FlashInfer's FP8 paged decode (tensor-core path) over ``cache``'s own bytes, or None.
+
+    ``cache``: an NHD e4m3 per-tensor :class:`fp8kv.KVCache` (FlashInfer's NHD paged layout
+    ``[pages, page_size, H, D]`` is the same memory); ``block_tables [B, pages]`` with every
+    sequence ``seq_len`` tokens long; ``query [B, Hq, D]`` bfloat16. Returns ``(run, out)``:
+    ``run()`` writes FlashInfer's output into ``out``, planned once here (None when FlashInfer
+    is not importable, the cache is not NHD e4m3 per-tensor, or its plan refuses the shape).
+    """
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    if cache.layout != "NHD" or cache.kv_dtype != "fp8_e4m3" or cache.scale_granularity != "tensor":
+        return None
+    B, pages = block_tables.shape
+    page = cache.block_size
+    dev = query.device
+    indptr = torch.arange(0, B + 1, dtype=torch.int32, device=dev) * pages
+    indices = block_tables.reshape(-1).to(torch.int32).contiguous()
+    last = torch.full((B,), seq_len - (pages - 1) * page, dtype=torch.int32, device=dev)
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=dev)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+    wrapper.plan(indptr, indices, last, query.shape[1], cache.num_kv_heads, cache.head_size, page,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    kc, vc = cache.key_cache, cache.value_cache
+    ks, vs = float(cache.k_scale), float(cache.v_scale)
+    out = torch.empty_like(query)
+    return (lambda: wrapper.run(query, (kc, vc), k_scale=ks, v_scale=vs, out=out)), out
+
+
 def bench_decode(name: str, kv_dtype: str, device, bw: float, reps: int, B: int, L: int) -> dict:
     import fp8kv
 
@@ -215,11 +247,21 @@ def bench_decode(name: str, kv_dtype: str, device, bw: float, reps: int, B: int,
     ms_sdpa = time_graph(lambda: _sdpa(q4, k, v, enable_gqa=True), reps=reps)
     kv_bytes = 2 * B * L * HKV * HEAD
     roof_ms = kv_bytes / (bw * 1e9) * 1e3
-    return {"part": "decode", "backend": backend.name, "B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": HEAD,
-            "block_size": PAGE, "kernel_ms": ms, "api_ms": ms_api, "sdpa_bf16_ms": ms_sdpa,
-            "speedup_vs_sdpa": ms_sdpa / ms, "api_speedup_vs_sdpa": ms_sdpa / ms_api,
-            "fp8_roofline_ms": roof_ms, "frac_roofline": roof_ms / ms,
-            "sdpa_frac_bf16_roofline": 2 * roof_ms / ms_sdpa, "kv_bytes": kv_bytes}
+    row = {"part": "decode", "backend": backend.name, "B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": HEAD,
+           "block_size": PAGE, "kernel_ms": ms, "api_ms": ms_api, "sdpa_bf16_ms": ms_sdpa,
+           "speedup_vs_sdpa": ms_sdpa / ms, "api_speedup_vs_sdpa": ms_sdpa / ms_api,
+           "fp8_roofline_ms": roof_ms, "frac_roofline": roof_ms / ms,
+           "sdpa_frac_bf16_roofline": 2 * roof_ms / ms_sdpa, "kv_bytes": kv_bytes}
+    peer = flashinfer_decode(cache, tables, L, query)
+    if peer is not None:  # the same cache bytes; outputs compared before timing
+        run, peer_out = peer
+        kernel()
+        run()
+        torch.cuda.synchronize()
+        row["flashinfer_max_abs_diff"] = (peer_out.float() - out.float()).abs().max().item()
+        row["flashinfer_fp8_ms"] = time_graph(run, reps=reps)
+        row["speedup_vs_flashinfer"] = row["flashinfer_fp8_ms"] / ms
+    return row
 
 
 def causal_sdpa_bf16(q, k, v, gqa: bool = True):
@@ -314,7 +356,9 @@ def format_table(results: list[dict]) -> str:
             lines.append(f"decode B={r['B']:<3} L={r['L']:<6}: kernel {r['kernel_ms'] * 1e3:7.1f} us "
                          f"api {r['api_ms'] * 1e3:7.1f} us  sdpa bf16 {r['sdpa_bf16_ms'] * 1e3:7.1f} us  "
                          f"{r['speedup_vs_sdpa']:4.2f}x vs bf16, "
-                         f"{100 * r['frac_roofline']:5.1f}% of fp8 roofline")
+                         f"{100 * r['frac_roofline']:5.1f}% of fp8 roofline"
+                         + (f", FlashInfer fp8 {r['flashinfer_fp8_ms'] * 1e3:7.1f} us "
+                            f"({r['speedup_vs_flashinfer']:4.2f}x)" if "flashinfer_fp8_ms" in r else ""))
         elif r["part"] == "prefill":
             lines.append(f"prefill {r['seqs']}x{r['new']} over {r['cached']}: "
                          f"kernel {r['kernel_ms']:6.3f} ms api {r['api_ms']:6.3f} ms  "
