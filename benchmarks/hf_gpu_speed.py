@@ -268,7 +268,8 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     torch.manual_seed(0)
     t_all = time.perf_counter()
-    model = LlamaForCausalLM(llama_1b_config(args.smoke)).to(device=dev, dtype=dtype).eval()
+    with torch.device(dev):  # initialise on the device: 1.2B random weights on a CPU take long
+        model = LlamaForCausalLM._from_config(llama_1b_config(args.smoke), dtype=dtype).eval()
     env = environment(dev, backend, args.smoke)
     env.update(model="Llama-3.2-1B shape, random weights" if not args.smoke else "tiny Llama (smoke)",
                dtype=str(dtype).removeprefix("torch."), fp8kv_cache="fp8_e4m3 token_head, block 16",
