@@ -169,7 +169,12 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--out", default=os.path.join(HERE, "results", "hf_candidates_cpu.json"))
+    p.add_argument("--replot", action="store_true", help="only redraw the PNG from the JSON at --out")
     args = p.parse_args(argv)
+    if args.replot:
+        saved = json.load(open(args.out))
+        plot(saved["candidates"], os.path.splitext(args.out)[0] + ".png", saved["environment"])
+        return 0
     import transformers
 
     import fp8kv
@@ -251,6 +256,14 @@ def main(argv=None) -> int:
     return 0
 
 
+def _color(row: dict) -> str:
+    """Diagnostics (only K or only V quantized, detuned scales) in light blue, candidates passing
+    the -20% bar in green, the others gray."""
+    if " only" in row["cache"] or "diagnostic" in row["cache"]:
+        return "lightsteelblue"
+    return "tab:green" if row["kl_change_pct"] <= -20 else "tab:gray"
+
+
 def plot(results: list[dict], path: str, env: dict) -> None:
     import matplotlib
 
@@ -261,13 +274,14 @@ def plot(results: list[dict], path: str, env: dict) -> None:
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
     ys = range(len(rows))
     ax.barh(ys, [r["kl_change_pct"] for r in rows], xerr=[r["kl_change_se_pct"] for r in rows], capsize=2,
-            color=["tab:green" if r["kl_change_pct"] <= -20 else "tab:gray" for r in rows])
+            color=[_color(r) for r in rows])
     ax.set_yticks(list(ys))
     ax.set_yticklabels([r["cache"] for r in rows], fontsize=7)
     ax.axvline(-20, color="tab:red", ls="--", lw=0.8, label="-20%: the bar to ship")
     ax.axvline(0, color="k", lw=0.6)
     ax.invert_yaxis()
-    ax.set_xlabel("KL change vs the candidate's baseline (%, paired SE)")
+    ax.set_xlabel("KL change vs the candidate's baseline (%, paired SE); light blue: diagnostics "
+                  "('K only' = only K quantized)", fontsize=8)
     ax.set_title(f"FP8 KV candidates, SmolLM2-135M, pooled KL (torch {env['torch']}, "
                  f"transformers {env['transformers']})", fontsize=9)
     ax.legend(fontsize=7)
