@@ -17,7 +17,7 @@ Plugins are contained; a plugin never takes the others down:
   skipped (so a plugin that raises it at import cannot break every later call), an
   interrupted built-in one is retried, and the next call goes on with the entry points
   not loaded yet.
-* **Names.** :data:`RESERVED_NAMES` (``reference``, ``triton``) belong to fp8kv's own
+* **Names.** :data:`RESERVED_NAMES` (``reference``, ``triton``, ``cuda``, ``torch``) belong to fp8kv's own
   distribution: any other distribution (or a :func:`register_backend` call) claiming one
   is refused with :class:`ReservedNameError` and recorded as a fault; the built-in keeps
   working. Two third-party backends with one name: the first registered (entry points
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "fp8kv.backends"
 BUILTIN_DISTRIBUTION = "fp8kv"
 """The distribution whose entry points are the built-in backends."""
-RESERVED_NAMES = frozenset({"reference", "triton"})
+RESERVED_NAMES = frozenset({"reference", "triton", "cuda", "torch"})
 """Backend names only fp8kv's own distribution may register (its in-tree entry points,
 ``pyproject.toml``): a plugin claiming one is refused, never a duplicate of the built-in."""
 
