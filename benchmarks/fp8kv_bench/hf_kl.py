@@ -142,6 +142,17 @@ def fake_fp8_transform(kv_dtype: str) -> Transform:
 # ------------------------------------------------------------------------------------ cache makers
 
 
+def default_backend(device) -> str:
+    """The fp8kv backend the harness uses by default: on the CPU the batched ``torch`` backend when
+    installed (the reference's semantics, much faster on batches), else the reference; elsewhere
+    ``auto``."""
+    from fp8kv.registry import available_backends
+
+    if torch.device(device).type != "cpu":
+        return "auto"
+    return "torch" if "torch" in available_backends() else "reference"
+
+
 @dataclass
 class Maker:
     """A named maker of fresh caches; sets the model's attention implementation for them."""

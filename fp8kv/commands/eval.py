@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32 on CPU, bfloat16 elsewhere)")
     p.add_argument("--backend", default=None,
-                   help="fp8kv backend (default: reference on CPU, auto elsewhere)")
+                   help="fp8kv backend (default: torch on CPU, else the reference; auto elsewhere)")
     p.add_argument("--margin", type=positive_float, default=1.0,
                    help="head-room of calibrated static scales (default 1)")
     p.add_argument("--json", default=None, type=output_path, help="also write the results as JSON to this path")
@@ -61,7 +61,8 @@ def _table(rows: list[dict]) -> str:
             ref = f"(the reference: ppl {r['ppl']:.3f})"
             lines.append(f"{r['cache']:24s} {r['prompt_len']:6d} {ref:>52s}")
             continue
-        lines.append(f"{r['cache']:24s} {r['prompt_len']:6d} {r['kl']:11.5f} +- {r['kl_se']:.5f} "
+        kl = f"{r['kl']:.5f} +- {r['kl_se']:.5f}" if r["kl"] >= 1e-3 else f"{r['kl']:.1e} +- {r['kl_se']:.0e}"
+        lines.append(f"{r['cache']:24s} {r['prompt_len']:6d} {kl:>20s} "
                      f"{100 * r['top1']:7.2f} +- {100 * r['top1_se']:.2f} "
                      f"{r['ppl_change_pct']:+8.3f} +- {r['ppl_change_se_pct']:.3f}")
     return "\n".join(lines)
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--caches: got a repeated cache in {args.caches}, expected each once")
     dtype = getattr(torch, args.dtype) if args.dtype else (
         torch.float32 if torch.device(args.device).type == "cpu" else torch.bfloat16)
-    backend = args.backend or hf_eval.default_backend(args.device)
+    backend = args.backend or hf_kl.default_backend(args.device)
     print(f"loading SmolLM2-135M-Instruct ({args.device}, {dtype}); fp8kv backend: {backend}", flush=True)
     try:
         model, tok = hf_eval.load_smollm2(args.device, dtype)
