@@ -138,7 +138,7 @@ def test_probe_command_with_only_the_reference_explains_the_small_table(isolated
     assert "reference  write_kv         ✓         ✓         ✓             ✓" in out
     assert "paged_attention  reference (slow)  reference (slow)" in out
     assert "Only slow backends are installed (reference)" in out
-    assert "On the CPU the reference is the expected backend" in out
+    assert "On the CPU a slow backend is the expected one" in out
     assert "faults" not in out
 
 

@@ -182,7 +182,8 @@ def explain(report: dict) -> list[str]:
         lines.append("On this GPU, 'auto' landing on a slow backend warns once per request "
                      "(FP8KV_STRICT=1 makes it an error).")
     elif slow_picks:
-        lines.append("On the CPU the reference is the expected backend: 'auto' uses it without a warning.")
+        lines.append("On the CPU a slow backend is the expected one (torch, else the reference): 'auto' uses it "
+                     "without a warning.")
     if any(a["backend"] is None for a in report["auto"]):
         lines.append("'none': no installed backend can serve that request; calls raise fp8kv.Fp8KVError "
                      "with every backend's reason.")
