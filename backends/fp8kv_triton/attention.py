@@ -244,6 +244,56 @@ def _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D: tl.constexpr):
 
 
 @triton.jit
+def _load_query(Q, q_off, qmask, Q_BITS: tl.constexpr, QK_DT: tl.constexpr):
+    """The query rows ``[M, BLOCK_D]`` at ``Q + q_off`` in the product dtype ``QK_DT``, and the
+    power-of-two exponent ``q_shift`` they were scaled down by (0 for float16 queries).
+
+    float32/bfloat16 queries are scaled by ``2^-q_shift`` so that ``|q| <= 2^101`` and ``q . c``
+    cannot overflow (``|c| < 2^16``, ``D <= 512``); the exponent goes back into the logit factor.
+    ``Q_BITS``: bfloat16 passed as int16 bits and widened exactly (the interpreter: see the launcher).
+    """
+    if Q_BITS:
+        q = (tl.load(Q + q_off, mask=qmask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        q = tl.load(Q + q_off, mask=qmask, other=0.0)
+    if QK_DT != tl.float16:
+        qf = q.to(tl.float32)
+        q_amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
+        q_shift = tl.maximum(((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 227, 0)
+        q = (qf * _pow2(-q_shift)).to(QK_DT)
+    else:
+        q_shift = 0
+        q = q.to(QK_DT)
+    return q, q_shift
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok, HQ, qh, D, d, qmask, row_valid,
+            pr_off, SPLIT: tl.constexpr, TOKEN_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr):
+    """Store a program's result: split-KV partials ``(acc, m, l[, r])`` for ``_reduce_kernel``, or
+    the normalised output (saturated to its dtype, never inf) and, with ``WRITE_LSE``, the lse.
+    ``VS`` points at the kv_head's ``v_scale`` (static scales multiply the normalised output)."""
+    if SPLIT:
+        part = (split * T + tok) * HQ + qh
+        tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=qmask)
+        tl.store(PM + part, m_i, mask=row_valid)
+        tl.store(PL + part, l_i, mask=row_valid)
+        if TOKEN_SCALES:
+            tl.store(PL + pr_off + part, r_i, mask=row_valid)
+    else:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows without a visible key
+        o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
+        if TOKEN_SCALES:
+            o = o * r_i[:, None]
+        else:
+            o = o * tl.load(VS)
+        o = _saturate_out(o, OUT.dtype.element_ty)
+        tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=qmask)
+        if WRITE_LSE:
+            tl.store(LSE + tok * HQ + qh, _lse(m_i, l_i), mask=row_valid)
+
+
+@triton.jit
 def _logits(
     q, kc, kmask, blk, tib, KS, f1, f2, g_mant, g_exp, soft_cap, stride_ksb, stride_kst,
     USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr, QK_DT: tl.constexpr, DEC_MODE: tl.constexpr,
@@ -622,21 +672,8 @@ def _attn_kernel(
     else:
         dmask = d < D
     q_off = (tok * HQ + qh)[:, None] * D + d[None, :]
-    if Q_BITS:  # bfloat16 as int16 bits, widened exactly (interpreter: see the launcher)
-        q_raw = tl.load(Q + q_off, mask=row_valid[:, None] & dmask[None, :], other=0)
-        q = (q_raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        q = tl.load(Q + q_off, mask=row_valid[:, None] & dmask[None, :], other=0.0)
-    if QK_DT != tl.float16:
-        # float32/bfloat16 queries: an exact power-of-two scale so that |q| <= 2^101 and q . c
-        # cannot overflow (|c| < 2^16, D <= 512); the exponent goes back into the logit factor
-        qf = q.to(tl.float32)
-        q_amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-        q_shift = tl.maximum(((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 227, 0)
-        q = (qf * _pow2(-q_shift)).to(QK_DT)
-    else:
-        q_shift = 0
-        q = q.to(QK_DT)
+    qmask = row_valid[:, None] & dmask[None, :]
+    q, q_shift = _load_query(Q, q_off, qmask, Q_BITS, QK_DT)
 
     # ---- the keys this program visits
     first_pos = seq_len - q_len + qb * block_q
@@ -798,24 +835,8 @@ def _attn_kernel(
             F_BIAS,
         )
 
-    if SPLIT:
-        part = (split * T + tok) * HQ + qh
-        tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=row_valid[:, None] & dmask[None, :])
-        tl.store(PM + part, m_i, mask=row_valid)
-        tl.store(PL + part, l_i, mask=row_valid)
-        if TOKEN_SCALES:
-            tl.store(PL + pr_off + part, r_i, mask=row_valid)
-    else:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows without a visible key
-        o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
-        if TOKEN_SCALES:
-            o = o * r_i[:, None]
-        else:
-            o = o * tl.load(VS)
-        o = _saturate_out(o, OUT.dtype.element_ty)  # a value beyond the output dtype saturates (never inf)
-        tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=row_valid[:, None] & dmask[None, :])
-        if WRITE_LSE:
-            tl.store(LSE + tok * HQ + qh, _lse(m_i, l_i), mask=row_valid)
+    _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok, HQ, qh, D, d, qmask, row_valid,
+            pr_off, SPLIT, TOKEN_SCALES, WRITE_LSE)
 
 
 @triton.jit(do_not_specialize=["T", "HQ", "group", "num_splits", "pr_off"])
@@ -1186,26 +1207,51 @@ def paged_attention(
         **extra,
     )
     if split:
-        _reduce_kernel[(T, HQ)](
-            pacc,
-            pm,
-            pl,
-            cache.v_scale,
-            out_arg,
-            lse_arg,
-            T,
-            HQ,
-            D,
-            group,
-            config.num_splits,
-            vs_strides[2],
-            pr_off,
-            BLOCK_S=max(2, triton.next_power_of_2(config.num_splits)),
-            BLOCK_D=block_d,
-            TOKEN_SCALES=token_scales,
-            WRITE_LSE=lse is not None,
-            num_warps=config.reduce_warps,
-        )
+        merge_splits(pacc, pm, pl, cache, out_arg, lse, group=group, num_splits=config.num_splits,
+                     token_scales=token_scales, reduce_warps=config.reduce_warps)
     if out_arg is not out:
         hi = torch.finfo(out.dtype).max
         out.copy_(out_arg.clamp_(-hi, hi))
+
+
+def merge_splits(
+    pacc: torch.Tensor,
+    pm: torch.Tensor,
+    pl: torch.Tensor,
+    cache: KVCache,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    *,
+    group: int,
+    num_splits: int,
+    token_scales: bool = False,
+    reduce_warps: int = 4,
+) -> None:
+    """Merge split-KV partials into ``out [T, Hq, D]`` (and ``lse [T, Hq]``), times ``v_scale``.
+
+    ``pacc [num_splits, T, Hq, D]`` holds each split's unnormalised sum, ``pm``/``pl``
+    ``[num_splits, T, Hq]`` its base-2 row max and sum of ``2^(s - m)`` (float32, contiguous);
+    per-token-head scales: ``pl`` is ``[2 * num_splits, T, Hq]``, its second half each row's value
+    unit ``r``. Static ``v_scale`` (the cache's, by KV head) multiplies the merged output.
+    """
+    _, T, HQ, D = pacc.shape
+    _reduce_kernel[(T, HQ)](
+        pacc,
+        pm,
+        pl,
+        cache.v_scale,
+        out,
+        out if lse is None else lse,
+        T,
+        HQ,
+        D,
+        group,
+        num_splits,
+        scale_strides(cache, "value")[2],
+        num_splits * T * HQ,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+        BLOCK_D=max(16, triton.next_power_of_2(D)),
+        TOKEN_SCALES=token_scales,
+        WRITE_LSE=lse is not None,
+        num_warps=reduce_warps,
+    )

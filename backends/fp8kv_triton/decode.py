@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention import _load_codes, _logits, _lse, _pow2, _saturate_out, _scale_factors, _softmax_pv
+from .attention import _finish, _load_codes, _load_query, _logits, _scale_factors, _softmax_pv
 
 
 @triton.jit
@@ -118,19 +118,7 @@ def _decode_kernel(
         dmask = d < D
     q_off = (tok * HQ + qh)[:, None] * D + d[None, :]
     qmask = row_valid[:, None] & dmask[None, :]
-    if Q_BITS:  # bfloat16 as int16 bits, widened exactly (interpreter: see the launcher)
-        q = ((tl.load(Q + q_off, mask=qmask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True))
-    else:
-        q = tl.load(Q + q_off, mask=qmask, other=0.0)
-    if QK_DT != tl.float16:
-        # an exact power-of-two scale so that |q| <= 2^101 (see _attn_kernel)
-        qf = q.to(tl.float32)
-        q_amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-        q_shift = tl.maximum(((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 227, 0)
-        q = (qf * _pow2(-q_shift)).to(QK_DT)
-    else:
-        q_shift = 0
-        q = q.to(QK_DT)
+    q, q_shift = _load_query(Q, q_off, qmask, Q_BITS, QK_DT)
 
     kvh64 = kvh.to(tl.int64)
     KC = KC + kvh64 * stride_kh
@@ -166,21 +154,5 @@ def _decode_kernel(
             BLOCK_N, EVEN_D, PAGE_POW2, USE_CAP, TOKEN_SCALES, QK_DT, PV_F32, False, V_REGS, DEC_MODE,
             F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
 
-    if SPLIT:
-        part = (split * T + tok) * HQ + qh
-        tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=qmask)
-        tl.store(PM + part, m_i, mask=row_valid)
-        tl.store(PL + part, l_i, mask=row_valid)
-        if TOKEN_SCALES:
-            tl.store(PL + pr_off + part, r_i, mask=row_valid)
-    else:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows without a visible key
-        o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
-        if TOKEN_SCALES:
-            o = o * r_i[:, None]
-        else:
-            o = o * tl.load(VS)
-        o = _saturate_out(o, OUT.dtype.element_ty)
-        tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=qmask)
-        if WRITE_LSE:
-            tl.store(LSE + tok * HQ + qh, _lse(m_i, l_i), mask=row_valid)
+    _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok, HQ, qh, D, d, qmask, row_valid,
+            pr_off, SPLIT, TOKEN_SCALES, WRITE_LSE)

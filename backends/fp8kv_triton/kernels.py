@@ -26,10 +26,22 @@ format (``"sm90"``, ``"gfx942"``...); :func:`supports` is the Triton backend's c
 ``@triton.jit`` building blocks for kernels of your own: :func:`encode_f32_bits` (the
 integer-bit encoder mirroring :mod:`fp8kv.codec`), :func:`encode_native` (Triton's cast,
 after a clamp), :func:`decode` (FP8 byte to an exact 16/32-bit float), and
-:func:`codec_args` (the per-format constexpr arguments they take).
+:func:`codec_args` (the per-format constexpr arguments they take); the attention kernel's
+pieces: :func:`tile_keys` (a tile's key positions, mask and K/V offsets through the block table,
+block ids checked against the cache), :func:`scale_factors` (a scale times ``softmax_scale`` as
+two float32 factors that never overflow on their own), :func:`saturate` / :func:`saturate_out`,
+:func:`softcap_tanh`, :func:`pow2`, :func:`lse_from_state` (natural-log lse from the base-2
+online-softmax state), and the host launcher :func:`merge_splits` (the split-KV merge).
 """
 
-from .attention import AttnConfig, choose_config, paged_attention
+from .attention import AttnConfig, choose_config, merge_splits, paged_attention
+from .attention import _lse as lse_from_state
+from .attention import _pow2 as pow2
+from .attention import _saturate as saturate
+from .attention import _saturate_out as saturate_out
+from .attention import _scale_factors as scale_factors
+from .attention import _tanh as softcap_tanh
+from .attention import _tile as tile_keys
 from .capabilities import CodecChoice, codec_for, supports
 from .codec import codec_args, decode, encode_f32_bits, encode_native
 from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
@@ -38,5 +50,6 @@ from .write import cache_strides, scale_strides, write_kv, write_launch
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "AttnConfig", "CodecChoice",
     "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "encode_f32_bits", "encode_native",
-    "paged_attention", "scale_strides", "supports", "write_kv", "write_launch",
+    "lse_from_state", "merge_splits", "paged_attention", "pow2", "saturate", "saturate_out", "scale_factors",
+    "scale_strides", "softcap_tanh", "supports", "tile_keys", "write_kv", "write_launch",
 ]
