@@ -1,0 +1,377 @@
+"""FP8 tensor-core paged attention for Hopper (sm90): ``q @ k^T`` and ``p @ v`` on e4m3 wgmma.
+
+The opt-in FP8 attention mode (``fp8_attention=True``, docs/fp8_attention.md) of an e4m3fn cache
+with per-tensor or per-head scales. Per query row (token, head) the kernel computes exactly the
+function :func:`fp8kv.reference.paged_attention` defines for the mode, up to the online-softmax
+order and the FP8 accumulator (the derived tolerance of the mode covers both):
+
+* the query is quantized once per program, bit for bit as the cache is: ``q8 = e4m3(q / q_scale)``
+  (one IEEE division, clamp to +-448, round to nearest even: Triton's native cast, proven
+  bit-exact on sm90), with ``q_scale`` per tensor, per KV head, per query head, or dynamic per
+  (token, head): ``max(amax|q| / 448, 2^-126)`` as :func:`fp8kv.scales.token_head_scale`;
+* ``s = (q8 . k8) * q_scale * k_scale * softmax_scale`` with the FP8 codes fed to the tensor cores
+  as they are (no decode: the bytes of an e4m3fn cache are Triton's ``float8e4nv``); the scale
+  product is never formed as one float32 (two per-row factors on the same side of 1, see
+  :func:`_logit_factors`), soft-cap as in the default mode, base-2 logits saturated;
+* online softmax in base 2; the row sum ``l`` adds the float32 ``p`` (before rounding), and
+  ``p / prob_scale`` is rounded to e4m3 (FA3's scheme) for ``p8 @ v8``;
+* ``o = acc / l * v_scale * prob_scale``, saturated to the output dtype; split-KV partials go to
+  the Triton backend's merge kernel (``acc * prob_scale``, ``m``, ``l``), which applies ``v_scale``.
+
+Grid ``(num_seqs * q_blocks, num_kv_heads, num_splits)``; a program owns one KV head and
+``BLOCK_M`` rows = ``BLOCK_M // group`` query tokens times the ``group`` query heads sharing it
+(GQA packing), like the Triton backend's kernel. Every bound comes from the tensors (query
+offsets clamped to ``[0, T]``, lengths to the block table's width, block ids outside
+``[0, num_blocks)`` masked out): memory-safe with host checks off.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from fp8kv_triton.kernels import (
+    codec_args,
+    encode_f32_bits,
+    lse_from_state,
+    merge_splits,
+    saturate,
+    saturate_out,
+    scale_factors,
+    softcap_tanh,
+    tile_keys,
+)
+
+from fp8kv.formats import FORMATS
+
+E4M3_MAX = tl.constexpr(448.0)
+MIN_DYNAMIC_SCALE = tl.constexpr(2.0**-126)
+FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
+LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30
+
+
+@triton.jit
+def _to_e4m3(x, NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+             F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr):
+    """float32 -> ``tl.float8e4nv``, rounded to nearest even after a clamp to +-448: Triton's cast on
+    sm90 (proven bit-exact there), else the integer-bit encoder (the CPU interpreter's cast drops the
+    carry when rounding crosses a power of two)."""
+    if NATIVE:
+        return tl.clamp(x, -E4M3_MAX, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL).to(tl.float8e4nv)
+    q = encode_f32_bits(x, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, False)
+    return q.to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+
+
+@triton.jit
+def _mant_exp(f1, f2):
+    """``(mant in [1, 2), exp)`` of the positive product ``f1 * f2`` of two normal float32 factors
+    (``f2`` a power of two), without forming it."""
+    b1 = f1.to(tl.int32, bitcast=True)
+    e = ((b1 >> 23) & 0xFF) - 127 + ((f2.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    mant = ((b1 & 0x007FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    return mant, e
+
+
+@triton.jit
+def _logit_factors(qs, k_scale, sm_mant, sm_exp):
+    """Per-row float32 factors ``(f1, f2)``, ``f1 * f2 = qs * k_scale * sm_mant * 2^sm_exp``, on the
+    same side of 1: ``(dot * f1) * f2`` overflows only if the logit does (``qs [M]``, ``k_scale`` a
+    positive scalar of any magnitude, ``sm_mant`` in [1, 2))."""
+    kf1, kf2 = scale_factors(k_scale, sm_mant, sm_exp)  # k_scale * softmax part, as a split product
+    km, ke = _mant_exp(kf1, kf2)  # km in [1, 2): one rounding of k_scale's mantissa times sm_mant
+    return scale_factors(qs, km, ke)
+
+
+@triton.jit
+def _quantize_query(Q, QS, q_off, qmask, kvh, qh, stride_qs_kv, stride_qs_q, Q_DYNAMIC: tl.constexpr,
+                    NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+                    F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr):
+    """The query rows as e4m3 ``[M, D]`` and their scales ``[M]`` (dynamic: per row)."""
+    q = tl.load(Q + q_off, mask=qmask, other=0.0).to(tl.float32)
+    if Q_DYNAMIC:
+        a = tl.where(q != q, 0.0, tl.minimum(tl.abs(q), FLOAT32_MAX))  # NaN as 0, inf as the max
+        qs = tl.maximum(tl.math.div_rn(tl.max(a, axis=1), tl.full([1], E4M3_MAX, tl.float32)), MIN_DYNAMIC_SCALE)
+    else:
+        qs = tl.load(QS + kvh * stride_qs_kv + qh * stride_qs_q)
+    x = tl.math.div_rn(q, qs[:, None] + tl.zeros_like(q))
+    return _to_e4m3(x, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE), qs
+
+
+@triton.jit
+def _attend_tiles(
+    q8, m_i, l_i, acc, f1, f2, soft_cap, inv_prob_scale, lo, hi, all_lo, all_hi, bt_row, page, page_shift,
+    num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
+    BLOCK_N: tl.constexpr, PAGE_POW2: tl.constexpr, USE_CAP: tl.constexpr, FAST: tl.constexpr, V_MODE: tl.constexpr,
+    NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+    F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr,
+):
+    """The online softmax over the key tiles ``[lo, hi)`` of one program (state in and out).
+
+    ``FAST``: ``f1`` is the whole per-row logit factor (``< 2^96``: no logit can overflow), applied
+    inside the ``exp2`` argument (one FFMA per element) and to the raw row max; otherwise logits are
+    ``(dot * f1) * f2``, soft-capped if asked, and saturated, as in the Triton backend's kernel.
+    """
+    offs_n = tl.arange(0, BLOCK_N)
+    for start in range(lo, hi, BLOCK_N):
+        n, kmask, blk, tib, k_off, v_off, hole = tile_keys(
+            start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+            PAGE_POW2)
+        kt = tl.load(KC + k_off[None, :] + d[:, None], mask=kmask[None, :], other=0)  # [D, N] codes
+        s = tl.dot(q8, kt.to(tl.float8e4nv, bitcast=True))  # FP8 wgmma, float32 accumulator
+        if not FAST:
+            s = (s * f1[:, None]) * f2[:, None]
+            if USE_CAP:
+                s = soft_cap * softcap_tanh(s / soft_cap) * 1.4426950408889634
+            s = saturate(s, 3.4028234663852886e38)
+        if (start < all_lo) | (start + BLOCK_N > all_hi) | (start + BLOCK_N > hi) | hole:
+            visible = kmask[None, :] & row_valid[:, None] & (n[None, :] > pos[:, None] - window)
+            visible = visible & ((n[None, :] <= pos[:, None]) | (causal == 0))
+            s = tl.where(visible, s, float("-inf"))
+        if FAST:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1) * f1)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s * f1[:, None] - m_safe[:, None])
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p8 = _to_e4m3(p * inv_prob_scale, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT,
+                      F_NANBYTE)  # FA3: P rounded to e4m3
+        if V_MODE == 0:  # [N, D] codes straight to the FP8 dot
+            vc = tl.load(VC + v_off[:, None] + d[None, :], mask=kmask[:, None], other=0)
+            acc = tl.dot(p8, vc.to(tl.float8e4nv, bitcast=True), acc * alpha[:, None])
+        else:  # V and P8 widened exactly to float16: a float16 dot (MN-major B is native there)
+            vc = tl.load(VC + v_off[:, None] + d[None, :], mask=kmask[:, None], other=0)
+            v16 = vc.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+            acc = tl.dot(p8.to(tl.float16), v16, acc * alpha[:, None])
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+
+@triton.jit(do_not_specialize=["sm_mant", "sm_exp", "prob_scale", "inv_prob_scale", "soft_cap", "window", "T",
+                               "num_blocks", "max_keys", "HQ", "group", "block_q", "max_q_blocks", "keys_per_split",
+                               "page"])
+def fp8_attention_kernel(
+    Q, QS, KC, VC, KS, VS, BT, SEQ_LENS, QSL, OUT, PACC, PM, PL, LSE,
+    sm_mant, sm_exp, prob_scale, inv_prob_scale, soft_cap, window, causal,
+    stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_qs_kv, stride_qs_q, stride_ksh, stride_vsh,
+    T, HQ, group, block_q, max_q_blocks, keys_per_split, page, page_shift, num_blocks, max_keys,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGE_POW2: tl.constexpr,
+    USE_CAP: tl.constexpr, Q_DYNAMIC: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    V_MODE: tl.constexpr, NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr,
+    F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr,
+):
+    """One (query block, KV head, KV split); see the module docstring. ``D`` is the head size (a
+    power of two, 32..256), strides are in elements, ``sm_mant * 2^sm_exp`` is ``softmax_scale``
+    (times ``log2 e`` unless soft-capped), ``QS``/``KS``/``VS`` the q/k/v scales with head strides
+    (0: per tensor)."""
+    pid_q = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = pid_q // max_q_blocks
+    qb = pid_q % max_q_blocks
+    q_start = tl.minimum(tl.maximum(tl.load(QSL + seq), 0), T)
+    q_end = tl.minimum(tl.maximum(tl.load(QSL + seq + 1), 0), T)
+    q_len = tl.maximum(q_end - q_start, 0)
+    if qb * block_q >= q_len:
+        return
+    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + seq), 0), max_keys)
+
+    rows = tl.arange(0, BLOCK_M)
+    qi = rows // group
+    tok_in_seq = qb * block_q + qi
+    row_valid = (qi < block_q) & (tok_in_seq < q_len)
+    tok = (q_start + tok_in_seq).to(tl.int64)
+    qh = kvh * group + rows % group
+    pos = seq_len - q_len + tok_in_seq
+    d = tl.arange(0, D)
+    q_off = (tok * HQ + qh)[:, None] * D + d[None, :]
+    qmask = row_valid[:, None]
+    q8, qs = _quantize_query(Q, QS, q_off, qmask, kvh, qh, stride_qs_kv, stride_qs_q, Q_DYNAMIC, NATIVE, F_MANT,
+                             F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE)
+
+    first_pos = seq_len - q_len + qb * block_q
+    last_pos = seq_len - q_len + tl.minimum(qb * block_q + block_q, q_len) - 1
+    hi = tl.where(causal != 0, last_pos + 1, seq_len)
+    lo = tl.maximum(first_pos - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, split * keys_per_split)
+        hi = tl.minimum(hi, (split + 1) * keys_per_split)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    all_lo = last_pos - window + 1
+    all_hi = tl.where(causal != 0, first_pos + 1, seq_len)
+
+    kvh64 = kvh.to(tl.int64)
+    KC = KC + kvh64 * stride_kh
+    VC = VC + kvh64 * stride_vh
+    f1, f2 = _logit_factors(qs, tl.load(KS + kvh * stride_ksh), sm_mant, sm_exp)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D], tl.float32)
+    bt_row = BT + seq.to(tl.int64) * stride_bt
+    # fast path: one float32 factor per row that cannot overflow a logit (|q8 . k8| <= 448^2 D < 2^26),
+    # folded into the exp2 argument; else (huge or tiny scales) the two-factor, saturating path
+    f = f1 * f2
+    f_rows = tl.where(row_valid, f, 1.0)
+    fast = (tl.max(f_rows, axis=0) < 2.0**96) & (tl.min(f_rows, axis=0) > 2.0**-96)
+    if fast and not USE_CAP:
+        m_i, l_i, acc = _attend_tiles(
+            q8, m_i, l_i, acc, f, f2, soft_cap, inv_prob_scale, lo, hi, all_lo, all_hi, bt_row, page, page_shift,
+            num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
+            BLOCK_N, PAGE_POW2, False, True, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT,
+            F_NANBYTE)
+    else:
+        m_i, l_i, acc = _attend_tiles(
+            q8, m_i, l_i, acc, f1, f2, soft_cap, inv_prob_scale, lo, hi, all_lo, all_hi, bt_row, page, page_shift,
+            num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
+            BLOCK_N, PAGE_POW2, USE_CAP, False, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT,
+            F_NANBYTE)
+
+    if SPLIT:
+        part = (split * T + tok) * HQ + qh
+        tl.store(PACC + part[:, None] * D + d[None, :], acc * prob_scale, mask=qmask)
+        tl.store(PM + part, m_i, mask=row_valid)
+        tl.store(PL + part, l_i, mask=row_valid)
+    else:
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
+        o = (o * tl.load(VS + kvh * stride_vsh)) * prob_scale
+        o = saturate_out(o, OUT.dtype.element_ty)
+        tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=qmask)
+        if WRITE_LSE:
+            tl.store(LSE + tok * HQ + qh, lse_from_state(m_i, l_i), mask=row_valid)
+
+
+@dataclass(frozen=True)
+class Fp8AttnConfig:
+    """Launch parameters of one call (chosen by :func:`choose_config`; benchmarks override)."""
+
+    block_m: int
+    block_n: int
+    num_splits: int
+    keys_per_split: int
+    num_warps: int
+    num_stages: int
+    v_mode: int = 0
+
+
+def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_keys: int,
+                  num_sms: int) -> Fp8AttnConfig:
+    """Tiles from host-known sizes (no sync). Prefill: 128 rows x 128 keys, 8 warps (two warpgroups
+    of wgmma), 3 stages; decode (one query token): ``max(16, group)`` rows and split-KV so that every
+    SM holds two programs, pieces of at most 2048 keys."""
+    if max_query_len > 1:
+        block_m, block_n, warps, stages = 128, 128, 8, 3
+    else:
+        block_m, block_n, warps, stages = max(16, triton.next_power_of_2(group)), 128, 4, 2
+    block_q = max(1, block_m // group)
+    programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads
+    num_splits = 1
+    if max_query_len <= 1:
+        num_splits = max(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_keys, 2048))
+        num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n), 256))
+    keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_keys, keys_per_split)
+    return Fp8AttnConfig(block_m, block_n, num_splits, keys_per_split, warps, stages)
+
+
+def query_scale_strides(q_scale: torch.Tensor | None, num_kv_heads: int, num_q_heads: int) -> tuple[int, int]:
+    """``(per KV head, per query head)`` element strides of ``q_scale`` (``[]``, ``[H_kv]`` or ``[H_q]``)."""
+    if q_scale is None or q_scale.dim() == 0 or q_scale.numel() == 1:
+        return 0, 0
+    if q_scale.numel() == num_kv_heads and num_kv_heads != num_q_heads:
+        return q_scale.stride(0), 0
+    return 0, q_scale.stride(0)
+
+
+def paged_attention_fp8(
+    query: torch.Tensor,
+    cache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    max_query_len: int,
+    softmax_scale: float,
+    causal: bool,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    out: torch.Tensor,
+    *,
+    q_scale: torch.Tensor | None,
+    prob_scale: float,
+    lse: torch.Tensor | None = None,
+    config: Fp8AttnConfig | None = None,
+    interpret: bool = False,
+) -> None:
+    """FP8-mode paged attention of ``query [T, Hq, D]`` (float16/bfloat16/float32) over an e4m3fn
+    ``cache`` with per-tensor or per-head scales, into ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
+
+    ``q_scale``: float32 ``[]``, ``[H_kv]`` or ``[Hq]``, or None for the dynamic per-(token, head)
+    scale; ``prob_scale`` a finite positive float. ``interpret``: Triton's CPU interpreter (FP8 roundings
+    through the integer-bit encoder). Other arguments as the Triton backend's launcher.
+    """
+    from fp8kv_triton.kernels import cache_strides, scale_strides
+
+    T, HQ, D = query.shape
+    H = cache.num_kv_heads
+    group = HQ // H
+    S = seq_lens.shape[0]
+    max_query_len = min(max(int(max_query_len), 1), max(T, 1))
+    if T == 0 or S == 0:
+        return
+    if config is None:
+        config = choose_config(group=group, num_seqs=S, num_kv_heads=H, max_query_len=max_query_len,
+                               max_keys=block_tables.shape[1] * cache.block_size,
+                               num_sms=torch.cuda.get_device_properties(query.device).multi_processor_count)
+    block_q = max(1, config.block_m // group)
+    q_blocks = triton.cdiv(max_query_len, block_q)
+    sm_mant, sm_exp = _mantissa_exponent(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
+    k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
+    split = config.num_splits > 1
+    if split:
+        pacc = torch.empty((config.num_splits, T, HQ, D), dtype=torch.float32, device=query.device)
+        pm = torch.empty((config.num_splits, T, HQ), dtype=torch.float32, device=query.device)
+        pl = torch.empty((config.num_splits, T, HQ), dtype=torch.float32, device=query.device)
+    else:
+        pacc = pm = pl = out
+    e4 = codec_args(FORMATS["fp8_e4m3"])
+    qs_arg = cache.k_scale if q_scale is None else q_scale  # unused when dynamic
+    qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
+    page = cache.block_size
+    fp8_attention_kernel[(S * q_blocks, H, config.num_splits)](
+        query, qs_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
+        cache.k_scale, cache.v_scale, block_tables, seq_lens, query_start_loc, out, pacc, pm, pl,
+        out if lse is None else lse,
+        sm_mant, sm_exp, float(prob_scale), 1.0 / float(prob_scale), float(logits_soft_cap or 1.0),
+        min(int(sliding_window or NO_WINDOW), NO_WINDOW), int(causal),
+        block_tables.stride(0), *k_strides, *v_strides, qs_kv, qs_q,
+        scale_strides(cache, "key")[2], scale_strides(cache, "value")[2],
+        T, HQ, group, block_q, q_blocks, config.keys_per_split, page, page.bit_length() - 1,
+        cache.key_cache.shape[0], block_tables.shape[1] * page,
+        D=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_POW2=page & (page - 1) == 0,
+        USE_CAP=logits_soft_cap is not None, Q_DYNAMIC=q_scale is None, SPLIT=split,
+        WRITE_LSE=lse is not None and not split, V_MODE=config.v_mode, NATIVE=not interpret,
+        F_MANT=e4.mant_bits, F_REBIAS=e4.exp_rebias, F_DROP=e4.drop_bits, F_MAXBITS=e4.max_f32_bits,
+        F_MAXSHIFT=e4.max_shift, F_NANBYTE=e4.nan_byte, num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split:
+        merge_splits(pacc, pm, pl, cache, out, lse, group=group, num_splits=config.num_splits)
+
+
+def _mantissa_exponent(x: float) -> tuple[float, int]:
+    """``x = mant * 2^exp`` with ``mant`` in [1, 2) (``x`` positive, finite)."""
+    import math
+
+    m, e = math.frexp(x)
+    return 2.0 * m, e - 1
+
+
+__all__ = ["Fp8AttnConfig", "choose_config", "fp8_attention_kernel", "paged_attention_fp8"]
