@@ -134,6 +134,8 @@ def _attn_variants(target: str, fmt: str, io: str, token: bool, D: int, shape: s
     if cfg.decode:  # one query token per sequence: the decode kernel (fp8kv_triton.decode)
         kernel = "_decode_kernel"
         consts["V_REGS"] = cfg.v_regs
+    else:
+        consts["PREFETCH_BT"] = cfg.num_stages > 1
     label = (f"attn {shape} {io} {'token_head' if token else 'tensor'} D{D} "
              f"M{cfg.block_m} N{cfg.block_n} dec={choice.decoder_name}")
     return Variant(kernel, label, fmt, sig, consts, cfg.num_warps, cfg.num_stages)

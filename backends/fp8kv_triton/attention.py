@@ -202,23 +202,30 @@ def _pv_dot(w, v, acc, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr):
 
 
 @triton.jit
-def _tile(
-    start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
-    PAGE_POW2: tl.constexpr
+def _tile_blocks(start, offs_n, hi, bt_row, page, page_shift, PAGE_POW2: tl.constexpr):
+    """Block ids (int32, from the block table; 0 past ``hi``) of the keys of the tile at ``start``."""
+    n = start + offs_n
+    if PAGE_POW2:
+        page_idx = n >> page_shift
+    else:
+        page_idx = n // page
+    return tl.load(bt_row + page_idx, mask=n < hi, other=0)
+
+
+@triton.jit
+def _tile_at(
+    start, blk, offs_n, hi, page, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2: tl.constexpr
 ):
-    """Key positions ``n`` of the tile at ``start``, their mask, block ids and offsets in block
-    (int64), the byte offsets of their rows in the K and V caches (from the kv_head's row), and
-    whether the tile has a hole: a key below ``hi`` whose block id is outside ``[0, num_blocks)``
-    (masked out of ``kmask``: never loaded, never visible)."""
+    """Key positions ``n`` of the tile at ``start`` with block ids ``blk`` (:func:`_tile_blocks`),
+    their mask, block ids and offsets in block (int64), the byte offsets of their rows in the K and V
+    caches (from the kv_head's row), and whether the tile has a hole: a key below ``hi`` whose block
+    id is outside ``[0, num_blocks)`` (masked out of ``kmask``: never loaded, never visible)."""
     n = start + offs_n
     inside = n < hi
     if PAGE_POW2:
-        page_idx = n >> page_shift
         tib = n & (page - 1)
     else:
-        page_idx = n // page
         tib = n % page
-    blk = tl.load(bt_row + page_idx, mask=inside, other=0)
     present = (blk >= 0) & (blk < num_blocks)
     kmask = inside & present
     hole = tl.max((inside & ~present).to(tl.int32), axis=0) != 0
@@ -227,6 +234,16 @@ def _tile(
     k_off = blk * stride_kb + tib * stride_kt
     v_off = blk * stride_vb + tib * stride_vt
     return n, kmask, blk, tib, k_off, v_off, hole
+
+
+@triton.jit
+def _tile(
+    start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
+    PAGE_POW2: tl.constexpr
+):
+    """:func:`_tile_at` of the tile at ``start``, its block ids gathered here."""
+    blk = _tile_blocks(start, offs_n, hi, bt_row, page, page_shift, PAGE_POW2)
+    return _tile_at(start, blk, offs_n, hi, page, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2)
 
 
 @triton.jit
@@ -490,15 +507,25 @@ def _attend_range(
     F_HASINF: tl.constexpr,
     F_MAXMAG: tl.constexpr,
     F_BIAS: tl.constexpr,
+    PREFETCH_BT: tl.constexpr,
 ):
     """The loop over the key tiles ``[lo, hi)`` of one program (online softmax state in and out).
 
     ``KC``/``VC``/``KS``/``VS`` already point at the program's kv_head.
     """
+    # PREFETCH_BT: the next tile's block ids are gathered while this one is computed, so that K/V
+    # addresses and the hole test never wait on a block-table load of the same iteration and the
+    # software pipeline keeps its stages (in-iteration, the H100 prefill ran 1.8x slower: 2925 vs
+    # 1593 us before the hole test existed). Without stages (AMD) nothing is gained.
+    next_blk = _tile_blocks(lo, offs_n, hi, bt_row, page, page_shift, PAGE_POW2)
     for start in range(lo, hi, BLOCK_N):
-        n, kmask, blk, tib, k_off, v_off, hole = _tile(
-            start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
-            PAGE_POW2
+        if PREFETCH_BT:
+            blk_ids = next_blk
+            next_blk = _tile_blocks(start + BLOCK_N, offs_n, hi, bt_row, page, page_shift, PAGE_POW2)
+        else:
+            blk_ids = _tile_blocks(start, offs_n, hi, bt_row, page, page_shift, PAGE_POW2)
+        n, kmask, blk, tib, k_off, v_off, hole = _tile_at(
+            start, blk_ids, offs_n, hi, page, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2
         )
         kc, vc = _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D)
         m_i, l_i, acc, r_i = _attend(
@@ -632,6 +659,7 @@ def _attn_kernel(
     F_HASINF: tl.constexpr,
     F_MAXMAG: tl.constexpr,
     F_BIAS: tl.constexpr,
+    PREFETCH_BT: tl.constexpr,
 ):
     """One (query block, KV head, KV split) of paged attention; see the module docstring.
 
@@ -775,6 +803,7 @@ def _attn_kernel(
             F_HASINF,
             F_MAXMAG,
             F_BIAS,
+            PREFETCH_BT,
         )
     else:
         m_i, l_i, acc, r_i = _attend_range(
@@ -833,6 +862,7 @@ def _attn_kernel(
             F_HASINF,
             F_MAXMAG,
             F_BIAS,
+            PREFETCH_BT,
         )
 
     _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok, HQ, qh, D, d, qmask, row_valid,
@@ -967,10 +997,13 @@ def choose_config(
         return _decode_config(device, gpad=gpad, wide=wide, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                               max_keys=max_keys, interpret=interpret, query_dtype=query_dtype, arch=arch)
     # prefill tiles from the H100 sweep (benchmarks/bench_triton.py run --sweep): 64 query rows,
-    # 128 keys, 4 warps, 3 stages; smaller for head sizes above 128
+    # 128 keys, 4 warps; smaller for head sizes above 128. Two stages: since the kernel addresses K
+    # and V through their own strides, three stages take 147 KB of shared memory, one program per SM
+    # (Nsight Compute: 6.25% occupancy), and 4 x 2048 over 2048 ran at 2944 us on the H100; two
+    # stages take 112 KB, two programs per SM, 1951 us (benchmarks/results/prefill_regression_h100.md)
     block_m = max(gpad, 64)
     block_n = 64 if wide or query_dtype == torch.float32 else 128
-    num_stages = 2 if wide or query_dtype == torch.float32 else 3
+    num_stages = 2
     if interpret:
         block_m, block_n = (gpad, 32)
     block_q = max(1, block_m // group)
@@ -1143,6 +1176,7 @@ def paged_attention(
         extra["V_REGS"] = config.v_regs and not interpret
     else:
         kernel = _attn_kernel
+        extra["PREFETCH_BT"] = config.num_stages > 1
     kernel[grid](
         q_arg,
         cache.key_cache.view(torch.uint8),
