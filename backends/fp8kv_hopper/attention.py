@@ -102,23 +102,31 @@ def _quantize_query(Q, QS, q_off, qmask, kvh, qh, stride_qs_kv, stride_qs_q, Q_D
 
 @triton.jit
 def _attend_tiles(
-    q8, m_i, l_i, acc, f1, f2, soft_cap, inv_prob_scale, lo, hi, all_lo, all_hi, bt_row, page, page_shift,
+    q8, m_i, l_i, acc, f1, f2, soft_cap, inv_prob_scale, lo, hi, bt_row, page, page_shift,
     num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
-    BLOCK_N: tl.constexpr, PAGE_POW2: tl.constexpr, USE_CAP: tl.constexpr, FAST: tl.constexpr, V_MODE: tl.constexpr,
-    NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
-    F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr,
+    BLOCK_N: tl.constexpr, PAGE_POW2: tl.constexpr, USE_CAP: tl.constexpr, FAST: tl.constexpr, MASK: tl.constexpr,
+    V_MODE: tl.constexpr, NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+    F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, SCALE_P: tl.constexpr,
 ):
     """The online softmax over the key tiles ``[lo, hi)`` of one program (state in and out).
 
     ``FAST``: ``f1`` is the whole per-row logit factor (``< 2^96``: no logit can overflow), applied
     inside the ``exp2`` argument (one FFMA per element) and to the raw row max; otherwise logits are
     ``(dot * f1) * f2``, soft-capped if asked, and saturated, as in the Triton backend's kernel.
+    ``MASK``: apply the causal, window and bounds masks (edge tiles); without it every key of
+    ``[lo, hi)`` is visible to every row (interior tiles), and a key whose block id is outside the
+    cache is still never loaded (it reads as code 0; host checks reject such a table).
     """
     offs_n = tl.arange(0, BLOCK_N)
+    # the first tile's block ids and offsets; in the loop, the next tile's are gathered while this
+    # one is computed (its K/V addresses then never wait on a block-table load of the same iteration)
+    nn, nkmask, _, _, nk_off, nv_off, _ = tile_keys(
+        lo, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2)
     for start in range(lo, hi, BLOCK_N):
-        n, kmask, blk, tib, k_off, v_off, hole = tile_keys(
-            start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
-            PAGE_POW2)
+        n, kmask, k_off, v_off = nn, nkmask, nk_off, nv_off
+        nn, nkmask, _, _, nk_off, nv_off, _ = tile_keys(
+            start + BLOCK_N, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb,
+            stride_vt, PAGE_POW2)
         kt = tl.load(KC + k_off[None, :] + d[:, None], mask=kmask[None, :], other=0)  # [D, N] codes
         s = tl.dot(q8, kt.to(tl.float8e4nv, bitcast=True))  # FP8 wgmma, float32 accumulator
         if not FAST:
@@ -126,7 +134,7 @@ def _attend_tiles(
             if USE_CAP:
                 s = soft_cap * softcap_tanh(s / soft_cap) * 1.4426950408889634
             s = saturate(s, 3.4028234663852886e38)
-        if (start < all_lo) | (start + BLOCK_N > all_hi) | (start + BLOCK_N > hi) | hole:
+        if MASK:
             visible = kmask[None, :] & row_valid[:, None] & (n[None, :] > pos[:, None] - window)
             visible = visible & ((n[None, :] <= pos[:, None]) | (causal == 0))
             s = tl.where(visible, s, float("-inf"))
@@ -140,13 +148,16 @@ def _attend_tiles(
             p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p8 = _to_e4m3(p * inv_prob_scale, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT,
-                      F_NANBYTE)  # FA3: P rounded to e4m3
-        if V_MODE == 0:  # [N, D] codes straight to the FP8 dot
-            vc = tl.load(VC + v_off[:, None] + d[None, :], mask=kmask[:, None], other=0)
+        if SCALE_P:  # FA3: P rounded to e4m3 (p <= 1: no clamp needed without a prob_scale)
+            p8 = _to_e4m3(p * inv_prob_scale, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE)
+        elif NATIVE:
+            p8 = p.to(tl.float8e4nv)
+        else:
+            p8 = _to_e4m3(p, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE)
+        vc = tl.load(VC + v_off[:, None] + d[None, :], mask=kmask[:, None], other=0)  # [N, D] codes
+        if V_MODE == 0:  # e4m3 x e4m3 wgmma: Triton transposes the V codes through shared memory
             acc = tl.dot(p8, vc.to(tl.float8e4nv, bitcast=True), acc * alpha[:, None])
-        else:  # V and P8 widened exactly to float16: a float16 dot (MN-major B is native there)
-            vc = tl.load(VC + v_off[:, None] + d[None, :], mask=kmask[:, None], other=0)
+        else:  # the same products in float16 (every e4m3 value is exact there; MN-major B is native)
             v16 = vc.to(tl.float8e4nv, bitcast=True).to(tl.float16)
             acc = tl.dot(p8.to(tl.float16), v16, acc * alpha[:, None])
         m_i = m_new
@@ -167,6 +178,7 @@ def fp8_attention_kernel(
     USE_CAP: tl.constexpr, Q_DYNAMIC: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
     V_MODE: tl.constexpr, NATIVE: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr,
     F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr,
+    SCALE_P: tl.constexpr,
 ):
     """One (query block, KV head, KV split); see the module docstring. ``D`` is the head size (a
     power of two, 32..256), strides are in elements, ``sm_mant * 2^sm_exp`` is ``softmax_scale``
@@ -223,17 +235,30 @@ def fp8_attention_kernel(
     f_rows = tl.where(row_valid, f, 1.0)
     fast = (tl.max(f_rows, axis=0) < 2.0**96) & (tl.min(f_rows, axis=0) > 2.0**-96)
     if fast and not USE_CAP:
+        # interior tiles, visible to every row, need no mask: [in_lo, in_hi); the edges are masked
+        in_lo = tl.minimum(tl.maximum(lo, tl.cdiv(all_lo, BLOCK_N) * BLOCK_N), hi)
+        in_hi = tl.maximum(in_lo + (tl.minimum(all_hi, hi) - in_lo) // BLOCK_N * BLOCK_N, in_lo)
         m_i, l_i, acc = _attend_tiles(
-            q8, m_i, l_i, acc, f, f2, soft_cap, inv_prob_scale, lo, hi, all_lo, all_hi, bt_row, page, page_shift,
+            q8, m_i, l_i, acc, f, f2, soft_cap, inv_prob_scale, lo, in_lo, bt_row, page, page_shift,
             num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
-            BLOCK_N, PAGE_POW2, False, True, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT,
-            F_NANBYTE)
+            BLOCK_N, PAGE_POW2, False, True, True, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
+            F_MAXSHIFT, F_NANBYTE, SCALE_P)
+        m_i, l_i, acc = _attend_tiles(
+            q8, m_i, l_i, acc, f, f2, soft_cap, inv_prob_scale, in_lo, in_hi, bt_row, page, page_shift,
+            num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
+            BLOCK_N, PAGE_POW2, False, True, False, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
+            F_MAXSHIFT, F_NANBYTE, SCALE_P)
+        m_i, l_i, acc = _attend_tiles(
+            q8, m_i, l_i, acc, f, f2, soft_cap, inv_prob_scale, in_hi, hi, bt_row, page, page_shift,
+            num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
+            BLOCK_N, PAGE_POW2, False, True, True, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
+            F_MAXSHIFT, F_NANBYTE, SCALE_P)
     else:
         m_i, l_i, acc = _attend_tiles(
-            q8, m_i, l_i, acc, f1, f2, soft_cap, inv_prob_scale, lo, hi, all_lo, all_hi, bt_row, page, page_shift,
+            q8, m_i, l_i, acc, f1, f2, soft_cap, inv_prob_scale, lo, hi, bt_row, page, page_shift,
             num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, KC, VC, window, causal, pos, row_valid, d,
-            BLOCK_N, PAGE_POW2, USE_CAP, False, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT,
-            F_NANBYTE)
+            BLOCK_N, PAGE_POW2, USE_CAP, False, True, V_MODE, NATIVE, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
+            F_MAXSHIFT, F_NANBYTE, SCALE_P)
 
     if SPLIT:
         part = (split * T + tok) * HQ + qh
@@ -260,18 +285,27 @@ class Fp8AttnConfig:
     keys_per_split: int
     num_warps: int
     num_stages: int
-    v_mode: int = 0
+    v_mode: int = 2
+    """``p @ v`` operands: 0 = e4m3 codes (FP8 wgmma), 2 = P8 and V widened exactly to float16."""
 
 
 def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_keys: int,
-                  num_sms: int) -> Fp8AttnConfig:
-    """Tiles from host-known sizes (no sync). Prefill: 128 rows x 128 keys, 8 warps (two warpgroups
-    of wgmma), 3 stages; decode (one query token): ``max(16, group)`` rows and split-KV so that every
-    SM holds two programs, pieces of at most 2048 keys."""
+                  num_sms: int, interpret: bool = False) -> Fp8AttnConfig:
+    """Tiles from host-known sizes (no sync).
+
+    Prefill, from the H100 sweep (benchmarks/results/hopper_prefill_h100.json; 4 x 2048 over 2048,
+    GQA 32/8, D=128): 128 rows x 128 keys, 8 warps (two warpgroups of wgmma), 3 stages, ``v_mode=2``
+    (P and V widened exactly to float16 for ``p @ v``: 1410-1486 us against 2112-2221 us for the
+    e4m3 ``p @ v``, whose V operand Triton transposes through shared memory byte by byte, and
+    1607-3760 us for the other tiles). Decode (one query token): ``max(16, group)`` rows and split-KV
+    so that every SM holds two programs, pieces of at most 2048 keys.
+    """
     if max_query_len > 1:
         block_m, block_n, warps, stages = 128, 128, 8, 3
     else:
         block_m, block_n, warps, stages = max(16, triton.next_power_of_2(group)), 128, 4, 2
+    if interpret:  # Triton's CPU interpreter: small tiles
+        block_m, block_n, stages = max(16, triton.next_power_of_2(group)), 32, 1
     block_q = max(1, block_m // group)
     programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads
     num_splits = 1
@@ -280,7 +314,7 @@ def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len
         num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n), 256))
     keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_keys, keys_per_split)
-    return Fp8AttnConfig(block_m, block_n, num_splits, keys_per_split, warps, stages)
+    return Fp8AttnConfig(block_m, block_n, num_splits, keys_per_split, warps, stages, v_mode=2)
 
 
 def query_scale_strides(q_scale: torch.Tensor | None, num_kv_heads: int, num_q_heads: int) -> tuple[int, int]:
@@ -360,7 +394,8 @@ def paged_attention_fp8(
         USE_CAP=logits_soft_cap is not None, Q_DYNAMIC=q_scale is None, SPLIT=split,
         WRITE_LSE=lse is not None and not split, V_MODE=config.v_mode, NATIVE=not interpret,
         F_MANT=e4.mant_bits, F_REBIAS=e4.exp_rebias, F_DROP=e4.drop_bits, F_MAXBITS=e4.max_f32_bits,
-        F_MAXSHIFT=e4.max_shift, F_NANBYTE=e4.nan_byte, num_warps=config.num_warps, num_stages=config.num_stages,
+        F_MAXSHIFT=e4.max_shift, F_NANBYTE=e4.nan_byte, SCALE_P=float(prob_scale) != 1.0, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if split:
         merge_splits(pacc, pm, pl, cache, out, lse, group=group, num_splits=config.num_splits)
