@@ -178,6 +178,9 @@ def paged_attention(
     if meta.num_tokens:
         # -- torch.compile: one fp8kv::paged_attention custom op instead of the backend call (fp8kv/ops.py)
         if torch.compiler.is_compiling():
+            if meta.options.fp8_attention:
+                raise bad_argument("fp8_attention", "True under torch.compile",
+                                   "eager calls (the compiled fp8kv::paged_attention op carries the default mode)")
             _ops.traced_paged_attention(query, cache, meta, out, lse)
         else:
             meta.attention.backend.paged_attention(query, cache, meta, out, lse)

@@ -67,12 +67,15 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 OPS = ("write_kv", "paged_attention")
 """The operations a request can name."""
-FEATURES = ("chunked_prefill", "sliding_window", "soft_cap", "non_causal")
+FEATURES = ("chunked_prefill", "sliding_window", "soft_cap", "non_causal", "fp8_attention")
 """Optional features a paged-attention request can ask for:
 
 * ``chunked_prefill``: ``query_start_loc`` given and some sequence has more than one query;
 * ``sliding_window`` / ``soft_cap``: those arguments are set;
 * ``non_causal``: ``causal=False``;
+* ``fp8_attention``: the opt-in FP8 attention mode (query and probabilities rounded to e4m3 for
+  FP8 tensor cores; :mod:`fp8kv.fp8_attention`, docs/fp8_attention.md). A backend that does not
+  implement it must decline requests with this feature.
 """
 
 

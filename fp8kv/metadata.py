@@ -25,7 +25,7 @@ within the planned maxima).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,12 +55,19 @@ class AttentionOptions:
         sliding_window: ``W``: only the last ``W`` visible keys, its own included (vLLM's and
             HF's convention); None: no window. FlashInfer's ``window_left`` is ``W - 1``.
         logits_soft_cap: ``c``: scaled logits become ``c * tanh(logits / c)``; None: off.
+        fp8_attention: the opt-in FP8 attention mode (:mod:`fp8kv.fp8_attention`).
+        q_scale: FP8 mode: the query scale, float32 ``[]``, ``[H]`` or ``[Hq]`` on the cache's
+            device; None: dynamic per (token, head).
+        prob_scale: FP8 mode: probabilities are divided by it before their e4m3 rounding.
     """
 
     softmax_scale: float
     causal: bool = True
     sliding_window: int | None = None
     logits_soft_cap: float | None = None
+    fp8_attention: bool = False
+    q_scale: torch.Tensor | None = field(default=None, compare=False)
+    prob_scale: float = 1.0
 
     @classmethod
     def build(cls, head_size: int, *, softmax_scale=None, causal=True, sliding_window=None, window_left=None,
@@ -89,6 +96,13 @@ class AttentionOptions:
             logits_soft_cap = _positive_float32("logits_soft_cap", logits_soft_cap)
         return cls(softmax_scale, causal, sliding_window, logits_soft_cap)
 
+    def with_fp8(self, spec: CacheSpec, num_q_heads: int, fp8_attention, q_scale, prob_scale) -> AttentionOptions:
+        """These options with the FP8 mode's arguments checked (:func:`fp8kv.fp8_attention.check_fp8_options`)."""
+        from .fp8_attention import check_fp8_options
+
+        on, q_scale, prob_scale = check_fp8_options(spec, num_q_heads, fp8_attention, q_scale, prob_scale)
+        return replace(self, fp8_attention=on, q_scale=q_scale, prob_scale=prob_scale)
+
     @property
     def features(self) -> frozenset[str]:
         f = set()
@@ -98,6 +112,8 @@ class AttentionOptions:
             f.add("soft_cap")
         if not self.causal:
             f.add("non_causal")
+        if self.fp8_attention:
+            f.add("fp8_attention")
         return frozenset(f)
 
 
@@ -317,6 +333,9 @@ def plan_attention(
     sliding_window: int | None = None,
     window_left: int | None = None,
     logits_soft_cap: float | None = None,
+    fp8_attention: bool = False,
+    q_scale: torch.Tensor | None = None,
+    prob_scale: float | None = None,
     validate: bool | None = None,
     backend: str = "auto",
     _options: AttentionOptions | None = None,
@@ -349,6 +368,13 @@ def plan_attention(
         softmax_scale, causal, sliding_window, window_left, logits_soft_cap: see
             :class:`AttentionOptions` (``window_left`` is FlashInfer's, SGLang's and LMDeploy's
             ``W - 1``, with -1 meaning no window; give one of the two).
+        fp8_attention: the opt-in FP8 attention mode (:mod:`fp8kv.fp8_attention`,
+            docs/fp8_attention.md): an ``fp8_e4m3`` cache with tensor or head scales.
+        q_scale: FP8 mode only: the query scale, float32 ``[]``, ``[num_kv_heads]`` or
+            ``[num_q_heads]`` on the cache's device (a checkpoint's ``q_scale``); None: dynamic
+            per (token, head).
+        prob_scale: FP8 mode only: probabilities are divided by it before their e4m3 rounding
+            (a checkpoint's ``prob_scale``; default 1).
         validate: check index values (one host sync); default: ``FP8KV_CHECK`` (``full``),
             never during CUDA-graph capture.
         backend: ``"auto"`` or a backend name (``FP8KV_BACKEND`` forces one for ``auto``).
@@ -365,7 +391,7 @@ def plan_attention(
         raise bad_argument("query_dtype", repr(query_dtype), f"one of {[str(d) for d in IO_DTYPES]}")
     options = _options or AttentionOptions.build(
         D, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window, window_left=window_left,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap).with_fp8(spec, num_q_heads, fp8_attention, q_scale, prob_scale)
     for name, v in (("num_tokens", num_tokens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len),
                     ("max_blocks", max_blocks)):
         if v is not None:

@@ -15,6 +15,10 @@ function up to float64 rounding, with two saturations that every backend shares:
 * the output is clamped to the output dtype's finite range before the cast (it cannot be
   represented otherwise), and ``lse`` to the float32 range.
 
+The opt-in FP8 attention mode (``metadata.options.fp8_attention``) is defined here too, by
+:mod:`fp8kv.fp8_attention`: the e4m3 query, the codes times per-row scales, probabilities
+relative to an integer base-2 maximum rounded to e4m3, their unrounded sum as the normaliser.
+
 Finite input therefore never gives NaN or inf (NaN/inf *codes or scales* of visible keys still
 propagate). Rows that see no key get ``out = 0`` and ``lse = -inf``.
 
@@ -29,6 +33,7 @@ rules as the kernels, so that both agree on garbage metadata instead of raising:
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +41,7 @@ import torch
 from ._version import __version__
 from .cache import KVCache
 from .formats import divide_by_scale, quantize_scaled
+from .fp8_attention import fp8_probabilities, quantize_query, round_probabilities
 from .hookspecs import BackendInfo, Request, hookimpl
 from .probe import DeviceInfo
 from .scales import token_head_scale
@@ -77,11 +83,15 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
         _scatter(dst, cache.layout, cache.block_size, slots, codes)
 
 
-def _gather_dequantized(cache: KVCache, which: str, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantized ``[len(slots), H, D]`` for the given (in-range) slots, computed in ``dtype``."""
+def _gather_dequantized(cache: KVCache, which: str, slots: torch.Tensor, dtype: torch.dtype,
+                        codes_only: bool = False) -> torch.Tensor:
+    """Dequantized ``[len(slots), H, D]`` for the given (in-range) slots, computed in ``dtype``
+    (``codes_only``: the FP8 values without their scales)."""
     c = cache.key_cache if which == "key" else cache.value_cache
     block, offset = slots // cache.block_size, slots % cache.block_size
     codes = c[block, offset] if cache.layout == "NHD" else c[block, :, offset]
+    if codes_only:
+        return codes.to(dtype)
     return codes.to(dtype) * cache.scale_per_slot(which)[slots].to(dtype)[..., None]
 
 
@@ -139,20 +149,39 @@ def paged_attention(query: torch.Tensor, cache: KVCache, metadata: AttentionMeta
         blocks = tables[i].to(torch.long)[pos // bs]
         present = (blocks >= 0) & (blocks < nb)  # an out-of-range block id: its keys are not visible
         slots = blocks.clamp(0, nb - 1) * bs + pos % bs
-        k = _gather_dequantized(cache, "key", slots, dt)  # [L, H, D]
-        v = _gather_dequantized(cache, "value", slots, dt).masked_fill(~present[:, None, None], 0.0)
-        q = query[q_lo:q_hi].to(dt).view(q_hi - q_lo, H, group, D)
-        logits = torch.einsum("qhgd,khd->hgqk", q, k).mul_(opts.softmax_scale)  # [H, group, ql, L]
+        if opts.fp8_attention:  # the FP8 mode (fp8kv.fp8_attention): codes, the e4m3 query, scales per row
+            k = _gather_dequantized(cache, "key", slots, dt, codes_only=True)
+            v = _gather_dequantized(cache, "value", slots, dt, codes_only=True).masked_fill(
+                ~present[:, None, None], 0.0)
+            q8, qs = quantize_query(query[q_lo:q_hi], opts.q_scale, H)
+            q = q8.to(dt).view(q_hi - q_lo, H, group, D)
+            row_scale = qs.to(dt).view(q_hi - q_lo, H, group).permute(1, 2, 0)[..., None]  # [H, group, ql, 1]
+            row_scale = row_scale * cache.k_scale.to(dt).reshape(-1, 1, 1, 1) * opts.softmax_scale
+            logits = torch.einsum("qhgd,khd->hgqk", q, k).mul_(row_scale)
+        else:
+            k = _gather_dequantized(cache, "key", slots, dt)  # [L, H, D]
+            v = _gather_dequantized(cache, "value", slots, dt).masked_fill(~present[:, None, None], 0.0)
+            q = query[q_lo:q_hi].to(dt).view(q_hi - q_lo, H, group, D)
+            logits = torch.einsum("qhgd,khd->hgqk", q, k).mul_(opts.softmax_scale)  # [H, group, ql, L]
         if opts.logits_soft_cap is not None:
             logits = torch.tanh(logits.div_(opts.logits_soft_cap)).mul_(opts.logits_soft_cap)
         logits.clamp_(-LOGIT_MAX, LOGIT_MAX)  # NaN stays NaN
         mask = visible_mask(seq_len, q_hi - q_lo, opts.causal, opts.sliding_window, dev) & present[None, :]
         logits.masked_fill_(~mask, float("-inf"))
-        probs = torch.softmax(logits, dim=-1).masked_fill_(~mask.any(-1)[:, None], 0.0)  # no key: 0, not NaN
-        o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_hi - q_lo, Hq, D)
+        if opts.fp8_attention:
+            p, l_sum, m = fp8_probabilities(logits, mask)
+            p8 = round_probabilities(p, opts.prob_scale)
+            vs = cache.v_scale.to(dt).reshape(-1, 1, 1, 1) * opts.prob_scale
+            o = torch.einsum("hgqk,khd->hgqd", p8, v) * (vs / torch.where(l_sum > 0, l_sum, 1.0))
+            o = o.permute(2, 0, 1, 3).reshape(q_hi - q_lo, Hq, D)
+            row_lse = torch.where(l_sum > 0, (m + torch.log2(l_sum)) * math.log(2.0), float("-inf"))[..., 0]
+        else:
+            probs = torch.softmax(logits, dim=-1).masked_fill_(~mask.any(-1)[:, None], 0.0)  # no key: 0, not NaN
+            o = torch.einsum("hgqk,khd->qhgd", probs, v).reshape(q_hi - q_lo, Hq, D)
+            row_lse = torch.logsumexp(logits, dim=-1) if lse is not None else None
         out[q_lo:q_hi] = o.clamp(-out_max, out_max).to(out.dtype)
         if lse is not None:  # -inf for rows without a visible key
-            row = torch.logsumexp(logits, dim=-1).reshape(Hq, q_hi - q_lo)
+            row = row_lse.reshape(Hq, q_hi - q_lo)
             lse[q_lo:q_hi] = row.clamp(max=FLOAT32_MAX).transpose(0, 1).to(lse.dtype)
 
 

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
 ENTRY_POINT_GROUP = "fp8kv.backends"
 BUILTIN_DISTRIBUTION = "fp8kv"
 """The distribution whose entry points are the built-in backends."""
-RESERVED_NAMES = frozenset({"reference", "triton", "cuda", "torch"})
+RESERVED_NAMES = frozenset({"reference", "triton", "cuda", "torch", "hopper"})
 """Backend names only fp8kv's own distribution may register (its in-tree entry points,
 ``pyproject.toml``): a plugin claiming one is refused, never a duplicate of the built-in."""
 

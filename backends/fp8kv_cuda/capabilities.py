@@ -100,8 +100,15 @@ def head_size_in_range(device: DeviceInfo, request: Request) -> str | None:
     return None
 
 
+def default_mode_only(device: DeviceInfo, request: Request) -> str | None:
+    if "fp8_attention" in request.features:
+        return ("fp8_attention: the FP8 attention mode (e4m3 query and probabilities) is served by hopper (sm90) "
+                "and the reference")
+    return None
+
+
 PREDICATES: tuple[Callable[[DeviceInfo, Request], str | None], ...] = (
-    head_size_in_range, needs_gpu_tensors, is_nvidia_sm70_plus, has_cupy, toolkit_compiles_arch)
+    default_mode_only, head_size_in_range, needs_gpu_tensors, is_nvidia_sm70_plus, has_cupy, toolkit_compiles_arch)
 
 
 def supports(device: DeviceInfo, request: Request) -> str | None:

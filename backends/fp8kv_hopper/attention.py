@@ -13,7 +13,9 @@ order and the FP8 accumulator (the derived tolerance of the mode covers both):
   as they are (no decode: the bytes of an e4m3fn cache are Triton's ``float8e4nv``); the scale
   product is never formed as one float32 (two per-row factors on the same side of 1, see
   :func:`_logit_factors`), soft-cap as in the default mode, base-2 logits saturated;
-* online softmax in base 2; the row sum ``l`` adds the float32 ``p`` (before rounding), and
+* online softmax in base 2 against a running maximum rounded up to an integer (every rescaling is
+  an exact power of two, so the e4m3 rounding of ``p`` does not depend on the tile order where
+  ``p`` is normal); the row sum ``l`` adds the float32 ``p`` (before rounding), and
   ``p / prob_scale`` is rounded to e4m3 (FA3's scheme) for ``p8 @ v8``;
 * ``o = acc / l * v_scale * prob_scale``, saturated to the output dtype; split-KV partials go to
   the Triton backend's merge kernel (``acc * prob_scale``, ``m``, ``l``), which applies ``v_scale``.
@@ -139,11 +141,11 @@ def _attend_tiles(
             visible = visible & ((n[None, :] <= pos[:, None]) | (causal == 0))
             s = tl.where(visible, s, float("-inf"))
         if FAST:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1) * f1)
+            m_new = tl.maximum(m_i, tl.ceil(tl.max(s, axis=1) * f1))  # an integer: see fp8kv.fp8_attention
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s * f1[:, None] - m_safe[:, None])
         else:
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_new = tl.maximum(m_i, tl.ceil(tl.max(s, axis=1)))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.exp2(s - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
@@ -377,13 +379,17 @@ def paged_attention_fp8(
     else:
         pacc = pm = pl = out
     e4 = codec_args(FORMATS["fp8_e4m3"])
+    q_arg, out_arg = query, out
+    if interpret:  # Triton's interpreter mishandles bfloat16 loads and stores: float32 copies
+        q_arg = query.float()
+        out_arg = out if out.dtype == torch.float32 else torch.empty_like(q_arg)
     qs_arg = cache.k_scale if q_scale is None else q_scale  # unused when dynamic
     qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
     page = cache.block_size
     fp8_attention_kernel[(S * q_blocks, H, config.num_splits)](
-        query, qs_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
-        cache.k_scale, cache.v_scale, block_tables, seq_lens, query_start_loc, out, pacc, pm, pl,
-        out if lse is None else lse,
+        q_arg, qs_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
+        cache.k_scale, cache.v_scale, block_tables, seq_lens, query_start_loc, out_arg, pacc, pm, pl,
+        out_arg if lse is None else lse,
         sm_mant, sm_exp, float(prob_scale), 1.0 / float(prob_scale), float(logits_soft_cap or 1.0),
         min(int(sliding_window or NO_WINDOW), NO_WINDOW), int(causal),
         block_tables.stride(0), *k_strides, *v_strides, qs_kv, qs_q,
@@ -398,7 +404,10 @@ def paged_attention_fp8(
         num_stages=config.num_stages,
     )
     if split:
-        merge_splits(pacc, pm, pl, cache, out, lse, group=group, num_splits=config.num_splits)
+        merge_splits(pacc, pm, pl, cache, out_arg, lse, group=group, num_splits=config.num_splits)
+    if out_arg is not out:
+        hi = torch.finfo(out.dtype).max
+        out.copy_(out_arg.clamp_(-hi, hi))
 
 
 def _mantissa_exponent(x: float) -> tuple[float, int]:

@@ -28,6 +28,9 @@ class TorchBackend:
     def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:
         if request.device_type != "cpu":
             return f"serves CPU tensors only (got {request.device_type}; GPUs have the triton backend)"
+        if "fp8_attention" in request.features:
+            return ("fp8_attention: the FP8 attention mode (e4m3 query and probabilities) is served by hopper (sm90) "
+                    "and the reference")
         return None
 
     @hookimpl

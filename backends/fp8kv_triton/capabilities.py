@@ -146,6 +146,9 @@ def supports(device: DeviceInfo, request: Request) -> str | None:
     NHD/HND, granularities tensor/head/token_head, head sizes 1..256, fp32/fp16/bf16 I/O,
     features chunked_prefill, sliding_window, soft_cap, non_causal.
     """
+    if "fp8_attention" in request.features:
+        return ("fp8_attention: the FP8 attention mode (e4m3 query and probabilities) is served by hopper (sm90) "
+                "and the reference")
     if not 1 <= request.head_size <= MAX_HEAD_SIZE:
         return f"head_size {request.head_size} is outside 1..{MAX_HEAD_SIZE}"
     if request.device_type == "cpu":

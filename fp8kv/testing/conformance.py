@@ -12,7 +12,9 @@ For every drawn :class:`~fp8kv.testing.strategies.Workload` and each op, the bac
   - ``paged_attention`` (decode or chunked prefill, through :func:`fp8kv.paged_attention`
     with ``out`` pre-filled with NaN and ``return_lse=True``) must match the reference within
     the derived tolerance of :mod:`fp8kv.testing.tolerance` (the output and the log-sum-exp),
-    write every output element and leave the cache alone;
+    write every output element and leave the cache alone; workloads in the FP8 attention mode
+    (``check_backend(..., fp8_attention=True)``) are held to the mode's own derived tolerance
+    (:func:`~fp8kv.testing.tolerance.fp8_attention_tolerance`);
 
 * once per check, for a ``fast`` backend that claims NHD e4m3 caches:
   :func:`~fp8kv.testing.safety.check_memory_safety` (out-of-range slots, block ids, lengths and
@@ -55,7 +57,13 @@ from ..probe import DeviceInfo, probe
 from ..registry import Backend, registry, unregister_backend
 from .safety import as_bits, check_memory_safety
 from .strategies import Workload, workloads
-from .tolerance import assert_attention_close, assert_lse_close, paged_attention_bounds
+from .tolerance import (
+    assert_attention_close,
+    assert_fp8_attention_close,
+    assert_lse_close,
+    fp8_attention_tolerance,
+    paged_attention_bounds,
+)
 
 __all__ = ["ConformanceReport", "check_attention", "check_backend", "check_refusal", "check_write"]
 
@@ -145,7 +153,7 @@ def _reference_attention(wl: Workload, t, cache: KVCache) -> tuple[torch.Tensor,
     """The reference's output and log-sum-exp for the workload."""
     meta = plan_attention(cache, num_q_heads=wl.num_q_heads, query_dtype=t.query.dtype, block_tables=t.block_tables,
                           seq_lens=t.seq_lens, query_start_loc=t.query_start_loc, backend="reference",
-                          **wl.attention_kwargs())
+                          **wl.attention_kwargs(), **wl.fp8_kwargs(t.query.device))
     out = torch.empty_like(t.query)
     lse = torch.empty(t.query.shape[:2], dtype=torch.float32, device=t.query.device)
     reference.paged_attention(t.query, cache, meta, out, lse)
@@ -162,13 +170,22 @@ def check_attention(backend: Backend, wl: Workload, device: torch.device) -> Non
     snapshot = cache.clone()
     out = torch.full_like(t.query, float("nan"))
     res, lse = paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
-                               out=out, return_lse=True, backend=backend.name, **wl.attention_kwargs())
+                               out=out, return_lse=True, backend=backend.name, **wl.attention_kwargs(),
+                               **wl.fp8_kwargs(device))
     where = f"backend {backend.name!r}, {wl.request('paged_attention', device.type).describe()}: "
     if res is not out:
         raise AssertionError(where + "paged_attention did not return the given out tensor")
     if not cache.same_bytes(snapshot):
         raise AssertionError(where + "paged_attention modified the cache")
     ref, ref_lse = _reference_attention(wl, t, cache)
+    if wl.fp8_attention:  # the FP8 mode's own derived tolerance
+        fp8 = wl.fp8_kwargs(device)
+        tol, lse_tol = fp8_attention_tolerance(
+            t.query, cache, t.block_tables, t.seq_lens, t.query_start_loc, ref, ref_lse,
+            softmax_scale=wl.softmax_scale, causal=wl.causal, sliding_window=wl.sliding_window,
+            logits_soft_cap=wl.soft_cap, q_scale=fp8["q_scale"], prob_scale=fp8["prob_scale"])
+        assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol, context=where)
+        return
     bounds = paged_attention_bounds(t.query, cache, t.block_tables, t.seq_lens, t.query_start_loc,
                                     softmax_scale=wl.softmax_scale, causal=wl.causal,
                                     sliding_window=wl.sliding_window, logits_soft_cap=wl.soft_cap)
@@ -190,7 +207,7 @@ def check_refusal(backend: Backend, wl: Workload, device: torch.device, op: str,
             write_kv(cache, t.key, t.value, t.slot_mapping, backend=backend.name)
         else:
             paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
-                            backend=backend.name, **wl.attention_kwargs())
+                            backend=backend.name, **wl.attention_kwargs(), **wl.fp8_kwargs(device))
     except Fp8KVError as exc:
         if reason not in str(exc):
             raise AssertionError(where + f"the error does not give that reason: {exc}") from exc

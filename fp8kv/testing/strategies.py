@@ -92,6 +92,8 @@ class Workload:
         specials: add inf/-inf/NaN/-0/huge values to the written K/V (write only).
         causal, sliding_window, soft_cap, softmax_scale: attention options (None = default/off).
         poison: what the cache bytes (and token_head scales) hold before the write.
+        fp8_attention, q_scale, prob_scale: the FP8 attention mode (:mod:`fp8kv.fp8_attention`):
+            ``q_scale`` 1 value (per tensor) or H (per KV head), None = dynamic.
     """
 
     seed: int
@@ -119,6 +121,9 @@ class Workload:
     soft_cap: float | None = None
     softmax_scale: float | None = None
     poison: str = "zero"
+    fp8_attention: bool = False
+    q_scale: tuple[float, ...] | None = None
+    prob_scale: float = 1.0
 
     # -- derived -------------------------------------------------------------------
     @property
@@ -139,6 +144,8 @@ class Workload:
         f = set(AttentionOptions.build(self.head_size, **self.attention_kwargs()).features)
         if self.chunked and self.max_query_len > 1:
             f.add("chunked_prefill")
+        if self.fp8_attention:
+            f.add("fp8_attention")
         return frozenset(f)
 
     def spec(self, device_type: str = "cpu") -> CacheSpec:
@@ -198,6 +205,16 @@ class Workload:
         """Keyword arguments of :func:`fp8kv.paged_attention` besides the tensors."""
         return dict(softmax_scale=self.softmax_scale, causal=self.causal,
                     sliding_window=self.sliding_window, logits_soft_cap=self.soft_cap)
+
+    def fp8_kwargs(self, device: torch.device | str = "cpu") -> dict:
+        """The FP8-mode keywords of :func:`fp8kv.plan_attention` (empty in the default mode)."""
+        if not self.fp8_attention:
+            return {}
+        qs = None
+        if self.q_scale is not None:
+            qs = torch.tensor(self.q_scale, dtype=torch.float32, device=device)
+            qs = qs.reshape(()) if len(self.q_scale) == 1 else qs
+        return dict(fp8_attention=True, q_scale=qs, prob_scale=self.prob_scale)
 
     def mapped_slots(self) -> list[int]:
         """Every slot the write touches."""
@@ -297,13 +314,15 @@ def workloads(
     poisons: tuple[str, ...] = POISONS,
     max_pads: int = 3,
     max_holes: int = 3,
+    fp8_attention: bool = False,
 ) -> Workload:
     """Draw a :class:`Workload`; every argument narrows what is drawn.
 
     For the Triton CPU interpreter keep it tiny, e.g. ``max_seqs=2, max_seq_len=32,
     head_sizes=(16, 32)``. ``decode``/``chunked_prefill`` choose which attention shapes
     appear (at least one must be True); ``sliding_window``, ``soft_cap``, ``non_causal``
-    and ``specials`` allow those options (each is still off in many examples).
+    and ``specials`` allow those options (each is still off in many examples); ``fp8_attention``
+    allows the FP8 attention mode where it is defined (fp8_e4m3, tensor or head scales).
     """
     if not (decode or chunked_prefill):
         raise ValueError("workloads: at least one of decode / chunked_prefill must be allowed")
@@ -350,6 +369,14 @@ def workloads(
     cap = draw(st.one_of(st.none(), st.sampled_from((1.0, 5.0, 30.0)),
                          st.floats(0.5, 50.0).map(_f32))) if soft_cap else None
     sm_scale = draw(st.one_of(st.none(), st.floats(0.01, 2.0).map(_f32)))
+    fp8 = fp8_attention and kv_dtype == "fp8_e4m3" and gran in ("tensor", "head") and draw(st.booleans())
+    q_scale, prob_scale = None, 1.0
+    if fp8:  # dynamic, or static ones that fit the query, saturate it, or waste its range
+        q_scale = draw(st.sampled_from((None, "tensor", "head")))
+        if q_scale is not None:
+            q_scale = tuple(draw(st.sampled_from((0.01, 2.0**-6, 1.0, 3e-5))) for _ in range(1 if q_scale == "tensor"
+                                                                                            else H))
+        prob_scale = draw(st.sampled_from((1.0, 1.0, 0.25, 4.0)))
     return Workload(
         seed=draw(st.integers(0, 2**32 - 1)), kv_dtype=kv_dtype, layout=layout, scale_granularity=gran,
         num_kv_heads=H, num_q_heads=Hq, head_size=D, block_size=bs, num_blocks=num_blocks,
@@ -357,5 +384,5 @@ def workloads(
         write_slots=tuple(order), slot_dtype=draw(st.sampled_from(("int64", "int32"))), io_dtype=io_dtype,
         k_scale=k_scale, v_scale=v_scale, amplitude=amplitude, specials=specials and draw(st.booleans()),
         causal=causal, sliding_window=window, soft_cap=cap, softmax_scale=sm_scale,
-        poison=draw(st.sampled_from(poisons)),
+        poison=draw(st.sampled_from(poisons)), fp8_attention=fp8, q_scale=q_scale, prob_scale=prob_scale,
     )

@@ -1,0 +1,131 @@
+"""The Hopper backend as an fp8kv plugin (entry point ``hopper`` in ``fp8kv.backends``).
+
+It serves the opt-in FP8 attention mode (docs/fp8_attention.md) on sm90 with FP8 tensor cores,
+and the cache write through the Triton backend's kernel (:mod:`fp8kv_triton.kernels`: the same
+bytes, bit-exact with the reference). Default-mode attention (bf16/fp16/fp32 math) is declined:
+the Triton backend serves it. Priority 200: above Triton for what it serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.probe import DeviceInfo, triton_interpreter
+
+from . import __version__
+
+if TYPE_CHECKING:
+    from fp8kv.metadata import AttentionMetadata
+
+    from .attention import Fp8AttnConfig
+
+HEAD_SIZES = (32, 64, 128, 256)
+"""Head sizes served: the FP8 dot needs a power of two of at least 32 (wgmma's K step)."""
+
+GRANULARITIES = ("tensor", "head")
+"""FA3-style descales: one K and one V scale per (tensor or KV head); per-token-head V scales would
+have to enter P before its e4m3 rounding."""
+
+
+def fp8_mode(request: Request) -> bool:
+    """Whether ``request`` asks for the FP8 attention mode."""
+    return "fp8_attention" in request.features
+
+
+def supports(device: DeviceInfo, request: Request) -> str | None:
+    """None when the Hopper backend serves ``request`` on ``device``, else the reason."""
+    if request.device_type == "cpu":
+        if not triton_interpreter():
+            return "sm90 only (FP8 wgmma); CPU tensors only through Triton's interpreter (TRITON_INTERPRET=1)"
+    elif request.device_type != "cuda" or device.vendor != "nvidia":
+        return f"{device.arch or device.vendor}: needs an NVIDIA sm90 GPU (FP8 wgmma)"
+    elif device.sm != 90:
+        return f"{device.arch}: needs sm90 (FP8 wgmma; other architectures are not compiled for or proven)"
+    elif not device.triton:
+        return "triton is not installed (pip install triton)"
+    elif triton_interpreter():
+        return "TRITON_INTERPRET is set: Triton would interpret these kernels on the CPU"
+    if request.op == "write_kv":
+        from fp8kv_triton.kernels import supports as triton_supports
+
+        return triton_supports(device, request)
+    if not fp8_mode(request):
+        return "default-mode attention (16/32-bit math) is the triton backend's; hopper serves fp8_attention=True"
+    if request.kv_dtype != "fp8_e4m3":
+        return f"fp8_attention over {request.kv_dtype}: needs an fp8_e4m3 cache (e4m3 x e4m3 tensor cores)"
+    if request.scale_granularity not in GRANULARITIES:
+        return (f"fp8_attention with {request.scale_granularity} scales: needs {' or '.join(GRANULARITIES)} "
+                "(one K/V descale per head, as FA3)")
+    if request.head_size not in HEAD_SIZES:
+        return f"head_size {request.head_size}: fp8_attention serves {', '.join(map(str, HEAD_SIZES))}"
+    if request.io_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return f"query dtype {request.io_dtype}: needs float16, bfloat16 or float32"
+    return None
+
+
+def _arch(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"
+
+
+@dataclass(frozen=True)
+class HopperPlan:
+    """Per-step choices: the launch configuration, and the interpreter flag."""
+
+    config: Fp8AttnConfig
+    interpret: bool
+
+
+class HopperBackend:
+    """FP8 tensor-core paged attention (FA3-style FP8 mode) on sm90; the Triton write kernel."""
+
+    @hookimpl
+    def fp8kv_backend_info(self) -> BackendInfo:
+        return BackendInfo(
+            "hopper", __version__, priority=200,
+            description="sm90 FP8 tensor cores (wgmma e4m3) for fp8_attention=True over fp8_e4m3 caches with "
+                        "tensor/head scales; writes through the triton kernel",
+            fast=True,
+        )
+
+    @hookimpl
+    def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:
+        return supports(device, request)
+
+    @hookimpl
+    def fp8kv_write_kv(self, cache, key, value, slot_mapping) -> None:
+        from fp8kv_triton.kernels import codec_for, write_kv
+
+        arch = _arch(cache.device)
+        choice = codec_for(arch, cache.fmt, interpret=triton_interpreter())
+        write_kv(cache, key, value, slot_mapping, encoder=choice.encoder, arch=arch)
+
+    @hookimpl
+    def fp8kv_plan_attention(self, metadata: AttentionMetadata) -> HopperPlan:
+        from .attention import choose_config
+
+        spec = metadata.spec
+        interpret = triton_interpreter()
+        sms = 1 if interpret else torch.cuda.get_device_properties(spec.device).multi_processor_count
+        config = choose_config(group=metadata.num_q_heads // spec.num_kv_heads, num_seqs=metadata.num_seqs,
+                               num_kv_heads=spec.num_kv_heads, max_query_len=metadata.max_query_len,
+                               max_keys=metadata.block_tables.shape[1] * spec.block_size, num_sms=sms,
+                               interpret=interpret)
+        return HopperPlan(config, interpret)
+
+    @hookimpl
+    def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:
+        from .attention import paged_attention_fp8
+
+        plan: HopperPlan = metadata.backend_plan
+        opts = metadata.options
+        paged_attention_fp8(query, cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+                            metadata.max_query_len, opts.softmax_scale, opts.causal, opts.sliding_window,
+                            opts.logits_soft_cap, out, q_scale=opts.q_scale, prob_scale=opts.prob_scale, lse=lse,
+                            config=plan.config, interpret=plan.interpret)
