@@ -1,0 +1,115 @@
+"""The Hopper backend on an sm90 GPU: the FP8 attention mode against the reference within the mode's
+derived tolerance (conformance kit and real sizes), CUDA-graph capture, and FP8 wgmma in the code.
+
+Run on the H100 with ``python -m pytest -m gpu tests/test_hopper_gpu.py`` (``FP8KV_GPU_EXAMPLES``
+sets the kit's example count)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fp8kv
+from fp8kv.testing.tolerance import assert_fp8_attention_close, fp8_attention_tolerance
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                       reason="needs an sm90 GPU (FP8 wgmma)"),
+]
+pytest.importorskip("triton")
+
+DEV = torch.device("cuda")
+
+
+def _case(seqs, new, cached, H=8, HQ=32, D=128, page=16, granularity="head", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    L = new + cached
+    nblk = -(-L // page)
+    tables = torch.randperm(seqs * nblk, generator=g).to(torch.int32).view(seqs, nblk).to(DEV)
+    scales = (0.02 + 0.05 * torch.rand(H, generator=g)).to(DEV) if granularity == "head" else 0.04
+    cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity=granularity,
+                                   k_scale=scales, v_scale=scales, device=DEV)
+    n = seqs * nblk * page
+    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
+                   torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
+    T = seqs * new
+    q = (torch.randn(T, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
+    lens = torch.full((seqs,), L, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(0, T + 1, new, dtype=torch.int32, device=DEV)
+    return cache, q, tables, lens, qsl, new
+
+
+def _check(case, **kw):
+    cache, q, tables, lens, qsl, new = case
+    args = dict(block_tables=tables, seq_lens=lens, query_start_loc=qsl, max_query_len=new, fp8_attention=True, **kw)
+    meta = fp8kv.plan_attention(cache, num_q_heads=q.shape[1], query_dtype=q.dtype, backend="hopper", **args)
+    out, lse = fp8kv.paged_attention(q, cache, meta, return_lse=True)
+    ref_meta = fp8kv.plan_attention(cache, num_q_heads=q.shape[1], query_dtype=q.dtype, backend="reference", **args)
+    ref, ref_lse = fp8kv.paged_attention(q, cache, ref_meta, return_lse=True)
+    o = ref_meta.options
+    tol, lse_tol = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, softmax_scale=o.softmax_scale,
+                                           causal=o.causal, sliding_window=o.sliding_window,
+                                           logits_soft_cap=o.logits_soft_cap, q_scale=o.q_scale,
+                                           prob_scale=o.prob_scale)
+    assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+    return meta, out
+
+
+def test_conformance_kit_fp8_mode():
+    from fp8kv.testing import check_backend
+
+    report = check_backend("hopper", device="cuda", head_sizes=(64, 128), kv_dtypes=("fp8_e4m3",),
+                           granularities=("tensor", "head"), fp8_attention=True, max_seq_len=300,
+                           examples=int(os.environ.get("FP8KV_GPU_EXAMPLES", "25")))
+    assert report.served["paged_attention"] and report.served["write_kv"]
+
+
+@pytest.mark.parametrize("q_scale", [None, "kv_head"])
+def test_chunked_prefill_at_size(q_scale):
+    qs = None if q_scale is None else torch.full((8,), 0.01, device=DEV)
+    _check(_case(2, 512, 512), q_scale=qs)
+
+
+def test_decode_split_kv_at_size():
+    meta, _ = _check(_case(4, 1, 4095, granularity="tensor"))
+    assert meta.backend_plan.config.num_splits > 1
+
+
+def test_window_soft_cap_and_prob_scale():
+    _check(_case(2, 256, 300, seed=1), sliding_window=200, logits_soft_cap=20.0, prob_scale=0.5)
+
+
+def test_cuda_graph_replay_is_bit_identical():
+    cache, q, tables, lens, qsl, new = _case(2, 128, 256)
+    meta = fp8kv.plan_attention(cache, num_q_heads=q.shape[1], query_dtype=q.dtype, block_tables=tables,
+                                seq_lens=lens, query_start_loc=qsl, max_query_len=new, fp8_attention=True,
+                                backend="hopper", validate=False)
+    eager = fp8kv.paged_attention(q, cache, meta)
+    out = torch.empty_like(q)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fp8kv.paged_attention(q, cache, meta, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8kv.paged_attention(q, cache, meta, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+def test_the_kernel_uses_fp8_wgmma():
+    """The compiled kernel's PTX has e4m3 x e4m3 wgmma (SASS: QGMMA; benchmarks/results/hopper_*)."""
+    from fp8kv_hopper import attention
+
+    cache, q, tables, lens, qsl, new = _case(1, 256, 0)
+    out = torch.empty_like(q)
+    attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
+                                  q_scale=None, prob_scale=1.0)
+    kernels = [k for cache_ in attention.fp8_attention_kernel.device_caches.values() for k in cache_[0].values()]
+    assert any("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in k.asm["ptx"] for k in kernels)
