@@ -37,8 +37,10 @@ import triton.language as tl
 from fp8kv_triton.kernels import (
     codec_args,
     encode_f32_bits,
+    key_range,
     lse_from_state,
     merge_splits,
+    program_rows,
     saturate,
     saturate_out,
     scale_factors,
@@ -191,36 +193,18 @@ def fp8_attention_kernel(
     split = tl.program_id(2)
     seq = pid_q // max_q_blocks
     qb = pid_q % max_q_blocks
-    q_start = tl.minimum(tl.maximum(tl.load(QSL + seq), 0), T)
-    q_end = tl.minimum(tl.maximum(tl.load(QSL + seq + 1), 0), T)
-    q_len = tl.maximum(q_end - q_start, 0)
+    q_len, seq_len, row_valid, tok, qh, pos = program_rows(QSL, SEQ_LENS, seq, qb, T, max_keys, block_q, group, kvh,
+                                                           BLOCK_M)
     if qb * block_q >= q_len:
         return
-    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + seq), 0), max_keys)
-
-    rows = tl.arange(0, BLOCK_M)
-    qi = rows // group
-    tok_in_seq = qb * block_q + qi
-    row_valid = (qi < block_q) & (tok_in_seq < q_len)
-    tok = (q_start + tok_in_seq).to(tl.int64)
-    qh = kvh * group + rows % group
-    pos = seq_len - q_len + tok_in_seq
     d = tl.arange(0, D)
     q_off = (tok * HQ + qh)[:, None] * D + d[None, :]
     qmask = row_valid[:, None]
     q8, qs = _quantize_query(Q, QS, q_off, qmask, kvh, qh, stride_qs_kv, stride_qs_q, Q_DYNAMIC, NATIVE, F_MANT,
                              F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE)
 
-    first_pos = seq_len - q_len + qb * block_q
-    last_pos = seq_len - q_len + tl.minimum(qb * block_q + block_q, q_len) - 1
-    hi = tl.where(causal != 0, last_pos + 1, seq_len)
-    lo = tl.maximum(first_pos - window + 1, 0)
-    if SPLIT:
-        lo = tl.maximum(lo, split * keys_per_split)
-        hi = tl.minimum(hi, (split + 1) * keys_per_split)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    all_lo = last_pos - window + 1
-    all_hi = tl.where(causal != 0, first_pos + 1, seq_len)
+    lo, hi, all_lo, all_hi, _, _ = key_range(seq_len, q_len, qb, block_q, window, causal, split, keys_per_split,
+                                             SPLIT, BLOCK_N)
 
     kvh64 = kvh.to(tl.int64)
     KC = KC + kvh64 * stride_kh

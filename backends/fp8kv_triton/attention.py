@@ -311,6 +311,50 @@ def _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok
 
 
 @triton.jit
+def _program_rows(QSL, SEQ_LENS, seq, qb, T, max_keys, block_q, group, kvh, BLOCK_M: tl.constexpr):
+    """The query rows of the program at query block ``qb`` of sequence ``seq`` (GQA packing: row ``r``
+    is token ``r // group`` of the block and query head ``kvh * group + r % group``).
+
+    Returns ``(q_len, seq_len, row_valid, tok, qh, pos)``: the sequence's query and key counts, clamped
+    to what the tensors hold (``query_start_loc`` to ``[0, T]``, ``seq_lens`` to ``[0, max_keys]``:
+    garbage never becomes an address), each row's validity, token (int64), head and position. A
+    program with ``qb * block_q >= q_len`` has no rows (the caller returns).
+    """
+    q_start = tl.minimum(tl.maximum(tl.load(QSL + seq), 0), T)
+    q_end = tl.minimum(tl.maximum(tl.load(QSL + seq + 1), 0), T)
+    q_len = tl.maximum(q_end - q_start, 0)
+    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + seq), 0), max_keys)
+    rows = tl.arange(0, BLOCK_M)
+    qi = rows // group
+    tok_in_seq = qb * block_q + qi
+    row_valid = (qi < block_q) & (tok_in_seq < q_len)
+    tok = (q_start + tok_in_seq).to(tl.int64)
+    qh = kvh * group + rows % group
+    pos = seq_len - q_len + tok_in_seq  # position of each row's query token
+    return q_len, seq_len, row_valid, tok, qh, pos
+
+
+@triton.jit
+def _key_range(seq_len, q_len, qb, block_q, window, causal, split, keys_per_split, SPLIT: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The keys the program visits, ``[lo, hi)`` (``lo`` tile-aligned; its split's share with ``SPLIT``),
+    and ``[all_lo, all_hi)``, the keys visible to every row of the block (tiles inside need no mask),
+    with ``first_pos``/``last_pos`` the block's first and last query positions."""
+    first_pos = seq_len - q_len + qb * block_q
+    last_pos = seq_len - q_len + tl.minimum(qb * block_q + block_q, q_len) - 1
+    hi = tl.where(causal != 0, last_pos + 1, seq_len)
+    lo = tl.maximum(first_pos - window + 1, 0)
+    if SPLIT:
+        lo = tl.maximum(lo, split * keys_per_split)
+        hi = tl.minimum(hi, (split + 1) * keys_per_split)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    # [last_pos - window + 1, first_pos] (causal) or [last_pos - window + 1, seq_len) (not causal)
+    all_lo = last_pos - window + 1
+    all_hi = tl.where(causal != 0, first_pos + 1, seq_len)
+    return lo, hi, all_lo, all_hi, first_pos, last_pos
+
+
+@triton.jit
 def _logits(
     q, kc, kmask, blk, tib, KS, f1, f2, g_mant, g_exp, soft_cap, stride_ksb, stride_kst,
     USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr, QK_DT: tl.constexpr, DEC_MODE: tl.constexpr,
@@ -678,22 +722,11 @@ def _attn_kernel(
     split = tl.program_id(2)
     seq = pid_q // max_q_blocks
     qb = pid_q % max_q_blocks
-    # metadata values are clamped to what the tensors hold: garbage never becomes an address
-    q_start = tl.minimum(tl.maximum(tl.load(QSL + seq), 0), T)
-    q_end = tl.minimum(tl.maximum(tl.load(QSL + seq + 1), 0), T)
-    q_len = tl.maximum(q_end - q_start, 0)
+    # ---- query rows: (token in block, head in group); metadata clamped to what the tensors hold
+    q_len, seq_len, row_valid, tok, qh, pos = _program_rows(QSL, SEQ_LENS, seq, qb, T, max_keys, block_q, group,
+                                                            kvh, BLOCK_M)
     if qb * block_q >= q_len:
         return
-    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + seq), 0), max_keys)
-
-    # ---- query rows: (token in block, head in group)
-    rows = tl.arange(0, BLOCK_M)
-    qi = rows // group
-    tok_in_seq = qb * block_q + qi
-    row_valid = (qi < block_q) & (tok_in_seq < q_len)
-    tok = (q_start + tok_in_seq).to(tl.int64)
-    qh = kvh * group + rows % group
-    pos = seq_len - q_len + tok_in_seq  # position of each row's query token
     d = tl.arange(0, BLOCK_D)
     if EVEN_D:
         dmask = d < BLOCK_D
@@ -703,15 +736,9 @@ def _attn_kernel(
     qmask = row_valid[:, None] & dmask[None, :]
     q, q_shift = _load_query(Q, q_off, qmask, Q_BITS, QK_DT)
 
-    # ---- the keys this program visits
-    first_pos = seq_len - q_len + qb * block_q
-    last_pos = seq_len - q_len + tl.minimum(qb * block_q + block_q, q_len) - 1
-    hi = tl.where(causal != 0, last_pos + 1, seq_len)
-    lo = tl.maximum(first_pos - window + 1, 0)
-    if SPLIT:
-        lo = tl.maximum(lo, split * keys_per_split)
-        hi = tl.minimum(hi, (split + 1) * keys_per_split)
-    lo = (lo // BLOCK_N) * BLOCK_N
+    # ---- the keys this program visits, and those visible to every row
+    lo, hi, all_lo, all_hi, first_pos, last_pos = _key_range(seq_len, q_len, qb, block_q, window, causal, split,
+                                                             keys_per_split, SPLIT, BLOCK_N)
 
     # ---- this program's kv_head in the caches and scales (int64: large caches)
     kvh64 = kvh.to(tl.int64)
@@ -728,10 +755,6 @@ def _attn_kernel(
     else:
         f1, f2 = _scale_factors(tl.load(KS), sm_scale, g_exp)
 
-    # keys visible to every row of the block: [last_pos - window + 1, first_pos] (causal) or
-    # [last_pos - window + 1, seq_len) (not causal); tiles inside need no mask
-    all_lo = last_pos - window + 1
-    all_hi = tl.where(causal != 0, first_pos + 1, seq_len)
     # fewest keys any row sees: below FULL_P_KEYS of them P keeps ~22 bits (see _pv_dot)
     min_keys = tl.where(
         causal != 0, tl.minimum(first_pos + 1, window), seq_len - tl.maximum(last_pos - window + 1, 0)

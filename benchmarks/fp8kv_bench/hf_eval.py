@@ -152,24 +152,27 @@ class CacheSpec:
     kind: str
     kv_dtype: str | None = None
     granularity: str | None = None
+    fp8_attention: bool = False
 
     @property
     def name(self) -> str:
         if self.kind != "fp8kv":
             return self.kind
         short = {"tensor": "tensor", "head": "head", "token_head": "token_head"}[self.granularity]
-        return f"fp8kv-{self.kv_dtype.removeprefix('fp8_')}-{short}"
+        return f"fp8kv-{self.kv_dtype.removeprefix('fp8_')}-{short}" + ("-fp8attn" if self.fp8_attention else "")
 
     @classmethod
     def parse(cls, name: str) -> CacheSpec:
-        """``none``, ``hf-fp8`` or ``fp8kv-<e4m3|e5m2|...>-<tensor|head|token_head>``."""
+        """``none``, ``hf-fp8`` or ``fp8kv-<e4m3|e5m2|...>-<tensor|head|token_head>[-fp8attn]`` (the suffix:
+        the FP8 attention mode, e4m3 with tensor/head scales)."""
         if name in ("none", "hf-fp8"):
             return cls(name)
-        parts = name.split("-", 2)
+        fp8 = name.endswith("-fp8attn")
+        parts = name.removesuffix("-fp8attn").split("-", 2)
         if len(parts) == 3 and parts[0] == "fp8kv" and parts[2] in ("tensor", "head", "token_head"):
-            return cls("fp8kv", "fp8_" + parts[1], parts[2])
+            return cls("fp8kv", "fp8_" + parts[1], parts[2], fp8)
         raise InvalidArgument(f"cache: got {name!r}, expected none, hf-fp8 or "
-                         "fp8kv-<e4m3|e5m2>-<tensor|head|token_head>")
+                         "fp8kv-<e4m3|e5m2>-<tensor|head|token_head>[-fp8attn]")
 
 
 ALL_SPECS = (
@@ -226,7 +229,7 @@ class CacheMaker:
             kw = {"k_scales": self.scales[0], "v_scales": self.scales[1]}
         return FP8PagedCache(model.config, kv_dtype=self.spec.kv_dtype,
                              scale_granularity=self.spec.granularity, block_size=self.block_size,
-                             backend=self.backend, **kw)
+                             backend=self.backend, fp8_attention=self.spec.fp8_attention, **kw)
 
 
 # ------------------------------------------------------------------------------------ measurements

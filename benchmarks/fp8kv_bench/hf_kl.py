@@ -182,7 +182,9 @@ def standard_makers(model, names: Iterable[str], backend: str, calibration_ids: 
             out.append(Maker(name, lambda: transformed_cache(model.config, bf16_round)))
             continue
         spec = CacheSpec.parse(name)
-        cm = CacheMaker(model, spec, backend=backend, calibration_ids=calibration_ids, margin=margin)
+        # the FP8 attention mode: the backends that serve it (hopper on sm90, else the reference)
+        cm = CacheMaker(model, spec, backend="auto" if spec.fp8_attention else backend,
+                        calibration_ids=calibration_ids, margin=margin)
         attn = "fp8kv" if spec.kind == "fp8kv" else "sdpa"
         out.append(Maker(name, cm, attn))
     return out

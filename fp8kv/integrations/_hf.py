@@ -299,7 +299,7 @@ class FP8PagedCache(Cache):
 
     def __init__(self, config, *, kv_dtype: str | None = None, scale_granularity: str | None = None,
                  k_scales=None, v_scales=None, plan=None, layout: str | None = None, block_size: int = 16,
-                 max_cache_len: int | None = None, backend: str = "auto"):
+                 max_cache_len: int | None = None, backend: str = "auto", fp8_attention: bool = False):
         shape = model_shape(config)
         self.shape = shape
         n = shape.num_layers
@@ -333,6 +333,9 @@ class FP8PagedCache(Cache):
                               "or use scale_granularity='token_head'.", UserWarning, stacklevel=2)
         self.k_scales, self.v_scales = ks, vs
         self.backend = backend
+        if not isinstance(fp8_attention, bool):
+            raise bad_argument("fp8_attention", repr(fp8_attention), "True or False")
+        self.fp8_attention = fp8_attention  # the opt-in FP8 attention mode (fp8kv.fp8_attention)
         self._max_cache_len = max_cache_len
         self.pool = BlockPool(block_size, max_cache_len=max_cache_len)
         self.plan = plan
@@ -505,7 +508,8 @@ class FP8PagedCache(Cache):
                 kv, num_q_heads=num_q_heads, query_dtype=dtype, block_tables=plan.block_tables,
                 seq_lens=plan.seq_lens, query_start_loc=plan.query_start_loc, slot_mapping=plan.slot_mapping,
                 num_tokens=plan.num_tokens, max_query_len=plan.max_query_len, softmax_scale=scaling,
-                sliding_window=sliding_window, logits_soft_cap=softcap, backend=self.backend)
+                sliding_window=sliding_window, logits_soft_cap=softcap, backend=self.backend,
+                fp8_attention=self.fp8_attention)
         return meta
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
