@@ -23,6 +23,8 @@ join the caller's graph) and attention outputs never require grad, on every back
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import ops as _ops
@@ -111,6 +113,7 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    layer_scales: dict | None = None,
     **one_shot,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` over the paged FP8 cache.
@@ -126,6 +129,10 @@ def paged_attention(
         out: optional ``[num_tokens, Hq, D]`` output in the query dtype, contiguous.
         return_lse: also return the float32 ``[num_tokens, Hq]`` log-sum-exp (natural log) of
             each row's logits, for :func:`merge_attention_states`.
+        layer_scales: FP8 attention mode only: this layer's ``{"q_scale": ..., "prob_scale": ...}``
+            (e.g. :meth:`fp8kv.KVCachePlan.fp8_attention_scales`), replacing the step's for this call.
+            Shapes, dtype and device are checked here; the values (finite, > 0) only when the
+            metadata was planned (no host sync per layer).
     Returns:
         ``out`` (``[num_tokens, Hq, D]`` in the query dtype), or ``(out, lse)``.
     """
@@ -154,6 +161,8 @@ def paged_attention(
         meta = plan_attention(cache, block_tables=metadata, seq_lens=seq_lens, num_q_heads=query.shape[1],
                               query_dtype=query.dtype, num_tokens=query.shape[0], **one_shot)
     meta.check_cache(cache)
+    if layer_scales is not None:
+        meta = _with_layer_scales(meta, layer_scales)
     spec = meta.spec
     want = (meta.num_tokens, meta.num_q_heads, spec.head_size)
     check_tensor("query", query, dtypes=(meta.query_dtype,), ndim=3, device=spec.device)
@@ -185,6 +194,30 @@ def paged_attention(
         else:
             meta.attention.backend.paged_attention(query, cache, meta, out, lse)
     return (out, lse) if return_lse else out
+
+
+def _with_layer_scales(meta: AttentionMetadata, layer_scales: dict) -> AttentionMetadata:
+    """``meta`` with this layer's FP8-mode q/prob scales (a shallow copy; the backend plan is kept)."""
+    import dataclasses
+
+    if not meta.options.fp8_attention:
+        raise bad_argument("layer_scales", "given", "None unless the metadata was planned with fp8_attention=True")
+    if not isinstance(layer_scales, dict) or not set(layer_scales) <= {"q_scale", "prob_scale"}:
+        raise bad_argument("layer_scales", repr(layer_scales), "a dict with the keys q_scale and/or prob_scale")
+    q_scale = layer_scales.get("q_scale", meta.options.q_scale)
+    prob_scale = layer_scales.get("prob_scale", meta.options.prob_scale)
+    H, Hq = meta.spec.num_kv_heads, meta.num_q_heads
+    if q_scale is not None and (not isinstance(q_scale, torch.Tensor) or q_scale.dtype != torch.float32
+                                or tuple(q_scale.shape) not in ((), (H,), (Hq,))
+                                or q_scale.device != meta.spec.device):
+        raise bad_argument("layer_scales", f"q_scale {getattr(q_scale, 'dtype', type(q_scale).__name__)} "
+                           f"{tuple(getattr(q_scale, 'shape', ()))}",
+                           f"q_scale float32 of shape [], [{H}] or [{Hq}] on {meta.spec.device}, or None")
+    if not isinstance(prob_scale, (int, float)) or isinstance(prob_scale, bool) \
+            or not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= 3.4028234663852886e38):
+        raise bad_argument("layer_scales", f"prob_scale {prob_scale!r}", "a finite number in [2^-126, FLOAT32_MAX]")
+    options = dataclasses.replace(meta.options, q_scale=q_scale, prob_scale=float(prob_scale))
+    return dataclasses.replace(meta, options=options)
 
 
 def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,

@@ -225,3 +225,38 @@ def test_default_mode_backends_decline_with_a_reason():
     with pytest.raises(Fp8KVError, match="fp8_attention"):
         fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
                              query_start_loc=qsl, fp8_attention=True, backend="torch")
+
+
+def test_per_layer_scales_replace_the_steps_for_one_call():
+    cache, q, tables, lens, qsl = _setup()
+    step = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
+                                query_start_loc=qsl, fp8_attention=True, backend="reference")
+    qs = torch.tensor([0.01, 0.004])
+    got = fp8kv.paged_attention(q, cache, step, layer_scales={"q_scale": qs, "prob_scale": 0.5})
+    want, _ = _reference(q, cache, tables, lens, qsl, q_scale=qs, prob_scale=0.5)
+    assert torch.equal(got, want)
+    assert step.options.q_scale is None and step.options.prob_scale == 1.0  # the step's own are untouched
+    with pytest.raises(InvalidArgument, match="^layer_scales: got q_scale"):
+        fp8kv.paged_attention(q, cache, step, layer_scales={"q_scale": torch.ones(3)})
+    default = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
+                                   query_start_loc=qsl, backend="reference")
+    with pytest.raises(InvalidArgument, match="^layer_scales: got given"):
+        fp8kv.paged_attention(q, cache, default, layer_scales={"prob_scale": 2.0})
+
+
+def test_checkpoint_q_and_prob_scales_flow_into_the_mode():
+    from fp8kv.checkpoint.plan import KVCachePlan
+
+    plan = KVCachePlan("fp8", "fp8_e4m3", "tensor", "checkpoint", q_scales={0: torch.tensor(0.02)},
+                       prob_scales={0: torch.tensor(0.5)})
+    assert plan.fp8_attention_scales(1) == {"q_scale": None, "prob_scale": 1.0}
+    got = plan.fp8_attention_scales(0)
+    assert float(got["q_scale"]) == pytest.approx(0.02) and got["prob_scale"] == 0.5
+    cache, q, tables, lens, qsl = _setup(granularity="tensor")
+    step = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
+                                query_start_loc=qsl, fp8_attention=True, backend="reference")
+    out = fp8kv.paged_attention(q, cache, step, layer_scales=got)
+    assert torch.equal(out, _reference(q, cache, tables, lens, qsl, **got)[0])
+    fnuz = KVCachePlan("fp8", "fp8_e4m3fnuz", "tensor", "checkpoint")
+    with pytest.raises(Fp8KVError, match="fp8_e4m3 plan"):
+        fnuz.fp8_attention_scales(0)

@@ -130,6 +130,26 @@ class KVCachePlan:
                 raise Fp8KVError(f"{name}: got {given!r}, expected {want}")
         return self.kv_dtype, self.scale_granularity, ks, vs
 
+    def fp8_attention_scales(self, layer: int, device: torch.device | str | None = None) -> dict:
+        """``layer``'s checkpoint ``q_scale`` and ``prob_scale`` as keywords of the FP8 attention mode
+        (:func:`fp8kv.plan_attention` for a whole step, or :func:`fp8kv.paged_attention` per layer):
+        ``{"q_scale": float32 tensor or None (dynamic), "prob_scale": float}``.
+
+        vLLM doubles a checkpoint's q and prob scales (calibrated for OCP e4m3) on e4m3fnuz devices;
+        the FP8 mode is defined for ``fp8_e4m3`` caches only, so such a plan raises instead.
+        """
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise bad_argument("layer", repr(layer), "an int layer index")
+        if self.kv_dtype != "fp8_e4m3":
+            raise Fp8KVError(f"fp8_attention: got a plan for {self.kv_dtype!r}, expected an fp8_e4m3 plan (the FP8 "
+                             "attention mode is defined for e4m3 caches; vLLM's x2 rule for q/prob scales on "
+                             "e4m3fnuz never applies here)")
+        q = self.q_scales.get(layer)
+        if q is not None:
+            q = q.to(dtype=torch.float32, device=device)
+        p = self.prob_scales.get(layer)
+        return {"q_scale": q, "prob_scale": 1.0 if p is None else float(p.reshape(-1)[0])}
+
     # -- explaining the plan -----------------------------------------------------------
     def to_dict(self) -> dict:
         """JSON-ready: tensors become numbers (per-tensor) or lists (per-head)."""
