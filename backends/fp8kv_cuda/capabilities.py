@@ -37,7 +37,7 @@ COMPILED_ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 """Architectures every kernel is compiled for in CPU CI (python -m fp8kv_cuda.compile)."""
 RUN_ARCHES: tuple[str, ...] = ("sm90",)
 """Architectures where tests/test_cuda_gpu.py has passed on real hardware (add one only after a
-recorded run: sm90, H100, 2026-11-23, ci/reports/cuda_h100_2026-11-23/); the others are compiled,
+recorded run: sm90, H100, 2026-11-23, ci/reports/archive/cuda_h100_2026-11-23/); the others are compiled,
 not run."""
 
 

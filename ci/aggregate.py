@@ -1,0 +1,145 @@
+"""Regenerate ``ci/reports/MATRIX.md`` from the cells' reports: ``python -m ci aggregate``.
+
+Rows: backend x op x mode x format x granularity (the two layouts folded); columns: the cells.
+Claims come from :func:`ci.cells.claims` at aggregation time, so a backend that changes what it
+supports changes the matrix with no hand edit; what verified each claim comes from the reports:
+
+* ``passed``: a run (GPU) or CPU part ran that backend's tests and they passed;
+* ``compiled``: the cell compiled that backend's kernels without error or unbudgeted spill, not run;
+* ``FAILED``: the part that verifies it failed or timed out;
+* ``claimed``: claimed, but no report of the cell verifies it (e.g. the reference on a GPU cell
+  without a run);
+* ``-``: not claimed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .cells import ROOT, Claim, claims, load_cells
+
+REPORTS = ROOT / "ci" / "reports"
+GPU_TEST_OF = {"triton": "tests/test_triton_gpu.py", "hopper": "tests/test_hopper_gpu.py",
+               "cuda": "tests/test_cuda_gpu.py", "reference": None}
+CPU_BACKENDS = ("reference", "torch")
+COMPILER_OF = {"cuda": "cuda", "triton": "triton"}
+
+TARGETS = [  # (what, file, how to read the measured value, target, unit); ratios > target are met
+    ("decode B=32 L=4096: fraction of the FP8 roofline", "benchmarks/results/decode_h100.json",
+     ("default", 32, 4096, "frac_roofline"), 0.80, ""),
+    ("decode B=8 L=32768: fraction of the FP8 roofline", "benchmarks/results/decode_h100.json",
+     ("default", 8, 32768, "frac_roofline"), 0.80, ""),
+    ("decode B=32 L=4096: speed-up vs FlashInfer FP8", "benchmarks/results/decode_h100.json",
+     ("default", 32, 4096, "vs:flashinfer_fp8_tc"), 1.20, "x"),
+    ("decode B=8 L=32768: speed-up vs FlashInfer FP8", "benchmarks/results/decode_h100.json",
+     ("default", 8, 32768, "vs:flashinfer_fp8_tc"), 1.20, "x"),
+    ("prefill 4x2048/2048, FP8 mode: speed-up vs FlashInfer bf16",
+     "benchmarks/results/hopper_prefill_h100.json", ("hopper fp8 head-q", "4x2048 over 2048", "flashinfer"), 1.30, "x"),
+]
+
+
+def _load(cell: str) -> dict[str, dict]:
+    out = {}
+    for part in ("cpu", "compile", "gpu"):
+        path = REPORTS / cell / f"{part}.json"
+        if path.is_file():
+            out[part] = json.loads(path.read_text())
+    return out
+
+
+def _status(claim: Claim, cell, parts: dict[str, dict]) -> str:
+    if cell.kind == "cpu":
+        rec = parts.get("cpu")
+        if rec and claim.backend in CPU_BACKENDS:
+            return "passed" if rec["passed"] else "FAILED"
+        return "claimed"
+    gpu = parts.get("gpu")
+    if gpu is not None and claim.backend in GPU_TEST_OF:
+        test = GPU_TEST_OF[claim.backend]
+        if test is None or test in cell.gpu_tests:
+            return "passed" if gpu["passed"] else "FAILED"
+    comp = parts.get("compile")
+    compiler = COMPILER_OF.get(claim.backend)
+    if comp is not None and compiler in cell.compile:
+        step = next((s for s in comp["steps"] if s["name"].startswith(compiler)), None)
+        if step is not None:
+            return "compiled" if step["rc"] == 0 else "FAILED"
+    return "claimed"
+
+
+def _bench_rows() -> list[str]:
+    rows = ["| benchmark | measured | target | met | source |", "|---|---|---|---|---|"]
+    for what, path, key, target, unit in TARGETS:
+        p = ROOT / path
+        value = None
+        if p.is_file():
+            rec = json.loads(p.read_text())
+            if "rows" in rec:
+                impl, B, L, field = key
+                at = {r["what"]: r for r in rec["rows"] if r["B"] == B and r["L"] == L}
+                if field.startswith("vs:"):
+                    base = at.get(field[3:])
+                    value = base["ms"] / at[impl]["ms"] if base and impl in at else None
+                else:
+                    value = at.get(impl, {}).get(field)
+            else:
+                impl, shape, base = key
+                rs = [r for r in rec["results"] if r["shape"] == shape]
+                mine = next((r["ms"] for r in rs if r["impl"].startswith(impl)), None)
+                theirs = next((r["ms"] for r in rs if r["impl"].startswith(base)), None)
+                value = theirs / mine if mine and theirs else None
+        shown = "-" if value is None else (f"{value:.2f}{unit}" if unit else f"{100 * value:.0f}%")
+        goal = f"{target:.2f}{unit}" if unit else f"{100 * target:.0f}%"
+        met = "-" if value is None else ("yes" if value >= target else "no")
+        rows.append(f"| {what} | {shown} | {goal} | {met} | `{path}` |")
+    return rows
+
+
+def render() -> str:
+    cells = load_cells()
+    table: dict[tuple, dict[str, set]] = defaultdict(lambda: defaultdict(set))
+    for name, cell in cells.items():
+        parts = _load(name)
+        for c in claims(name):
+            key = (c.backend, c.op, c.mode, c.kv_dtype, c.scale_granularity)
+            table[key][name].add((_status(c, cell, parts), c.layout))
+    lines = ["# Hardware CI matrix", "",
+             "Generated by `python -m ci aggregate` from `ci/matrix.toml`, the claims the backend registry makes "
+             "for each cell's device, and the reports under `ci/reports/<cell>/`. Entries: **passed** (run and "
+             "passed), **compiled** (compiled only), **FAILED**, *claimed* (claimed, not verified by a report), "
+             "`-` (not claimed). Layouts NHD and HND are folded (both claimed unless one is named).", ""]
+    lines.append("## Cells\n")
+    lines.append("| cell | kind | runner | budget | report |")
+    lines.append("|---|---|---|---|---|")
+    for name, cell in cells.items():
+        parts = _load(name)
+        rep = ", ".join(f"{p}: {'passed' if r['passed'] else 'FAILED'} ({r['date'][:10]}, {r['device']['name']})"
+                        for p, r in parts.items()) or "none yet"
+        lines.append(f"| {name} | {cell.kind} | `{cell.runner}` | {cell.budget_s} s | {rep} |")
+    lines += ["", "## Claims", "",
+              "| backend | op | mode | format | granularity | " + " | ".join(cells) + " |",
+              "|" + "---|" * (5 + len(cells))]
+    for key in sorted(table):
+        row = []
+        for name in cells:
+            got = table[key].get(name)
+            if not got:
+                row.append("-")
+                continue
+            statuses = {s for s, _ in got}
+            layouts = {lay for _, lay in got}
+            s = "FAILED" if "FAILED" in statuses else min(statuses, key=("passed", "compiled", "claimed").index)
+            row.append(s + ("" if len(layouts) == 2 else f" ({next(iter(layouts))})"))
+        lines.append("| " + " | ".join(key) + " | " + " | ".join(row) + " |")
+    lines += ["", "## Latest benchmark ratios against their targets (H100)", "", *_bench_rows(), ""]
+    return "\n".join(lines)
+
+
+def main_aggregate(out: str | None = None) -> int:
+    text = render()
+    path = Path(out) if out else REPORTS / "MATRIX.md"
+    path.write_text(text)
+    print(f"wrote {path} ({text.count(chr(10))} lines)")
+    return 0

@@ -1,0 +1,189 @@
+"""Run one cell: ``python -m ci run CELL [--part compile|gpu|cpu] [--out DIR] [--budget S]``.
+
+* ``cpu`` (the CI machine): the conformance kit over the CPU backends' claims (``tests/test_conformance.py``,
+  ``tests/test_torch_backend.py``, ``tests/test_fp8_attention.py``) with the derandomized ``ci`` Hypothesis
+  profile (the ``thorough`` one, 2000 examples a test, is for GPU cells: on 2 CPU cores it outruns any budget).
+* ``compile`` (any CPU): every compiler the cell lists compiles its kernel variants for the cell's target
+  (``python -m fp8kv_cuda.compile``, ``python -m fp8kv_triton.aot``) and records registers and spills.
+* ``gpu`` (a run cell's GPU): first confirms the device is the cell's architecture, then the cell's GPU
+  test files (``-m gpu``, ``FP8KV_GPU_EXAMPLES``) and the Hopper prefill benchmark where it applies.
+
+Every part writes JUnit XML (pytest parts), ``<part>.json`` (device, driver, versions, commit, date,
+passed/failed/timed-out counts, exit codes) and ``SUMMARY.md`` under ``ci/reports/<cell>/`` (or ``--out``).
+A step that runs past the budget is killed and counted as **failed** (``timed_out``), never as unfinished.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+from .cells import ROOT, Cell, load_cells
+
+CPU_TESTS = ("tests/test_conformance.py", "tests/test_torch_backend.py", "tests/test_fp8_attention.py")
+
+
+def _versions() -> dict:
+    out = {"python": platform.python_version()}
+    for mod in ("torch", "triton", "cupy", "fp8kv"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - not installed here
+            out[mod] = None
+    return out
+
+
+def _device() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"name": "cpu", "arch": None, "driver": None, "cuda": None}
+    major, minor = torch.cuda.get_device_capability()
+    driver = None
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return {"name": torch.cuda.get_device_name(), "arch": f"sm{major}{minor}", "driver": driver,
+            "cuda": torch.version.cuda}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=20).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _step(name: str, cmd: list[str], deadline: float, env: dict | None = None, log: Path | None = None) -> dict:
+    """Run one command until the cell's deadline; a time-out is a failure."""
+    left = deadline - time.monotonic()
+    t0 = time.monotonic()
+    if left <= 0:
+        return {"name": name, "cmd": cmd, "rc": None, "timed_out": True, "seconds": 0.0}
+    print(f"[ci] {name}: {' '.join(cmd)} (at most {left:.0f} s)", flush=True)
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
+                           timeout=left)
+        rc, timed_out, text = p.returncode, False, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc, timed_out = None, True
+        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+    if log is not None:
+        log.write_text(text)
+    print(text[-2000:], flush=True)
+    return {"name": name, "cmd": cmd, "rc": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1)}
+
+
+def _junit_counts(path: Path) -> dict:
+    """passed / failed / errors / skipped of a pytest JUnit file (zeros when absent)."""
+    counts = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    if not path.is_file():
+        return counts
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root)
+    for s in suites:
+        for key in ("tests", "failures", "errors", "skipped"):
+            counts[{"failures": "failed"}.get(key, key)] += int(s.get(key, 0))
+    counts["passed"] = counts["tests"] - counts["failed"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
+    """Run ``part`` of ``cell``; returns the record also written to ``out/<part>.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + budget
+    steps, junit = [], {}
+    py = sys.executable
+    if part == "cpu":
+        xml = out / "cpu_kit.xml"
+        steps.append(_step("conformance kit (ci profile)", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                                                         f"--junitxml={xml}", *CPU_TESTS], deadline,
+                           env={"HYPOTHESIS_PROFILE": "ci"}, log=out / "cpu_kit.log"))
+        junit["cpu_kit"] = _junit_counts(xml)
+    elif part == "compile":
+        if "cuda" in cell.compile:
+            steps.append(_step("cuda kernels (NVRTC 12)", [py, "-m", "fp8kv_cuda.compile", "--arch", cell.name,
+                                                           "--set", "full", "--json", str(out / "cuda_compile.json")],
+                               deadline, log=out / "cuda_compile.log"))
+        if "triton" in cell.compile:
+            steps.append(_step("triton kernels (AOT)", [py, "-m", "fp8kv_triton.aot", "--target", cell.name,
+                                                        "--set", "full", "--jobs", "2", "--json",
+                                                        str(out / "triton_compile.json"), "--baseline",
+                                                        str(ROOT / "ci/reports/compile/nvidia_spill_baseline.json")],
+                               deadline, log=out / "triton_compile.log"))
+    elif part == "gpu":
+        dev = _device()
+        if dev["arch"] != cell.name:
+            raise SystemExit(f"cell {cell.name}: this machine is {dev['name']} ({dev['arch']}), not {cell.name}")
+        xml = out / "gpu_tests.xml"
+        workers = []
+        if importlib.util.find_spec("xdist") is not None:  # pytest-xdist where installed: one GPU, 8 workers
+            workers = ["-n", str(min(8, os.cpu_count() or 1))]
+        steps.append(_step("GPU tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *workers,
+                                         f"--junitxml={xml}", *cell.gpu_tests], deadline,
+                           env={"FP8KV_GPU_EXAMPLES": os.environ.get("FP8KV_GPU_EXAMPLES", "10")},
+                           log=out / "gpu_tests.log"))
+        junit["gpu_tests"] = _junit_counts(xml)
+        if cell.name == "sm90":
+            steps.append(_step("hopper prefill benchmark", [py, "benchmarks/hopper_prefill.py", "--grid", "none",
+                                                            "--shapes", "4x2048+2048", "--json",
+                                                            str(out / "bench_hopper_prefill.json")],
+                               deadline, log=out / "bench.log"))
+    else:
+        raise SystemExit(f"part: got {part!r}, expected cpu, compile or gpu")
+    record = {
+        "cell": cell.name, "part": part, "runner": cell.runner, "budget_s": budget, "device": _device(),
+        "versions": _versions(), "commit": _commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "steps": steps, "junit": junit,
+        "passed": all(s["rc"] == 0 for s in steps) and bool(steps),
+        "timed_out": sum(s["timed_out"] for s in steps), "failed_steps": sum(s["rc"] != 0 for s in steps),
+    }
+    (out / f"{part}.json").write_text(json.dumps(record, indent=1))
+    write_summary(out)
+    return record
+
+
+def write_summary(out: Path) -> None:
+    """``SUMMARY.md`` of every part recorded in ``out``."""
+    lines = [f"# CI cell {out.name}", ""]
+    for path in sorted(out.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(rec, dict) or "part" not in rec:
+            continue
+        dev, ver = rec["device"], rec["versions"]
+        lines += [f"## {rec['part']}: {'passed' if rec['passed'] else 'FAILED'}", "",
+                  f"device {dev['name']} ({dev['arch']}), driver {dev['driver']}, CUDA {dev['cuda']}; "
+                  f"torch {ver['torch']}, triton {ver['triton']}, cupy {ver['cupy']}, fp8kv {ver['fp8kv']}; "
+                  f"commit {rec['commit']}; {rec['date']}; budget {rec['budget_s']} s", "",
+                  "| step | exit | timed out | seconds |", "|---|---|---|---|"]
+        lines += [f"| {s['name']} | {s['rc']} | {s['timed_out']} | {s['seconds']} |" for s in rec["steps"]]
+        for name, c in rec["junit"].items():
+            lines.append(f"\n{name}: {c['passed']} passed, {c['failed']} failed, {c['errors']} errors, "
+                         f"{c['skipped']} skipped")
+        lines.append("")
+    (out / "SUMMARY.md").write_text("\n".join(lines))
+
+
+def main_run(cell_name: str, part: str | None, out: str | None, budget: float | None) -> int:
+    cells = load_cells()
+    if cell_name not in cells:
+        raise SystemExit(f"cell: got {cell_name!r}, expected one of {list(cells)}")
+    cell = cells[cell_name]
+    part = part or {"cpu": "cpu", "compile": "compile", "run": "gpu"}[cell.kind]
+    where = Path(out) if out else ROOT / "ci" / "reports" / cell.name
+    rec = run_part(cell, part, where, budget or cell.budget_s)
+    return 0 if rec["passed"] else 1

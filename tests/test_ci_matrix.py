@@ -1,0 +1,81 @@
+"""The hardware CI matrix (ci/): cells as data, claims derived from the registry (a backend's change
+changes the matrix with no hand edit), the aggregated report, and the workflow files' consistency."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import yaml  # noqa: E402 - pyproject test extra
+
+from ci import aggregate, cells  # noqa: E402
+
+
+def test_every_cell_of_the_issue_is_in_the_matrix():
+    got = cells.load_cells()
+    assert list(got) == ["cpu", "sm70", "sm75", "sm80", "sm86", "sm89", "sm90", "gfx942", "gfx950"]
+    assert {c.kind for c in got.values()} == {"cpu", "compile", "run"}
+    assert got["sm90"].gpu_tests and got["sm90"].runner == "gpu-h100"
+
+
+def test_claims_come_from_the_registry(monkeypatch):
+    on_h100 = {c.backend for c in cells.claims("sm90")}
+    assert {"triton", "hopper", "cuda", "reference"} <= on_h100
+    assert {c.backend for c in cells.claims("sm70")} >= {"cuda", "reference"}
+    assert "triton" not in {c.backend for c in cells.claims("sm70")}  # needs sm80+
+    fp8 = {(c.backend, c.kv_dtype, c.scale_granularity) for c in cells.claims("sm90") if c.mode == "fp8_attention"}
+    assert ("hopper", "fp8_e4m3", "head") in fp8 and ("hopper", "fp8_e4m3", "token_head") not in fp8
+
+
+def test_a_backend_that_changes_its_claims_changes_the_matrix(monkeypatch):
+    import fp8kv
+
+    class Extra:
+        @fp8kv.hookimpl
+        def fp8kv_backend_info(self):
+            return fp8kv.BackendInfo("ci_probe_extra", "0", priority=5, description="test", fast=False)
+
+        @fp8kv.hookimpl
+        def fp8kv_supports(self, device, request):
+            return None if device.arch == "sm75" and request.kv_dtype == "fp8_e5m2" else "only e5m2 on sm75"
+
+        @fp8kv.hookimpl
+        def fp8kv_write_kv(self, cache, key, value, slot_mapping):
+            raise NotImplementedError
+
+    before = aggregate.render()
+    fp8kv.register_backend(Extra())
+    try:
+        after = aggregate.render()
+    finally:
+        fp8kv.unregister_backend("ci_probe_extra")
+    assert "ci_probe_extra" not in before
+    rows = [line for line in after.splitlines() if line.startswith("| ci_probe_extra | write_kv")]
+    assert rows and all("fp8_e5m2 |" in r for r in rows)
+    sm75 = list(cells.load_cells()).index("sm75")
+    assert all(r.split(" | ")[5 + sm75].strip() == "claimed" for r in rows)
+
+
+def test_workflows_are_valid_and_cover_the_matrix():
+    matrix = cells.load_cells()
+    cpu = yaml.safe_load((ROOT / ".github/workflows/cpu.yml").read_text())
+    gpu = yaml.safe_load((ROOT / ".github/workflows/gpu.yml").read_text())
+    for wf in (cpu, gpu):
+        assert wf["jobs"] and all("steps" in j and "runs-on" in j for j in wf["jobs"].values())
+    triggers = cpu[True] if True in cpu else cpu["on"]  # YAML 1.1 reads the key `on` as True
+    assert "push" in triggers
+    assert "bash .ci/run" in str(cpu["jobs"]["ci"]["steps"])
+    listed = set(cpu["jobs"]["cells"]["strategy"]["matrix"]["cell"])
+    want = {c.name for c in matrix.values() if c.kind != "run"} | {f"{c.name}-compile" for c in matrix.values()
+                                                                   if c.kind == "run" and c.compile}
+    assert listed == want
+    gtrig = gpu[True] if True in gpu else gpu["on"]
+    assert "schedule" in gtrig and "workflow_dispatch" in gtrig
+    for c in matrix.values():
+        if c.kind == "run":
+            job = gpu["jobs"][c.name]
+            assert c.runner in job["runs-on"]
+            assert f"python -m ci run {c.name} --part gpu" in str(job["steps"])
