@@ -100,7 +100,7 @@ def test_conformance_kit_fp8_mode():
     from fp8kv.testing import check_backend
 
     report = check_backend("hopper", max_seqs=2, max_seq_len=24, head_sizes=(32,), kv_dtypes=("fp8_e4m3",),
-                           granularities=("tensor", "head"), fp8_attention=True, examples=12)
+                           granularities=("tensor", "head"), fp8_attention="only", examples=12)
     assert report.served["paged_attention"] and report.served["write_kv"]
 
 

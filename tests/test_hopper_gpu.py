@@ -62,7 +62,7 @@ def test_conformance_kit_fp8_mode():
     from fp8kv.testing import check_backend
 
     report = check_backend("hopper", device="cuda", head_sizes=(64, 128), kv_dtypes=("fp8_e4m3",),
-                           granularities=("tensor", "head"), fp8_attention=True, max_seq_len=300,
+                           granularities=("tensor", "head"), fp8_attention="only", max_seq_len=300,
                            examples=int(os.environ.get("FP8KV_GPU_EXAMPLES", "25")))
     assert report.served["paged_attention"] and report.served["write_kv"]
 

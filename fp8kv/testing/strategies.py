@@ -314,7 +314,7 @@ def workloads(
     poisons: tuple[str, ...] = POISONS,
     max_pads: int = 3,
     max_holes: int = 3,
-    fp8_attention: bool = False,
+    fp8_attention: bool | str = False,
 ) -> Workload:
     """Draw a :class:`Workload`; every argument narrows what is drawn.
 
@@ -322,7 +322,8 @@ def workloads(
     head_sizes=(16, 32)``. ``decode``/``chunked_prefill`` choose which attention shapes
     appear (at least one must be True); ``sliding_window``, ``soft_cap``, ``non_causal``
     and ``specials`` allow those options (each is still off in many examples); ``fp8_attention``
-    allows the FP8 attention mode where it is defined (fp8_e4m3, tensor or head scales).
+    allows the FP8 attention mode where it is defined (fp8_e4m3, tensor or head scales); ``"only"``
+    draws it whenever the cache allows it (a few examples then always exercise the mode).
     """
     if not (decode or chunked_prefill):
         raise ValueError("workloads: at least one of decode / chunked_prefill must be allowed")
@@ -369,7 +370,8 @@ def workloads(
     cap = draw(st.one_of(st.none(), st.sampled_from((1.0, 5.0, 30.0)),
                          st.floats(0.5, 50.0).map(_f32))) if soft_cap else None
     sm_scale = draw(st.one_of(st.none(), st.floats(0.01, 2.0).map(_f32)))
-    fp8 = fp8_attention and kv_dtype == "fp8_e4m3" and gran in ("tensor", "head") and draw(st.booleans())
+    fp8 = bool(fp8_attention) and kv_dtype == "fp8_e4m3" and gran in ("tensor", "head") \
+        and (fp8_attention == "only" or draw(st.booleans()))
     q_scale, prob_scale = None, 1.0
     if fp8:  # dynamic, or static ones that fit the query, saturate it, or waste its range
         q_scale = draw(st.sampled_from((None, "tensor", "head")))
