@@ -41,6 +41,7 @@ from fp8kv_triton.kernels import (
     lse_from_state,
     merge_splits,
     program_rows,
+    query_span,
     saturate,
     saturate_out,
     scale_factors,
@@ -193,10 +194,11 @@ def fp8_attention_kernel(
     split = tl.program_id(2)
     seq = pid_q // max_q_blocks
     qb = pid_q % max_q_blocks
-    q_len, seq_len, row_valid, tok, qh, pos = program_rows(QSL, SEQ_LENS, seq, qb, T, max_keys, block_q, group, kvh,
-                                                           BLOCK_M)
+    q_start, q_len = query_span(QSL, seq, T)
     if qb * block_q >= q_len:
         return
+    seq_len, row_valid, tok, qh, pos = program_rows(SEQ_LENS, seq, qb, q_start, q_len, max_keys, block_q, group, kvh,
+                                                    BLOCK_M)
     d = tl.arange(0, D)
     q_off = (tok * HQ + qh)[:, None] * D + d[None, :]
     qmask = row_valid[:, None]

@@ -39,6 +39,7 @@ from .attention import _key_range as key_range
 from .attention import _lse as lse_from_state
 from .attention import _pow2 as pow2
 from .attention import _program_rows as program_rows
+from .attention import _query_span as query_span
 from .attention import _saturate as saturate
 from .attention import _saturate_out as saturate_out
 from .attention import _scale_factors as scale_factors
@@ -52,7 +53,7 @@ from .write import cache_strides, scale_strides, write_kv, write_launch
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "AttnConfig", "CodecChoice",
     "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "encode_f32_bits", "encode_native",
-    "key_range", "lse_from_state", "merge_splits", "paged_attention", "pow2", "program_rows", "saturate",
+    "key_range", "lse_from_state", "merge_splits", "paged_attention", "pow2", "program_rows", "query_span", "saturate",
     "saturate_out", "scale_factors", "scale_strides", "softcap_tanh", "supports", "tile_keys", "write_kv",
     "write_launch",
 ]
