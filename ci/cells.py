@@ -33,6 +33,8 @@ class Cell:
     budget_s: int
     compile: tuple[str, ...] = ()
     gpu_tests: tuple[str, ...] = field(default=())
+    compile_budget_s: int = 0
+    """Time limit of the compile part (default: ``budget_s``)."""
 
 
 def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
@@ -42,7 +44,7 @@ def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
     cells = {}
     for name, c in data.get("cells", {}).items():
         cell = Cell(name, c["kind"], c["runner"], int(c["budget_s"]), tuple(c.get("compile", ())),
-                    tuple(c.get("gpu_tests", ())))
+                    tuple(c.get("gpu_tests", ())), int(c.get("compile_budget_s", c["budget_s"])))
         if cell.kind not in KINDS:
             raise ValueError(f"cell {name}: kind {cell.kind!r}, expected one of {KINDS}")
         if not set(cell.compile) <= set(COMPILERS):

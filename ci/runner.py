@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -74,13 +75,16 @@ def _step(name: str, cmd: list[str], deadline: float, env: dict | None = None, l
     if left <= 0:
         return {"name": name, "cmd": cmd, "rc": None, "timed_out": True, "seconds": 0.0}
     print(f"[ci] {name}: {' '.join(cmd)} (at most {left:.0f} s)", flush=True)
+    # its own process group: a time-out stops the step's worker processes too
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                           timeout=left)
-        rc, timed_out, text = p.returncode, False, p.stdout + p.stderr
-    except subprocess.TimeoutExpired as exc:
+        text, _ = p.communicate(timeout=left)
+        rc, timed_out = p.returncode, False
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        text, _ = p.communicate()
         rc, timed_out = None, True
-        text = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
     if log is not None:
         log.write_text(text)
     print(text[-2000:], flush=True)
@@ -187,5 +191,5 @@ def main_run(cell_name: str, part: str | None, out: str | None, budget: float | 
     cell = cells[cell_name]
     part = part or {"cpu": "cpu", "compile": "compile", "run": "gpu"}[cell.kind]
     where = Path(out) if out else ROOT / "ci" / "reports" / cell.name
-    rec = run_part(cell, part, where, budget or cell.budget_s)
+    rec = run_part(cell, part, where, budget or (cell.compile_budget_s if part == "compile" else cell.budget_s))
     return 0 if rec["passed"] else 1
