@@ -33,7 +33,9 @@ from ..cache import KVCache
 from ..errors import Fp8KVError, bad_argument
 from ..metadata import AttentionMetadata, plan_attention
 from ..scales import GRANULARITIES, calibrate
+from ..transforms import KVTransform
 from ._paging import BlockPool, StepPlan
+from ._sinks import SinkState
 
 ATTN_IMPLEMENTATION = "fp8kv"
 """The name registered with transformers' attention and mask interfaces."""
@@ -290,6 +292,12 @@ class FP8PagedCache(Cache):
         max_cache_len: tokens per sequence to pre-allocate for (fixed pool; exceeding it is
             an error). None (default): the block pool grows by doubling when it runs out.
         backend: fp8kv backend for write_kv and paged_attention (``"auto"`` or a name).
+        sink_tokens: keep the first ``sink_tokens`` tokens of every row unquantized (the model's
+            dtype) beside the FP8 cache (:mod:`fp8kv.transforms`; default 0).
+        k_centering: None (default), ``"prefill"`` (store ``k - mu``, ``mu`` the mean of each row's
+            first written non-sink keys, per layer and KV head) or ``"calibrated"`` (``mu`` from
+            ``k_means``: one ``[H, D]`` tensor per layer, e.g. :func:`calibrate_key_means`).
+            Exact before rounding (softmax is shift-invariant); refused with a logit soft-cap.
     """
 
     @property
@@ -299,7 +307,8 @@ class FP8PagedCache(Cache):
 
     def __init__(self, config, *, kv_dtype: str | None = None, scale_granularity: str | None = None,
                  k_scales=None, v_scales=None, plan=None, layout: str | None = None, block_size: int = 16,
-                 max_cache_len: int | None = None, backend: str = "auto", fp8_attention: bool = False):
+                 max_cache_len: int | None = None, backend: str = "auto", fp8_attention: bool = False,
+                 sink_tokens: int = 0, k_centering: str | None = None, k_means=None):
         shape = model_shape(config)
         self.shape = shape
         n = shape.num_layers
@@ -336,6 +345,12 @@ class FP8PagedCache(Cache):
         if not isinstance(fp8_attention, bool):
             raise bad_argument("fp8_attention", repr(fp8_attention), "True or False")
         self.fp8_attention = fp8_attention  # the opt-in FP8 attention mode (fp8kv.fp8_attention)
+        self.transform = KVTransform.build(sink_tokens, k_centering, k_means, num_layers=n,
+                                           num_kv_heads=shape.num_kv_heads, head_size=shape.head_size)
+        if self.transform.active and fp8_attention:
+            raise bad_argument("sink_tokens/k_centering", self.transform.describe(),
+                               "none with fp8_attention=True (the two are not combined)")
+        self.sinks = SinkState(self.transform, n) if self.transform.active else None
         self._max_cache_len = max_cache_len
         self.pool = BlockPool(block_size, max_cache_len=max_cache_len)
         self.plan = plan
@@ -363,6 +378,8 @@ class FP8PagedCache(Cache):
         """Empty the cache for a new batch (allocations are kept and reused)."""
         super().reset()
         self.pool.reset()
+        if self.sinks is not None:
+            self.sinks.reset()
         self._step_plan, self._step_metadata = None, {}
 
     # -- batch surgery: beam search, batch select / repeat, assisted decoding ---------
@@ -398,6 +415,8 @@ class FP8PagedCache(Cache):
         if n > columns:
             raise bad_argument("tokens_to_remove", str(tokens_to_remove), f"at least -{columns} (the cache holds "
                                f"{columns} columns)")
+        if self.sinks is not None:
+            self.sinks.check_crop(n, self.pool.seq_lens)
         self.pool.crop(n)
         for layer in self.layers:
             layer.columns -= n
@@ -414,6 +433,8 @@ class FP8PagedCache(Cache):
             return  # nothing stored yet: the next forward sets the batch
         self._check_between_steps("reordering the batch")
         src, dst = self.pool.rearrange(index)
+        if self.sinks is not None:
+            self.sinks.rearrange(index)
         for layer in self.layers:
             kv = layer.kv
             if kv is None:
@@ -433,7 +454,9 @@ class FP8PagedCache(Cache):
     # -- introspection ----------------------------------------------------------------
     @property
     def seq_lens(self) -> list[int]:
-        """Tokens stored per row (padding excluded)."""
+        """Tokens stored per row (padding excluded; sink tokens included)."""
+        if self.sinks is not None and self.sinks.sink_lens:
+            return [f + s for f, s in zip(self.pool.seq_lens, self.sinks.sink_lens, strict=True)]
         return list(self.pool.seq_lens)
 
     @property
@@ -473,7 +496,7 @@ class FP8PagedCache(Cache):
                   device: torch.device) -> KVCache:
         """The layer's KVCache with at least the pool's capacity (allocating or growing it)."""
         kv = layer.kv
-        want = self.pool.capacity
+        want = max(self.pool.capacity, 1)  # a step of sink tokens only may need no block yet
         if kv is not None and kv.num_blocks >= want:
             return kv
         i = layer.layer_idx
@@ -530,20 +553,54 @@ class FP8PagedCache(Cache):
         if not new_step and layer.steps != self.pool.steps - 1:
             raise Fp8KVError(f"layers out of step: layer {layer_idx} has run {layer.steps} steps, the cache "
                              f"{self.pool.steps}; every layer must run once per forward")
+        sinks, xstep = self.sinks, None
+        if sinks is not None:
+            if new_step:
+                sinks.begin_step(valid, B, q_len, self.pool.seq_lens, query.device)
+            xstep = sinks.step
+            valid = xstep.fp8_valid  # the FP8 cache holds the non-sink tokens only
         plan: StepPlan = self.pool.step(valid, B, q_len, query.device, new=new_step)
         layer.steps += 1
         kv = self._layer_kv(layer, H, D, query.device)
-        k = key.transpose(1, 2).reshape(B * q_len, H, D).contiguous()
-        v = value.transpose(1, 2).reshape(B * q_len, H, D).contiguous()
+        k4, v4 = key.transpose(1, 2), value.transpose(1, 2)  # [B, q_len, H, D]
+        if xstep is not None:
+            k4 = sinks.store(layer_idx, k4, v4, xstep)
+        k = k4.reshape(B * q_len, H, D).contiguous()
+        v = v4.reshape(B * q_len, H, D).contiguous()
         meta = self._metadata(plan, kv, Hq, query.dtype, scaling, sliding_window, softcap)
         write_kv(kv, k, v, meta)
         q = query.transpose(1, 2).reshape(B * q_len, Hq, D)
+        if xstep is not None:
+            return self._attend_with_sinks(layer_idx, q, kv, meta, plan, xstep, B, q_len)
         if plan.token_index is not None:
             q = q.index_select(0, plan.token_index)
         out = paged_attention(q.contiguous(), kv, meta)
         if plan.token_index is not None:
             full = out.new_zeros((B * q_len, Hq, D))
             full.index_copy_(0, plan.token_index, out)
+            out = full
+        return out.view(B, q_len, Hq, D)
+
+    def _attend_with_sinks(self, layer_idx: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
+                           plan: StepPlan, xstep, B: int, q_len: int) -> torch.Tensor:
+        """The FP8 part (with its lse) merged with the sink part (:mod:`fp8kv.transforms`).
+
+        ``q``: ``[B * q_len, Hq, D]``; returns ``[B, q_len, Hq, D]`` (zeros at padding columns)."""
+        Hq, D = q.shape[1], q.shape[2]
+        out_f = lse_f = None
+        if plan.num_tokens:
+            qf = q if plan.token_index is None else q.index_select(0, plan.token_index)
+            if self.transform.sink_tokens:
+                out_f, lse_f = paged_attention(qf.contiguous(), kv, meta, return_lse=True)
+            else:  # centering only: nothing to merge
+                out_f = paged_attention(qf.contiguous(), kv, meta)
+        qa = q if xstep.query_index is None else q.index_select(0, xstep.query_index)
+        opts = meta.options
+        out = self.sinks.attend(layer_idx, qa, out_f, lse_f, xstep, softmax_scale=opts.softmax_scale,
+                                sliding_window=opts.sliding_window, softcap=opts.logits_soft_cap)
+        if xstep.query_index is not None:
+            full = out.new_zeros((B * q_len, Hq, D))
+            full.index_copy_(0, xstep.query_index, out)
             out = full
         return out.view(B, q_len, Hq, D)
 
