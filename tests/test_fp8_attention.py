@@ -9,13 +9,18 @@ import math
 
 import pytest
 import torch
+from fp8_tiled import tiled_fp8_attention
 
 import fp8kv
 import fp8kv.reference
 import fp8kv.registry
 from fp8kv.errors import Fp8KVError, InvalidArgument
 from fp8kv.fp8_attention import quantize_query
-from fp8kv.testing.tolerance import assert_fp8_attention_close, fp8_attention_tolerance
+from fp8kv.testing.fp8_tolerance import (
+    assert_fp8_attention_close,
+    fp8_attention_tolerance,
+    fp8_probability_envelope,
+)
 
 H, HQ, D, PAGE = 2, 8, 32, 4
 
@@ -102,70 +107,115 @@ def test_query_quantized_bit_for_bit_as_the_cache():
     assert torch.equal(qs, cache.k_scale.reshape(-1, HQ)[:5])
 
 
-def _online_softmax_like_a_kernel(q, cache, tables, lens, qsl, tile, **kw):
-    """The mode computed as a tiled kernel does (running integer maxima, float32), per tile of keys."""
-    ref, _ = _reference(q, cache, tables, lens, qsl, **kw)
-    out = torch.zeros_like(ref)
-    e4 = torch.float8_e4m3fn
-    ks = cache.k_scale.reshape(-1).expand(H).repeat_interleave(HQ // H)
-    vs = cache.v_scale.reshape(-1).expand(H).repeat_interleave(HQ // H)
-    q8, qs = quantize_query(q, kw.get("q_scale"), H)
-    for s in range(lens.shape[0]):
-        L, a, b = int(lens[s]), int(qsl[s]), int(qsl[s + 1])
-        slots = tables[s].long()[torch.arange(L) // PAGE] * PAGE + torch.arange(L) % PAGE
-        k8 = cache.token_view("key")[slots].float().repeat_interleave(HQ // H, 1)
-        v8 = cache.token_view("value")[slots].float().repeat_interleave(HQ // H, 1)
-        m = torch.full((b - a, HQ, 1), -math.inf)
-        acc = torch.zeros(b - a, HQ, D)
-        l_sum = torch.zeros(b - a, HQ, 1)
-        for j in range(0, L, tile):
-            t = torch.einsum("thd,lhd->thl", q8[a:b].float(), k8[j:j + tile])
-            t = t * (qs[a:b] * ks * D**-0.5 * (1 / math.log(2)))[..., None]
-            pos = torch.arange(L - (b - a), L)[:, None]
-            t = t.masked_fill(~(torch.arange(j, min(j + tile, L))[None] <= pos)[:, None, :], -math.inf)
-            m_new = torch.maximum(m, torch.ceil(t.amax(-1, keepdim=True)))
-            safe = torch.where(torch.isfinite(m_new), m_new, 0.0)
-            p = torch.exp2(t - safe)
-            alpha = torch.exp2(torch.where(torch.isfinite(m), m - safe, -math.inf))
-            l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
-            p8 = p.clamp(max=448).to(e4).float()
-            acc = acc * alpha + torch.einsum("thl,lhd->thd", p8, v8[j:j + tile])
-            m = m_new
-        out[a:b] = acc / l_sum * vs[:, None]
-    return out, ref
+def _tiled(q, cache, tables, lens, qsl, tol_kw=None, **kw):
+    """``(out, ref, tol)``: the mode as a tiled kernel computes it (tests/fp8_tiled.py), the
+    reference and the derived tolerance, for one step planned with ``tol_kw`` (q/prob scales...)."""
+    tol_kw = tol_kw or {}
+    meta = fp8kv.plan_attention(cache, num_q_heads=q.shape[1], query_dtype=q.dtype, block_tables=tables,
+                                seq_lens=lens, query_start_loc=qsl, fp8_attention=True, backend="reference",
+                                **tol_kw)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2])
+    tiled_fp8_attention(q, cache, meta, out, lse, **kw)
+    ref, ref_lse = fp8kv.paged_attention(q, cache, meta, return_lse=True)
+    o = meta.options
+    tol, lse_tol = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, softmax_scale=o.softmax_scale,
+                                           sliding_window=o.sliding_window, logits_soft_cap=o.logits_soft_cap,
+                                           q_scale=o.q_scale, prob_scale=o.prob_scale)
+    return (out, lse), (ref, ref_lse), (tol, lse_tol)
 
 
 @pytest.mark.parametrize("tile", [1, 3, 8])
-@pytest.mark.parametrize("seed", range(4))
-def test_tolerance_holds_for_a_tiled_online_softmax(tile, seed):
+@pytest.mark.parametrize("order", ["forward", "reverse", "random"])
+@pytest.mark.parametrize("seed", range(2))
+def test_tolerance_holds_for_a_tiled_online_softmax(tile, order, seed):
     cache, q, tables, lens, qsl = _setup(seed=seed, cached=29)
-    out, ref = _online_softmax_like_a_kernel(q, cache, tables, lens, qsl, tile)
-    _, ref_lse = _reference(q, cache, tables, lens, qsl)
-    tol, _ = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse)
+    (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tile=tile, order=order,
+                                                        seed=seed)
+    assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+
+
+@pytest.mark.parametrize(("options", "amp"), [
+    (dict(prob_scale=1 / 448), 1.0),                       # a calibrated checkpoint's prob_scale
+    (dict(prob_scale=2.0**-12), 1.0),                      # below 1/448: the largest p saturate
+    (dict(prob_scale=4.0), 1.0),                           # most p below e4m3's normal range
+    (dict(q_scale=torch.tensor([0.01, 0.004]), logits_soft_cap=5.0), 1.0),
+    (dict(sliding_window=7, softmax_scale=0.9), 30.0),    # large logits: long accumulations matter
+])
+def test_tolerance_holds_with_the_accumulator_model_made_real(options, amp):
+    """Both products truncated to 13 fractional bits every 32 terms (the model's worst case),
+    tiles visited backwards and at random."""
+    cache, q, tables, lens, qsl = _setup(seed=5, cached=77, new=5, amp=1.0)
+    q = q * amp
+    for order in ("reverse", "random"):
+        (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tol_kw=options, tile=16,
+                                                            order=order, acc_bits=13)
+        assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+
+
+def _subnormal_trap(n_small=120, f=10.737 / 11):
+    """One decode row whose first tile holds keys of ``x = 2^(-11 f) ~ 0.3 * 2^-9`` (e4m3 rounds them
+    to 0) and one of ``b = -1.5 f`` (running maximum -1), its last tile the row's maximum (b = 0): a
+    forward kernel rounds the small ones at ``2 x`` (to ``2^-9``, then scaled back to ``2^-10``)."""
+    L = n_small + 2
+    k = torch.zeros(L, 1, 32)
+    v = torch.zeros(L, 1, 32)
+    k[0, 0, 0], k[1:-1, 0, 0], k[-1, 0, 0] = -1.5, -11.0, 0.0
+    v[1:-1, 0, 0] = 1.0
+    nblk = -(-L // 16)
+    cache = fp8kv.KVCache.allocate(nblk, 16, 1, 32, kv_dtype="fp8_e4m3", scale_granularity="tensor",
+                                   k_scale=1.0, v_scale=1.0)
+    fp8kv.reference.write_kv(cache, k, v, torch.arange(L))
+    q = torch.zeros(1, 1, 32)
+    q[0, 0, 0] = 1.0
+    args = (q, cache, torch.arange(nblk, dtype=torch.int32)[None], torch.tensor([L], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32))
+    return args, dict(q_scale=torch.tensor(1.0), softmax_scale=f * math.log(2.0))
+
+
+def test_tolerance_covers_subnormal_probabilities_rounded_at_a_lower_running_max():
+    """The kernel's ``2^-k e4m3(2^k x)`` leaves ``[e4m3(x), x (1 + 2^-4)]`` for subnormal ``x`` (here
+    ``2^-10`` against 0 and ``0.32 * 2^-9``): the envelope's ``min(y, 2^(shift - 10))`` term covers it."""
+    args, kw = _subnormal_trap()
+    (out, _), (ref, _), (tol, _) = _tiled(*args, tol_kw=kw, tile=121)  # the small keys and b = -1.5 f first
+    assert float(ref[0, 0, 0]) == 0.0 and float(out[0, 0, 0]) > 0.03  # the kernel kept what the reference drops
     assert_fp8_attention_close(out, ref, tol)
+    assert float(out[0, 0, 0]) > 0.25 * float(tol[0, 0, 0])  # and the bound is not loose there
 
 
-@pytest.mark.parametrize("mistake", ["q_scale", "v_scale", "dropped_key", "p_not_rounded"])
-def test_tolerance_catches_real_mistakes(mistake):
-    """Small rows (4 keys) and constant-sign values, where each mistake shows."""
-    cache, q, tables, lens, qsl = _setup(seed=1, new=1, cached=3, amp=1.0)
-    cache.value_cache.copy_(cache.value_cache.view(torch.uint8).bitwise_and(0x7F).view(torch.float8_e4m3fn))
-    qs = torch.tensor([0.01, 0.004])
-    ref, ref_lse = _reference(q, cache, tables, lens, qsl, q_scale=qs)
-    tol, _ = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, q_scale=qs)
-    if mistake == "q_scale":
-        bad, _ = _reference(q, cache, tables, lens, qsl, q_scale=qs * 1.5)
-    elif mistake == "v_scale":
-        bad = ref * 1.05
-    elif mistake == "dropped_key":
-        bad, _ = _reference(q, cache, tables, lens - torch.tensor([1, 0], dtype=torch.int32),
-                            torch.tensor([0, 1, 2], dtype=torch.int32), q_scale=qs)
-    else:  # the default mode's probabilities (no e4m3 rounding of P, exact query)
-        meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
-                                    query_start_loc=qsl, backend="reference")
-        bad = fp8kv.paged_attention(q, cache, meta)
+@pytest.mark.parametrize("shift", [1, 2])
+@pytest.mark.parametrize("prob_scale", [1.0, 0.25, 4.0, 1 / 448, 2.0**-12])
+def test_probability_envelope_contains_every_kernel_rounding(shift, prob_scale):
+    """Step 3 of the derivation, exhaustively: every ``2^-k e4m3(2^k y)`` (``k >= -shift``,
+    ``2^k y <= 1 / prob_scale``) for ``y`` in ``[lo, hi]`` lies in the envelope of ``[lo, hi]``."""
+    y = torch.logspace(-24, math.log2(2.0**shift / prob_scale), 4000, base=2.0, dtype=torch.float64)
+    y = torch.cat([y, torch.arange(1, 2**10, dtype=torch.float64) * 2.0**-19])  # subnormal midpoints and ties
+    y = y.to(torch.float32).to(torch.float64)
+    g = 1.002
+    for lo, hi in ((y, y), (y / g, y), (y, y * g)):
+        lower, upper = fp8_probability_envelope(lo, hi, prob_scale, shift)
+        for point in (lo, hi):
+            for k in range(-shift, 40):
+                z = point * 2.0**k
+                ok = z <= 1 / prob_scale
+                got = (z.to(torch.float32).clamp(max=448.0).to(torch.float8_e4m3fn).to(torch.float64)) * 2.0**-k
+                bad = ok & ((got < lower) | (got > upper))
+                assert not bool(bad.any()), (k, point[bad][:3].tolist(), got[bad][:3].tolist(),
+                                             lower[bad][:3].tolist(), upper[bad][:3].tolist())
+    # and it is tight where a power of two commutes with the rounding (normal, no saturation)
+    normal = (y >= 2.0 ** (shift - 6)) & (y * max(1.0, 2.0**shift) <= 448) & (y <= 1 / prob_scale)
+    lower, upper = fp8_probability_envelope(y, y, prob_scale, shift)
+    if prob_scale * 448 >= 1:
+        assert torch.equal(lower[normal], upper[normal])
+
+
+@pytest.mark.parametrize("mistake", ["q_scale_ignored", "no_v_scale", "drop_last_key", "p_not_rounded"])
+def test_tolerance_catches_a_kernels_mistakes(mistake):
+    """The tiled kernel with one bug planted, on an ordinary prefill step: the bound catches it."""
+    cache, q, tables, lens, qsl = _setup(seed=2, cached=29, amp=1.0)
+    kw = dict(q_scale=torch.tensor([0.02, 0.01])) if mistake == "q_scale_ignored" else {}
+    (out, _), (ref, _), (tol, _) = _tiled(q, cache, tables, lens, qsl, tol_kw=kw, tile=8, mistake=mistake)
     with pytest.raises(AssertionError, match="beyond the derived tolerance"):
-        assert_fp8_attention_close(bad, ref, tol)
+        assert_fp8_attention_close(out, ref, tol)
 
 
 def test_lse_is_the_natural_log_sum_exp_of_the_logits():

@@ -106,6 +106,7 @@ __all__ = [
     "attention_error_bound",
     "attention_tolerance",
     "fp8_attention_tolerance",
+    "fp8_probability_envelope",
     "lse_tolerance",
     "logit_bound",
     "paged_attention_bounds",
@@ -345,133 +346,10 @@ def paged_attention_bounds(
 
 
 # ------------------------------------------------------------------------------ FP8 mode
-
-U_FP8_DOT = 2.0**-13
-"""Accumulator model of an FP8 tensor-core dot product, per 32-wide step of the reduction: each
-step's partial sum keeps at least 13 fractional bits relative to its magnitude (DeepSeek-V3,
-section 3.3.2, measured about 14 bits on H800). A backend with exact float32 dots is inside it."""
-
-
-def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
-    return x.to(torch.float32).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float64)
-
-
-def fp8_attention_tolerance(
-    query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor | None, ref: torch.Tensor, ref_lse: torch.Tensor | None = None, *,
-    softmax_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
-    logits_soft_cap: float | None = None, q_scale: torch.Tensor | None = None, prob_scale: float = 1.0,
-    unit_roundoff: float = U32, fp8_dot_roundoff: float = U_FP8_DOT,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-element tolerances ``(out [T, Hq, D], lse [T, Hq] or None)`` of the FP8 attention mode.
-
-    Derivation (docs/fp8_attention.md; the mode is defined in :mod:`fp8kv.fp8_attention`). Both
-    sides quantize the query identically (bit-exact, tested separately) and read the same codes;
-    per row, with ``c`` the row's scale product, ``Q_j = sum_i |q8_i k8_ji|`` and ``L = c max_j Q_j``:
-
-    1. Logits. A kernel's FP8 dot is off by at most ``(ceil(D/32) + 1) * u8 * Q_j`` (``u8`` =
-       ``fp8_dot_roundoff``, one truncation per 32-wide tensor-core step and one float32 add), so,
-       with the default mode's other roundings, each base-e logit is off by at most
-       ``delta = (ceil(D/32) + 1) u8 L + 4 u L + 8 u max(1, S) [+ 8 u cap]``.
-    2. Probabilities before rounding. Both sides hold ``x_j = p_j / prob_scale`` up to an exact
-       power of two (integer running maxima); the kernel's lies in ``[x e^-2delta, x e^2delta]``.
-    3. P rounding. e4m3 rounding is monotone, so where that interval is in the normal range
-       (``>= 2^-6``, where the power of two commutes with rounding) the rounded values differ by at
-       most ``R(x e^2delta) - R(x e^-2delta)``: zero unless a rounding midpoint lies inside. Below
-       ``2^-6`` the kernel may round on a finer grid (its ``x`` is larger), within ``2^-4`` of its
-       value: the difference is at most ``max(R(hi), hi (1 + 2^-4)) - min(R(lo), lo (1 - 2^-4))``.
-       Summed: ``P = prob_scale sum_j Delta_j / l``.
-    4. The normaliser ``l`` (unrounded ``p``) moves by ``e^2delta - 1 + (2N + 2) u`` relatively, the
-       weights summing to at most ``1 + 2^-4``; ``p8 @ v8`` has exact products and float32 sums.
-
-    So ``|o_kernel - o_ref| <= E = V (P + (1 + 2^-4)(e^2delta - 1 + (2N + 2) u) + (2N + 4) u + 16 u)``
-    with ``V = max_j |v'_j|`` over the row's visible keys, and the tolerance is ``E + ulp_out(|ref| + E)``
-    (as in the default mode). The log-sum-exp moves by at most ``2 (delta + (2N + 2) u + 4 u
-    max(1, log2 N)) + 4 u (|lse| + S + 1)``.
-    """
-    import math as _m
-
-    from ..fp8_attention import fp8_probabilities, quantize_query
-    from ..reference import LOGIT_MAX, visible_mask
-
-    T, Hq, D = query.shape
-    H = cache.num_kv_heads
-    group = Hq // H
-    dev = query.device
-    u, u8 = unit_roundoff, fp8_dot_roundoff
-    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
-    if query_start_loc is None:
-        query_start_loc = torch.arange(seq_lens.shape[0] + 1, device=dev)
-    starts = query_start_loc.tolist()
-    q8, qs = quantize_query(query, q_scale, H)
-    q8 = q8.to(torch.float64)
-    ks = cache.k_scale.to(torch.float64).reshape(-1).expand(H)
-    vs = cache.v_scale.to(torch.float64).reshape(-1).expand(H)
-    kc, vc = cache.token_view("key").to(torch.float64), cache.token_view("value").to(torch.float64)
-    E = torch.zeros(T, Hq, 1, dtype=torch.float64, device=dev)
-    lse_tol = torch.zeros(T, Hq, dtype=torch.float64, device=dev)
-    steps = -(-D // 32) + 1
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        lo, hi = starts[i], starts[i + 1]
-        if hi == lo:
-            continue
-        pos = torch.arange(seq_len, device=dev)
-        slots = block_tables[i].to(torch.long)[pos // cache.block_size] * cache.block_size + pos % cache.block_size
-        k8 = kc[slots].repeat_interleave(group, 1)  # [L, Hq, D]
-        v8 = vc[slots].repeat_interleave(group, 1)
-        vis = visible_mask(seq_len, hi - lo, causal, sliding_window, dev)  # [ql, L]
-        c = qs[lo:hi].to(torch.float64) * ks.repeat_interleave(group)[None, :] * scale  # [ql, Hq]
-        dots = torch.einsum("thd,lhd->htl", q8[lo:hi], k8)  # [Hq, ql, L]
-        absdots = torch.einsum("thd,lhd->htl", q8[lo:hi].abs(), k8.abs())
-        logits = dots * c.T[..., None]
-        if logits_soft_cap is not None:
-            logits = torch.tanh(logits / logits_soft_cap) * logits_soft_cap
-        logits = logits.clamp(-LOGIT_MAX, LOGIT_MAX)
-        L = (absdots * c.T[..., None]).masked_fill(~vis[None], 0.0).amax(-1, keepdim=True)  # [Hq, ql, 1]
-        S = L if logits_soft_cap is None else L.clamp(max=float(logits_soft_cap))
-        delta = steps * u8 * L + 4 * u * L + 8 * u * S.clamp(min=1.0)
-        if logits_soft_cap is not None:
-            delta = delta + 8 * u * float(logits_soft_cap)
-        p, l_sum, _ = fp8_probabilities(logits, vis[None])
-        x = p / prob_scale
-        grow = torch.exp(2 * delta) * (1 + 2 * u)
-        x_lo, x_hi = x / grow, x * grow
-        r_lo, r_hi = _e4m3_round(x_lo), _e4m3_round(x_hi)
-        fine = x_lo < 2.0**-6
-        r_hi = torch.where(fine, torch.maximum(r_hi, x_hi * (1 + 2.0**-4)), r_hi)
-        r_lo = torch.where(fine, torch.minimum(r_lo, x_lo * (1 - 2.0**-4)), r_lo)
-        n = vis.sum(-1).to(torch.float64)[None, :, None]  # [1, ql, 1]
-        v_abs = (v8.abs().amax(-1) * vs.repeat_interleave(group)[None, :]).T[:, None, :]  # [Hq, 1, L]
-        V = v_abs.masked_fill(~vis[None], 0.0).amax(-1, keepdim=True)  # [Hq, ql, 1]
-        P = prob_scale * ((r_hi - r_lo).masked_fill(~vis[None], 0.0)).sum(-1, keepdim=True) / l_sum.clamp(min=1e-300)
-        e = V * (P + (1 + 2.0**-4) * (torch.expm1(2 * delta) + (2 * n + 2) * u) + (2 * n + 4) * u + 16 * u)
-        E[lo:hi] = e.permute(1, 0, 2)
-        if ref_lse is not None:
-            log_n = torch.log2(n.clamp(min=2.0))
-            lt = 2 * (delta + (2 * n + 2) * u + 4 * u * log_n)[..., 0].T
-            lse_tol[lo:hi] = lt + 4 * u * (ref_lse[lo:hi].to(torch.float64).abs() + S[..., 0].T + 1)
-    mag = ref.detach().to(torch.float64).abs() + E
-    tol = E + ulp(mag, ref.dtype)
-    tol = torch.where((mag > torch.finfo(ref.dtype).max) | torch.isnan(tol), torch.full_like(tol, _m.inf), tol)
-    return tol, (lse_tol if ref_lse is not None else None)
-
-
-def assert_fp8_attention_close(out: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, *, lse=None, ref_lse=None,
-                               lse_tol=None, context: str = "") -> None:
-    """Raise AssertionError unless ``|out - ref| <= tol`` (from :func:`fp8_attention_tolerance`)
-    everywhere, and the lse likewise when given; the message names the worst element."""
-    for name, a, r, t in (("output", out, ref, tol), ("log-sum-exp", lse, ref_lse, lse_tol)):
-        if a is None:
-            continue
-        a64, r64 = a.detach().to(torch.float64), r.detach().to(torch.float64)
-        diff = (a64 - r64).abs()
-        ok = (a64 == r64) | (torch.isnan(a64) & torch.isnan(r64)) | (diff <= t)
-        if bool(ok.all()):
-            continue
-        ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / t, nan=math.inf))
-        worst = int(torch.argmax(ratio.flatten()))
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r64.shape))
-        raise AssertionError(f"{context}FP8-mode {name} differs from the reference beyond the derived tolerance at "
-                             f"{int((~ok).sum())} of {ok.numel()} elements; worst at {list(idx)}: got "
-                             f"{float(a64[idx])!r}, reference {float(r64[idx])!r}, |diff| {float(diff[idx]):.6g} > "
-                             f"tol {float(t[idx]):.6g}")
+# The FP8 attention mode's tolerance lives in fp8kv.testing.fp8_tolerance; re-exported here.
+from .fp8_tolerance import (  # noqa: E402  (after U32 and ulp, which it imports)
+    U_FP8_DOT,
+    assert_fp8_attention_close,
+    fp8_attention_tolerance,
+    fp8_probability_envelope,
+)

@@ -1,0 +1,243 @@
+"""The derived tolerance of the FP8 attention mode (:mod:`fp8kv.fp8_attention`).
+
+The mode is defined by the reference (float64 apart from the two e4m3 roundings that define
+it: the query's and the probabilities'). A kernel computes the same function with FP8 tensor
+cores and an online softmax; it cannot match bit for bit, and this module bounds by how much it
+may differ, per output element, from the reference's own intermediate values. The bound is
+data-dependent (it is evaluated on the reference's probabilities), derived below, and tight
+enough that a wrong ``q_scale``, a wrong V scale, a dropped key or unrounded probabilities
+violate it (``tests/test_fp8_attention.py``).
+
+Notation (one query row: token ``t``, query head ``h`` of KV head ``g``)
+-----------------------------------------------------------------------
+``q8``, ``qs``: the e4m3 query and its scale (bit-exact on both sides: tested separately);
+``k8_j``, ``v8_j``: the cache's codes of the visible keys ``j`` (``N`` of them);
+``c = softmax_scale * qs * k_scale_g``; ``Q_j = sum_i |q8_i k8_ji|``; ``L = c max_j Q_j``;
+``S = min(L, cap)`` with a soft-cap, else ``L``; ``ps = prob_scale``; ``u = 2^-24``;
+``u8 = fp8_dot_roundoff`` (default :data:`U_FP8_DOT` = ``2^-13``) and ``u8v = pv_dot_roundoff``
+(same default): the accumulator model of a tensor-core dot, below.
+The reference: ``b_j = s_j log2 e``, ``M = ceil(max_j b_j)``, ``p_j = 2^(b_j - M)``,
+``x_j = p_j / ps`` rounded to float32, ``R_j = e4m3(x_j)``, ``l = sum_j p_j``,
+``o = ps v_scale_g sum_j R_j v8_j / l``.
+
+1. Logits. Hopper's FP8 ``wgmma`` does not accumulate in full float32: DeepSeek-V3 (section
+   3.3.2) measured about 14 bits kept in the FP8 GEMM accumulator of an H800. The model: each
+   32-wide step of a tensor-core reduction (``k = 32`` for e4m3) adds an error of at most ``u8``
+   times the magnitude of the partial sum, which is at most ``sum |terms|`` (the products of two
+   e4m3 values are exact). So a kernel's ``q8 . k8_j`` is off by at most
+   ``(ceil(D / 32) + 1) u8 Q_j`` (one more step for a float32 addition of the partial dots);
+   the scale products, the ``log2 e`` product, the running-max shift and ``exp2`` add the
+   default mode's ``4 u L + 8 u max(1, S)`` (``fp8kv.testing.tolerance``, step 1), the soft-cap
+   ``8 u cap``. Each logit is off by at most
+
+       delta = (ceil(D / 32) + 1) u8 L + 4 u L + 8 u max(1, S)  [+ 8 u cap].
+
+2. What the kernel rounds. A kernel's online softmax works against running maxima ``M_r``; with
+   the mode's integer maxima it rounds ``e4m3(2^k y_j)`` and scales the result back by the exact
+   power of two ``2^-k`` (``k = M - M_r``), where ``y_j = 2^(b~_j - M) / ps`` is its unrounded
+   value in the reference's units. ``y_j`` lies in ``[x_j / g, x_j g]``, ``g = e^(2 delta)
+   (1 + max(4u, 2^-22))`` (logit error; ``1 / ps`` applied as a product with a rounded
+   reciprocal; both sides' ``x`` rounded to float32).
+   ``k >= -shift`` with ``shift = ceil(delta log2 e)``: the kernel's final maximum may exceed
+   the reference's by that much, never more. ``2^k y_j <= 1 / ps``: a key's ``p`` is at most 1
+   against any running maximum that includes it.
+
+3. P rounding (:func:`fp8_probability_envelope`). Every such ``K_j = 2^-k e4m3(2^k y)``, ``y`` in
+   ``[lo, hi]``, lies in an interval ``[lower, upper]`` containing ``R_j``:
+
+   * ``y >= 2^(shift - 6)``: ``2^k y`` is an e4m3 normal for every allowed ``k``, and a power of
+     two commutes with rounding there, so ``K_j = e4m3(y)``; rounding is monotone: ``K_j`` is in
+     ``[e4m3(lo), e4m3(hi)]``;
+   * below that, the kernel may round on a finer or coarser grid: ``|K - y| <= err(y) =
+     max(2^-4 y, min(y, 2^(shift - 10)))`` (a normal rounds within half an ulp, ``2^-4``
+     relative with 3 mantissa bits; a subnormal of spacing ``2^-9``, scaled by ``2^-k`` with
+     ``k >= -shift``, within ``2^(shift - 10)``; a value rounded to 0 loses at most itself), so
+     ``K`` is in ``[lo - err(lo), hi + err(hi)]`` (both ends monotone in ``y``);
+   * saturation: ``2^k y`` above 448 becomes ``448 >= 448 ps y`` (as ``2^k y <= 1/ps``): where
+     ``1/ps`` reaches 464 (below that, saturating gives what rounding would), the lower end
+     drops to ``448 ps lo``; above 448 a coarser grid (``k < 0``) may not saturate:
+     ``y (1 +- 2^-4)``.
+
+   Per key ``Delta_j = max(upper_j - R_j, R_j - lower_j)`` (0 for keys the row does not see).
+
+4. Output. With ``A_d = ps v_scale sum_j R_j |v8_jd| / l`` and ``B_d = ps v_scale sum_j Delta_j
+   |v8_jd| / l`` per element ``d``: the kernel's normaliser (a float32 sum of its unrounded ``p``)
+   is ``l`` times a factor within ``rho = e^(2 delta) - 1 + (2N + 2) u`` of 1; its ``p8 @ v8`` is
+   a tensor-core reduction over the keys, off by at most ``gamma (A + B)`` relative to
+   ``sum K |v8|`` with ``gamma = (ceil(N / 32) + 1) u8v + (N + 22) u`` (the model of step 1 per
+   32 keys, a float32 accumulation of the tiles, the division by ``l``, two scale products, the
+   output rounding to float32 and a split-KV merge: ``16 u``). So
+
+       |o_kernel - o_ref| <= E_d = (1 + rho) B_d + rho A_d + gamma (1 + rho) (A_d + B_d)
+
+   and the tolerance is ``E_d + ulp_out(|ref| + E_d)`` (both sides round to the output dtype;
+   ``inf`` where that may overflow, or where the bound is not finite).
+
+5. Log-sum-exp: the kernel's ``(M~ + log2 l~) ln 2`` is the log-sum-exp of its own logits, so it
+   moves by at most ``2 (delta + (2N + 2) u + 4 u max(1, log2 N)) + 4 u (|lse| + S + 1)``, as in
+   the default mode.
+
+A backend with exact float32 dot products is inside the model (``u8 = u8v = 0`` would be its
+own, tighter, setting); one with a coarser accumulator passes its own ``fp8_dot_roundoff`` /
+``pv_dot_roundoff`` and documents it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .tolerance import U32, ulp
+
+U_FP8_DOT = 2.0**-13
+"""Accumulator model of an FP8 tensor-core dot product, per 32-wide step of the reduction: each
+step's partial sum keeps at least 13 fractional bits relative to its magnitude (DeepSeek-V3,
+section 3.3.2, measured about 14 bits on H800). A backend with exact float32 dots is inside it."""
+
+E4M3_MAX = 448.0
+E4M3_SAT_MIDPOINT = 464.0
+"""Halfway between 448 and 480 (the next value of e4m3's grid): values below it round to 448 anyway."""
+E4M3_HALF_ULP = 2.0**-4
+"""Relative half-ulp of an e4m3 normal (3 mantissa bits)."""
+
+__all__ = ["E4M3_HALF_ULP", "E4M3_MAX", "U_FP8_DOT", "assert_fp8_attention_close", "fp8_attention_tolerance",
+           "fp8_probability_envelope"]
+
+
+def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
+    """``e4m3(x)`` (float32 first, saturating, round to nearest even) as float64."""
+    return x.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float64)
+
+
+def fp8_probability_envelope(lo: torch.Tensor, hi: torch.Tensor, prob_scale: float,
+                             shift: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3 of the derivation: ``(lower, upper)``, float64 like ``lo``/``hi`` (``0 <= lo <= hi``).
+
+    Every ``2^-k e4m3(2^k y)`` with ``y`` in ``[lo, hi]``, an integer ``k >= -shift`` and
+    ``2^k y <= 1 / prob_scale`` lies in ``[lower, upper]``; so does ``e4m3(y)`` (``k = 0``).
+    ``shift`` (broadcastable, >= 0): how far above the reference's integer maximum a kernel's may
+    end up.
+    """
+    lo, hi = lo.to(torch.float64), hi.to(torch.float64)
+    shift = torch.as_tensor(shift, dtype=torch.float64, device=lo.device)
+    r_lo, r_hi = _e4m3_round(lo), _e4m3_round(hi)
+    cap = torch.exp2(shift - 10.0)
+
+    def err(y: torch.Tensor) -> torch.Tensor:
+        return torch.maximum(y * E4M3_HALF_ULP, torch.minimum(y, cap))
+
+    fine = lo < torch.exp2(shift - 6.0)
+    upper = torch.where(fine, torch.maximum(r_hi, hi + err(hi)), r_hi)
+    lower = torch.where(fine, torch.minimum(r_lo, lo - err(lo)), r_lo)
+    big = (hi > E4M3_MAX) & (shift > 0)  # a coarser grid (k < 0) need not saturate
+    upper = torch.where(big, torch.maximum(upper, hi * (1 + E4M3_HALF_ULP)), upper)
+    lower = torch.where(big, torch.minimum(lower, lo * (1 - E4M3_HALF_ULP)), lower)
+    # 2^k y <= (1 + 4u) / ps (a rounded reciprocal); below 464, the midpoint of 448 and the next
+    # step of e4m3's grid (480), saturating gives what rounding would: only beyond it does it matter
+    if (1 + 4 * U32) / prob_scale >= E4M3_SAT_MIDPOINT:
+        lower = torch.minimum(lower, lo * (E4M3_MAX * prob_scale * (1 - 4 * U32)))
+    return lower, upper
+
+
+def fp8_attention_tolerance(
+    query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor | None, ref: torch.Tensor, ref_lse: torch.Tensor | None = None, *,
+    softmax_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
+    logits_soft_cap: float | None = None, q_scale: torch.Tensor | None = None, prob_scale: float = 1.0,
+    unit_roundoff: float = U32, fp8_dot_roundoff: float = U_FP8_DOT, pv_dot_roundoff: float = U_FP8_DOT,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-element tolerances ``(out [T, Hq, D], lse [T, Hq] or None)`` of the FP8 attention mode.
+
+    ``ref``/``ref_lse``: the reference's output and log-sum-exp for the same call (the cache
+    already written); the other arguments are those of :func:`fp8kv.plan_attention` for the step.
+    Derived in the module docstring (steps 1-5); float64, on the query's device.
+    """
+    from ..fp8_attention import fp8_probabilities, quantize_query, round_probabilities
+    from ..reference import LOGIT_MAX, visible_mask
+
+    T, Hq, D = query.shape
+    H = cache.num_kv_heads
+    group = Hq // H
+    dev = query.device
+    u, u8, u8v, ps = unit_roundoff, fp8_dot_roundoff, pv_dot_roundoff, float(prob_scale)
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    if query_start_loc is None:
+        query_start_loc = torch.arange(seq_lens.shape[0] + 1, device=dev)
+    starts = query_start_loc.tolist()
+    q8, qs = quantize_query(query, q_scale, H)
+    q8 = q8.to(torch.float64)
+    ks = cache.k_scale.to(torch.float64).reshape(-1).expand(H).repeat_interleave(group)  # [Hq]
+    vs = cache.v_scale.to(torch.float64).reshape(-1).expand(H).repeat_interleave(group)
+    kc, vc = cache.token_view("key").to(torch.float64), cache.token_view("value").to(torch.float64)
+    E = torch.zeros(T, Hq, D, dtype=torch.float64, device=dev)
+    lse_tol = torch.zeros(T, Hq, dtype=torch.float64, device=dev)
+    steps = -(-D // 32) + 1
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo:
+            continue
+        pos = torch.arange(seq_len, device=dev)
+        slots = block_tables[i].to(torch.long)[pos // cache.block_size] * cache.block_size + pos % cache.block_size
+        k8 = kc[slots].repeat_interleave(group, 1)  # [L, Hq, D]
+        v8 = vc[slots].repeat_interleave(group, 1)
+        vis = visible_mask(seq_len, hi - lo, causal, sliding_window, dev)[None]  # [1, ql, L]
+        c = (qs[lo:hi].to(torch.float64) * ks * scale).T[..., None]  # [Hq, ql, 1]
+        logits = torch.einsum("thd,lhd->htl", q8[lo:hi], k8) * c  # [Hq, ql, L]
+        if logits_soft_cap is not None:
+            logits = torch.tanh(logits / logits_soft_cap) * logits_soft_cap
+        logits = logits.clamp(-LOGIT_MAX, LOGIT_MAX)
+        # step 1: the logit error
+        L = (torch.einsum("thd,lhd->htl", q8[lo:hi].abs(), k8.abs()) * c).masked_fill(~vis, 0.0).amax(-1, True)
+        S = L if logits_soft_cap is None else L.clamp(max=float(logits_soft_cap))
+        delta = steps * u8 * L + 4 * u * L + 8 * u * S.clamp(min=1.0)
+        if logits_soft_cap is not None:
+            delta = delta + 8 * u * float(logits_soft_cap)
+        # steps 2-3: the reference's probabilities and the envelope of a kernel's rounded ones
+        p, l_sum, _ = fp8_probabilities(logits, vis)
+        R = round_probabilities(p, ps)
+        x = (p / ps).to(torch.float32).to(torch.float64)
+        g = torch.exp(2 * delta) * (1 + max(4 * u, 2.0**-22))  # x is a float32 on both sides
+        shift = torch.ceil(delta * (1 / math.log(2.0))).clamp(min=0.0)
+        lower, upper = fp8_probability_envelope(x / g, x * g, ps, shift)
+        dP = torch.maximum(upper - R, R - lower).masked_fill(~vis, 0.0)
+        # step 4: the output
+        w = (ps * vs)[:, None, None] / l_sum.clamp(min=1e-300)  # [Hq, ql, 1]
+        A = torch.einsum("htl,lhd->htd", R, v8.abs()) * w
+        B = torch.einsum("htl,lhd->htd", dP, v8.abs()) * w
+        n = vis.sum(-1, keepdim=True).to(torch.float64)  # [1, ql, 1]
+        rho = torch.expm1(2 * delta) + (2 * n + 2) * u
+        gamma = (torch.ceil(n / 32) + 1) * u8v + (n + 22) * u
+        e = (1 + rho) * B + rho * A + gamma * (1 + rho) * (A + B)
+        E[lo:hi] = e.permute(1, 0, 2)
+        if ref_lse is not None:  # step 5
+            log_n = torch.log2(n.clamp(min=2.0))
+            lt = 2 * (delta + (2 * n + 2) * u + 4 * u * log_n)[..., 0].T
+            lse_tol[lo:hi] = lt + 4 * u * (ref_lse[lo:hi].to(torch.float64).abs() + S[..., 0].T + 1)
+    mag = ref.detach().to(torch.float64).abs() + E
+    tol = E + ulp(mag, ref.dtype)
+    tol = torch.where((mag > torch.finfo(ref.dtype).max) | torch.isnan(tol), torch.full_like(tol, math.inf), tol)
+    if ref_lse is None:
+        return tol, None
+    return tol, torch.where(torch.isnan(lse_tol), torch.full_like(lse_tol, math.inf), lse_tol)
+
+
+def assert_fp8_attention_close(out: torch.Tensor, ref: torch.Tensor, tol: torch.Tensor, *, lse=None, ref_lse=None,
+                               lse_tol=None, context: str = "") -> None:
+    """Raise AssertionError unless ``|out - ref| <= tol`` (from :func:`fp8_attention_tolerance`)
+    everywhere, and the lse likewise when given; the message names the worst element."""
+    for name, a, r, t in (("output", out, ref, tol), ("log-sum-exp", lse, ref_lse, lse_tol)):
+        if a is None:
+            continue
+        a64, r64 = a.detach().to(torch.float64), r.detach().to(torch.float64)
+        diff = (a64 - r64).abs()
+        ok = (a64 == r64) | (torch.isnan(a64) & torch.isnan(r64)) | (diff <= t)
+        if bool(ok.all()):
+            continue
+        ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / t, nan=math.inf))
+        worst = int(torch.argmax(ratio.flatten()))
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r64.shape))
+        raise AssertionError(f"{context}FP8-mode {name} differs from the reference beyond the derived tolerance at "
+                             f"{int((~ok).sum())} of {ok.numel()} elements; worst at {list(idx)}: got "
+                             f"{float(a64[idx])!r}, reference {float(r64[idx])!r}, |diff| {float(diff[idx]):.6g} > "
+                             f"tol {float(t[idx]):.6g}")
