@@ -93,7 +93,14 @@ def test_reference_is_the_definition(granularity, q_scale, prob_scale):
                                    q_scale=qs[h].expand(H), prob_scale=prob_scale)[:, h] for h in range(HQ)], 1)
     else:
         want = _dense(q, cache, tables, lens, qsl, q_scale=qs, prob_scale=prob_scale)
-    torch.testing.assert_close(ref.double(), want, rtol=1e-6, atol=1e-6 * float(want.abs().max()))
+    # Both compute in float64, exact FP8 dot products (e4m3 products summed in float64 lose nothing),
+    # one pass against the row's final maximum: the derived bound with u = 2^-53, no accumulator
+    # truncation and no online softmax is float32's output rounding plus float64 noise.
+    tol, _ = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, q_scale=qs, prob_scale=prob_scale,
+                                     unit_roundoff=2.0**-53, fp8_dot_roundoff=0.0, pv_dot_roundoff=0.0,
+                                     online_softmax=False)
+    assert_fp8_attention_close(ref, want, tol)
+    assert float((tol - torch.finfo(torch.float32).eps * want.abs()).max()) < 1e-12
 
 
 def test_query_quantized_bit_for_bit_as_the_cache():
@@ -216,6 +223,57 @@ def test_tolerance_catches_a_kernels_mistakes(mistake):
     (out, _), (ref, _), (tol, _) = _tiled(q, cache, tables, lens, qsl, tol_kw=kw, tile=8, mistake=mistake)
     with pytest.raises(AssertionError, match="beyond the derived tolerance"):
         assert_fp8_attention_close(out, ref, tol)
+
+
+def _mode_cost_bound(q, cache, tables, lens, qsl, o_fp8, q_scale=None):
+    """Per element, a bound on ``|o_fp8 - o_default|`` (both the reference's): the e4m3 query moves
+    each logit by at most ``eps_j = softmax_scale k_scale sum_i |q_i - qs dec(q8_i)| |k8_ji|``, so the
+    softmax weights by at most ``e^(2 max eps) - 1`` in L1; rounding P moves the output by
+    ``v_scale sum_j |R_j - p_j| |v8_jd| / l`` exactly; both outputs round to float32 once."""
+    from fp8kv.fp8_attention import fp8_probabilities, round_probabilities
+    from fp8kv.reference import visible_mask
+
+    q8, qs = quantize_query(q, q_scale, H)
+    dq = (q.double() - q8.double() * qs.double()[..., None]).abs()
+    ks = cache.k_scale.double().repeat_interleave(HQ // H)
+    vs = cache.v_scale.double().repeat_interleave(HQ // H)
+    bound = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(lens.shape[0]):
+        L, a, b = int(lens[s]), int(qsl[s]), int(qsl[s + 1])
+        slots = tables[s].long()[torch.arange(L) // PAGE] * PAGE + torch.arange(L) % PAGE
+        k8 = cache.token_view("key")[slots].double().repeat_interleave(HQ // H, 1)  # [L, HQ, D]
+        v8 = cache.token_view("value")[slots].double().repeat_interleave(HQ // H, 1)
+        vis = visible_mask(L, b - a, True, None, q.device)[:, None, :]  # [ql, 1, L]
+        c = (qs[a:b].double() * ks * D**-0.5)[..., None]
+        logits = (torch.einsum("thd,lhd->thl", q8[a:b].double(), k8) * c).masked_fill(~vis, -math.inf)
+        eps = (torch.einsum("thd,lhd->thl", dq[a:b], k8.abs()) * (ks * D**-0.5)[:, None]).masked_fill(~vis, 0)
+        p, l_sum, _ = fp8_probabilities(logits, vis)
+        dp = (round_probabilities(p, 1.0) - p).abs()
+        V = (v8.abs() * vs[:, None]).amax(0)  # [HQ, D]: over all keys, >= over the visible ones
+        bound[a:b] = (torch.einsum("thl,lhd->thd", dp, v8.abs()) * vs[:, None] / l_sum
+                      + V * torch.expm1(2 * eps.amax(-1, keepdim=True)))
+    return bound + 2 * 2.0**-24 * (o_fp8.double().abs() + bound)
+
+
+@pytest.mark.parametrize("query", ["e4m3_exact", "dynamic"])
+def test_default_and_fp8_modes_differ_by_what_the_roundings_explain(query):
+    """FP8 mode minus default mode is the e4m3 query's logit change plus the P rounding, no more;
+    with a query that e4m3 represents exactly only the P rounding remains, and the bound is tight."""
+    cache, q, tables, lens, qsl = _setup(seed=4, cached=29)
+    qs = None
+    if query == "e4m3_exact":
+        qs = torch.tensor(2.0**-6)
+        q = (q / qs).to(torch.float8_e4m3fn).float() * qs
+    fp8, _ = _reference(q, cache, tables, lens, qsl, q_scale=qs)
+    meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
+                                query_start_loc=qsl, backend="reference")
+    default = fp8kv.paged_attention(q, cache, meta)
+    diff = (fp8.double() - default.double()).abs()
+    bound = _mode_cost_bound(q, cache, tables, lens, qsl, fp8, q_scale=qs)
+    assert bool((diff <= bound).all()), float((diff / bound).max())
+    assert float(diff.max()) > 1e-3  # the modes do differ
+    if query == "e4m3_exact":
+        assert float((diff / bound).max()) > 0.3  # and the P rounding explains it, not a loose bound
 
 
 def test_lse_is_the_natural_log_sum_exp_of_the_logits():

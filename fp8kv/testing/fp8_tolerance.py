@@ -38,9 +38,9 @@ The reference: ``b_j = s_j log2 e``, ``M = ceil(max_j b_j)``, ``p_j = 2^(b_j - M
    value in the reference's units. ``y_j`` lies in ``[x_j / g, x_j g]``, ``g = e^(2 delta)
    (1 + max(4u, 2^-22))`` (logit error; ``1 / ps`` applied as a product with a rounded
    reciprocal; both sides' ``x`` rounded to float32).
-   ``k >= -shift`` with ``shift = ceil(delta log2 e)``: the kernel's final maximum may exceed
-   the reference's by that much, never more. ``2^k y_j <= 1 / ps``: a key's ``p`` is at most 1
-   against any running maximum that includes it.
+   ``k >= -shift`` with ``shift = ceil(max_j b_j + delta log2 e) - M`` (0 or 1 unless ``delta`` is
+   huge): the kernel's final maximum may exceed the reference's by that much, never more.
+   ``2^k y_j <= 1 / ps``: a key's ``p`` is at most 1 against any running maximum that includes it.
 
 3. P rounding (:func:`fp8_probability_envelope`). Every such ``K_j = 2^-k e4m3(2^k y)``, ``y`` in
    ``[lo, hi]``, lies in an interval ``[lower, upper]`` containing ``R_j``:
@@ -111,13 +111,15 @@ def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_probability_envelope(lo: torch.Tensor, hi: torch.Tensor, prob_scale: float,
-                             shift: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+                             shift: torch.Tensor | float, online_softmax: bool = True
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """Step 3 of the derivation: ``(lower, upper)``, float64 like ``lo``/``hi`` (``0 <= lo <= hi``).
 
     Every ``2^-k e4m3(2^k y)`` with ``y`` in ``[lo, hi]``, an integer ``k >= -shift`` and
     ``2^k y <= 1 / prob_scale`` lies in ``[lower, upper]``; so does ``e4m3(y)`` (``k = 0``).
     ``shift`` (broadcastable, >= 0): how far above the reference's integer maximum a kernel's may
-    end up.
+    end up. ``online_softmax=False``: only ``k = 0`` and ``k = -shift`` occur (one pass against the
+    row's final maximum, as the reference); where ``shift`` is 0 that is ``[e4m3(lo), e4m3(hi)]``.
     """
     lo, hi = lo.to(torch.float64), hi.to(torch.float64)
     shift = torch.as_tensor(shift, dtype=torch.float64, device=lo.device)
@@ -137,6 +139,8 @@ def fp8_probability_envelope(lo: torch.Tensor, hi: torch.Tensor, prob_scale: flo
     # step of e4m3's grid (480), saturating gives what rounding would: only beyond it does it matter
     if (1 + 4 * U32) / prob_scale >= E4M3_SAT_MIDPOINT:
         lower = torch.minimum(lower, lo * (E4M3_MAX * prob_scale * (1 - 4 * U32)))
+    if not online_softmax:
+        lower, upper = torch.where(shift == 0, r_lo, lower), torch.where(shift == 0, r_hi, upper)
     return lower, upper
 
 
@@ -146,12 +150,15 @@ def fp8_attention_tolerance(
     softmax_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
     logits_soft_cap: float | None = None, q_scale: torch.Tensor | None = None, prob_scale: float = 1.0,
     unit_roundoff: float = U32, fp8_dot_roundoff: float = U_FP8_DOT, pv_dot_roundoff: float = U_FP8_DOT,
+    online_softmax: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-element tolerances ``(out [T, Hq, D], lse [T, Hq] or None)`` of the FP8 attention mode.
 
     ``ref``/``ref_lse``: the reference's output and log-sum-exp for the same call (the cache
     already written); the other arguments are those of :func:`fp8kv.plan_attention` for the step.
-    Derived in the module docstring (steps 1-5); float64, on the query's device.
+    Derived in the module docstring (steps 1-5); float64, on the query's device. The unit roundoffs
+    are the implementation's (step 1, 4); ``online_softmax=False`` for one that rounds every
+    probability against the row's final maximum (:func:`fp8_probability_envelope`).
     """
     from ..fp8_attention import fp8_probabilities, quantize_query, round_probabilities
     from ..reference import LOGIT_MAX, visible_mask
@@ -194,12 +201,13 @@ def fp8_attention_tolerance(
         if logits_soft_cap is not None:
             delta = delta + 8 * u * float(logits_soft_cap)
         # steps 2-3: the reference's probabilities and the envelope of a kernel's rounded ones
-        p, l_sum, _ = fp8_probabilities(logits, vis)
+        p, l_sum, M = fp8_probabilities(logits, vis)
         R = round_probabilities(p, ps)
         x = (p / ps).to(torch.float32).to(torch.float64)
         g = torch.exp(2 * delta) * (1 + max(4 * u, 2.0**-22))  # x is a float32 on both sides
-        shift = torch.ceil(delta * (1 / math.log(2.0))).clamp(min=0.0)
-        lower, upper = fp8_probability_envelope(x / g, x * g, ps, shift)
+        b_max = (logits * (1 / math.log(2.0))).masked_fill(~vis, -math.inf).amax(-1, keepdim=True)
+        shift = torch.nan_to_num(torch.ceil(b_max + delta * (1 / math.log(2.0))) - M, nan=0.0).clamp(min=0.0)
+        lower, upper = fp8_probability_envelope(x / g, x * g, ps, shift, online_softmax)
         dP = torch.maximum(upper - R, R - lower).masked_fill(~vis, 0.0)
         # step 4: the output
         w = (ps * vs)[:, None, None] / l_sum.clamp(min=1e-300)  # [Hq, ql, 1]
