@@ -291,6 +291,27 @@ def test_q_and_prob_scales(tmp_path):
     assert float(fnuz.q_scales[0]) == 0.5 and float(fnuz.prob_scales[2]) == 1.0
 
 
+def test_q_and_prob_scales_reach_the_fp8_mode(tmp_path):
+    """Per layer: a per-tensor prob_scale and a per-query-head q_scale, as plan_attention takes them;
+    the x2 of e4m3fnuz devices (vLLM's BaseKVCacheMethod rule for q and prob) is applied at load, and
+    an fnuz plan refuses the mode (it is defined for e4m3fn caches)."""
+    heads = torch.linspace(0.1, 0.8, 4)  # num_attention_heads
+    t = {**kv_scales(SCALES), "model.layers.0.self_attn.q_scale": heads,
+         "model.layers.0.self_attn.prob_scale": torch.tensor(1 / 448),
+         "model.layers.1.self_attn.prob_scale": torch.tensor([0.5, 0.25])}
+    d = write_checkpoint(tmp_path / "m", config("ct_fp8_kv"), t)
+    plan = fp8kv.resolve_kv_cache("fp8", d, "sm90")
+    got = plan.fp8_attention_scales(0)
+    assert torch.equal(got["q_scale"], heads) and got["prob_scale"] == float(torch.tensor(1 / 448))
+    assert plan.fp8_attention_scales(2) == {"q_scale": None, "prob_scale": 1.0}  # dynamic q, p unscaled
+    with pytest.raises(InvalidArgument, match="^prob_scale: got 2 values for layer 1"):
+        plan.fp8_attention_scales(1)
+    fnuz = fp8kv.resolve_kv_cache("fp8", d, "gfx942")
+    assert torch.equal(fnuz.q_scales[0], heads * 2) and float(fnuz.prob_scales[0]) == float(torch.tensor(2 / 448))
+    with pytest.raises(fp8kv.Fp8KVError, match="fp8_e4m3 plan"):
+        fnuz.fp8_attention_scales(0)
+
+
 @pytest.mark.parametrize("shape", [(KV_HEADS,), (KV_HEADS, 1, 1)])
 def test_per_head_scales(tmp_path, shape):
     t = {}

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fp8_tiled import TiledFP8
 from hypothesis import given, settings
 
 import fp8kv
@@ -521,3 +522,22 @@ def test_memory_safety_pass_holds_for_the_reference(layout, granularity):
     from fp8kv.testing import check_memory_safety
 
     check_memory_safety("reference", "cpu", layout=layout, granularity=granularity)
+
+
+# -- the FP8 attention mode: the kit's FP8 cases (fp8_attention="only") ----------------------
+
+
+def test_kit_passes_a_tiled_fp8_mode_kernel():
+    """A correct kernel order (random tiles, accumulators truncated to the model's 13 bits) passes."""
+    report = check_backend(TiledFP8(tile=4, order="random", acc_bits=13), examples=15, fp8_attention="only",
+                           kv_dtypes=("fp8_e4m3",), granularities=("tensor", "head"), max_seqs=2,
+                           max_seq_len=24, head_sizes=(16, 32))
+    assert report.served["paged_attention"] > 0 and report.refused["paged_attention"] == 0
+
+
+@pytest.mark.parametrize("mistake", ["p_not_rounded", "no_v_scale", "q_scale_ignored"])
+def test_kit_finds_fp8_mode_bugs(mistake):
+    with pytest.raises(AssertionError, match="FP8-mode output differs from the reference beyond the derived"):
+        check_backend(TiledFP8(name=f"tiled_{mistake}", mistake=mistake), examples=25, fp8_attention="only",
+                      kv_dtypes=("fp8_e4m3",), granularities=("tensor", "head"), max_seqs=2, max_seq_len=24,
+                      head_sizes=(16, 32))

@@ -148,7 +148,10 @@ class KVCachePlan:
         if q is not None:
             q = q.to(dtype=torch.float32, device=device)
         p = self.prob_scales.get(layer)
-        return {"q_scale": q, "prob_scale": 1.0 if p is None else float(p.reshape(-1)[0])}
+        if p is not None and p.numel() != 1:  # vLLM refuses these too ("per-tensor ... Q/prob")
+            raise bad_argument("prob_scale", f"{p.numel()} values for layer {layer} in the checkpoint",
+                               "one per-tensor prob_scale (the softmax output has no heads of its own)")
+        return {"q_scale": q, "prob_scale": 1.0 if p is None else float(p.reshape(()))}
 
     # -- explaining the plan -----------------------------------------------------------
     def to_dict(self) -> dict:

@@ -93,7 +93,7 @@ class Workload:
         causal, sliding_window, soft_cap, softmax_scale: attention options (None = default/off).
         poison: what the cache bytes (and token_head scales) hold before the write.
         fp8_attention, q_scale, prob_scale: the FP8 attention mode (:mod:`fp8kv.fp8_attention`):
-            ``q_scale`` 1 value (per tensor) or H (per KV head), None = dynamic.
+            ``q_scale`` 1 value (per tensor), H (per KV head) or Hq (per query head), None = dynamic.
     """
 
     seed: int
@@ -374,11 +374,12 @@ def workloads(
         and (fp8_attention == "only" or draw(st.booleans()))
     q_scale, prob_scale = None, 1.0
     if fp8:  # dynamic, or static ones that fit the query, saturate it, or waste its range
-        q_scale = draw(st.sampled_from((None, "tensor", "head")))
+        q_scale = draw(st.sampled_from((None, "tensor", "head", "q_head")))
         if q_scale is not None:
-            q_scale = tuple(draw(st.sampled_from((0.01, 2.0**-6, 1.0, 3e-5))) for _ in range(1 if q_scale == "tensor"
-                                                                                            else H))
-        prob_scale = draw(st.sampled_from((1.0, 1.0, 0.25, 4.0)))
+            n = {"tensor": 1, "head": H, "q_head": Hq}[q_scale]
+            q_scale = tuple(draw(st.sampled_from((0.01, 2.0**-6, 1.0, 3e-5))) for _ in range(n))
+        # 1/448: a calibrated checkpoint's (p <= 1 fills e4m3's range); 2^-12 saturates the largest p
+        prob_scale = draw(st.sampled_from((1.0, 1.0, 0.25, 4.0, 1 / 448, 2.0**-12)))
     return Workload(
         seed=draw(st.integers(0, 2**32 - 1)), kv_dtype=kv_dtype, layout=layout, scale_granularity=gran,
         num_kv_heads=H, num_q_heads=Hq, head_size=D, block_size=bs, num_blocks=num_blocks,
