@@ -36,6 +36,7 @@ from ..scales import GRANULARITIES, calibrate
 from ..transforms import KVTransform
 from ._paging import BlockPool, StepPlan
 from ._sinks import SinkState
+from ._static import StaticState
 
 ATTN_IMPLEMENTATION = "fp8kv"
 """The name registered with transformers' attention and mask interfaces."""
@@ -298,6 +299,9 @@ class FP8PagedCache(Cache):
             first written non-sink keys, per layer and KV head) or ``"calibrated"`` (``mu`` from
             ``k_means``: one ``[H, D]`` tensor per layer, e.g. :func:`calibrate_key_means`).
             Exact before rounding (softmax is shift-invariant); refused with a logit soft-cap.
+        static: decode steps with fixed shapes and no host synchronisation, capturable in a CUDA
+            graph (needs ``max_cache_len``; see :mod:`fp8kv.integrations._static` and
+            :meth:`replayed`). Prefill steps and batch surgery stay on the host path.
     """
 
     @property
@@ -308,7 +312,7 @@ class FP8PagedCache(Cache):
     def __init__(self, config, *, kv_dtype: str | None = None, scale_granularity: str | None = None,
                  k_scales=None, v_scales=None, plan=None, layout: str | None = None, block_size: int = 16,
                  max_cache_len: int | None = None, backend: str = "auto", fp8_attention: bool = False,
-                 sink_tokens: int = 0, k_centering: str | None = None, k_means=None):
+                 sink_tokens: int = 0, k_centering: str | None = None, k_means=None, static: bool = False):
         shape = model_shape(config)
         self.shape = shape
         n = shape.num_layers
@@ -351,8 +355,16 @@ class FP8PagedCache(Cache):
             raise bad_argument("sink_tokens/k_centering", self.transform.describe(),
                                "none with fp8_attention=True (the two are not combined)")
         self.sinks = SinkState(self.transform, n) if self.transform.active else None
+        if not isinstance(static, bool):
+            raise bad_argument("static", repr(static), "True or False")
+        if static and max_cache_len is None:
+            raise bad_argument("static", "True without max_cache_len", "a max_cache_len (every row owns its blocks "
+                               "from the first step on)")
         self._max_cache_len = max_cache_len
         self.pool = BlockPool(block_size, max_cache_len=max_cache_len)
+        self.static = StaticState(self.pool) if static else None
+        self._static_step = None
+        self._step_is_static = False
         self.plan = plan
         self._step_plan: StepPlan | None = None
         self._step_metadata: dict = {}
@@ -380,6 +392,8 @@ class FP8PagedCache(Cache):
         self.pool.reset()
         if self.sinks is not None:
             self.sinks.reset()
+        if self.static is not None:
+            self.static.reset()
         self._step_plan, self._step_metadata = None, {}
 
     # -- batch surgery: beam search, batch select / repeat, assisted decoding ---------
@@ -411,6 +425,8 @@ class FP8PagedCache(Cache):
         if n == 0 or self.pool.batch_size is None:
             return
         self._check_between_steps("crop")
+        if self.static is not None:
+            self.static.sync_host()
         columns = self.layers[0].columns
         if n > columns:
             raise bad_argument("tokens_to_remove", str(tokens_to_remove), f"at least -{columns} (the cache holds "
@@ -432,6 +448,8 @@ class FP8PagedCache(Cache):
         if self.pool.batch_size is None:
             return  # nothing stored yet: the next forward sets the batch
         self._check_between_steps("reordering the batch")
+        if self.static is not None:
+            self.static.sync_host()
         src, dst = self.pool.rearrange(index)
         if self.sinks is not None:
             self.sinks.rearrange(index)
@@ -455,6 +473,8 @@ class FP8PagedCache(Cache):
     @property
     def seq_lens(self) -> list[int]:
         """Tokens stored per row (padding excluded; sink tokens included)."""
+        if self.static is not None:
+            self.static.sync_host()
         if self.sinks is not None and self.sinks.sink_lens:
             return [f + s for f, s in zip(self.pool.seq_lens, self.sinks.sink_lens, strict=True)]
         return list(self.pool.seq_lens)
@@ -518,8 +538,8 @@ class FP8PagedCache(Cache):
         layer.kv = new
         return new
 
-    def _metadata(self, plan: StepPlan, kv: KVCache, num_q_heads: int, dtype: torch.dtype, scaling: float | None,
-                  sliding_window: int | None, softcap: float | None) -> AttentionMetadata:
+    def _metadata(self, plan, kv: KVCache, num_q_heads: int, dtype: torch.dtype, scaling: float | None,
+                  sliding_window: int | None, softcap: float | None, *, static: bool = False) -> AttentionMetadata:
         """The step's attention metadata, planned by the first layer and shared by the others
         (one per distinct set of attention options: models mix windowed and global layers)."""
         if self._step_plan is not plan:
@@ -532,7 +552,8 @@ class FP8PagedCache(Cache):
                 seq_lens=plan.seq_lens, query_start_loc=plan.query_start_loc, slot_mapping=plan.slot_mapping,
                 num_tokens=plan.num_tokens, max_query_len=plan.max_query_len, softmax_scale=scaling,
                 sliding_window=sliding_window, logits_soft_cap=softcap, backend=self.backend,
-                fp8_attention=self.fp8_attention)
+                fp8_attention=self.fp8_attention,
+                **({"validate": False, "max_seq_len": self.max_cache_len} if static else {}))
         return meta
 
     def attend(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -553,6 +574,12 @@ class FP8PagedCache(Cache):
         if not new_step and layer.steps != self.pool.steps - 1:
             raise Fp8KVError(f"layers out of step: layer {layer_idx} has run {layer.steps} steps, the cache "
                              f"{self.pool.steps}; every layer must run once per forward")
+        if new_step:
+            self._step_is_static = self._static_decode(valid, B, q_len)
+        if self._step_is_static:
+            return self._attend_static(layer, query, key, value, valid, new_step, scaling, sliding_window, softcap)
+        if new_step and self.static is not None:
+            self.static.sync_host()
         sinks, xstep = self.sinks, None
         if sinks is not None:
             if new_step:
@@ -580,6 +607,69 @@ class FP8PagedCache(Cache):
             full.index_copy_(0, plan.token_index, out)
             out = full
         return out.view(B, q_len, Hq, D)
+
+    def _static_decode(self, valid: torch.Tensor | None, batch_size: int, q_len: int) -> bool:
+        """Whether this step runs the static decode path (:mod:`._static`)."""
+        if self.static is None or q_len != 1 or self.pool.batch_size is None:
+            return False
+        if batch_size != self.pool.batch_size:
+            raise bad_argument("input", f"batch size {batch_size}", f"the cache's batch size "
+                               f"{self.pool.batch_size} (call cache.reset() for a new batch)")
+        if self.sinks is not None:  # the sink bookkeeping must be constant: full sinks, means set, no window
+            # (a padding column in a decode step writes nothing and changes no sink or mean)
+            s = self.sinks
+            return bool(s.sink_lens) and all(n == self.transform.sink_tokens for n in s.sink_lens) \
+                and (self.transform.k_centering != "prefill" or all(s.mean_set)) \
+                and "sliding_attention" not in self.shape.layer_types
+        return True
+
+    def _attend_static(self, layer: FP8PagedLayer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       valid: torch.Tensor | None, new_step: bool, scaling: float | None, sliding_window: int | None,
+                       softcap: float | None) -> torch.Tensor:
+        """A decode step without host synchronisation (``static=True``); shapes as :meth:`attend`."""
+        B, Hq, _, D = query.shape
+        H = key.shape[1]
+        if new_step:
+            self._static_step = self.static.begin_step(valid, B, query.device)
+            if self.sinks is not None:
+                self.sinks.step = self.sinks.static_step(B, query.device)
+        st = self._static_step
+        layer.steps += 1
+        kv = self._layer_kv(layer, H, D, query.device)
+        k, v = key[:, :, 0], value[:, :, 0]  # [B, H, D]
+        if self.sinks is not None:
+            k = self.sinks.store(layer.layer_idx, k[:, None], v[:, None], self.sinks.step)[:, 0]
+        meta = self._metadata(st, kv, Hq, query.dtype, scaling, sliding_window, softcap, static=True)
+        write_kv(kv, k.contiguous(), v.contiguous(), meta)
+        q = query[:, :, 0].contiguous()  # [B, Hq, D]
+        if self.sinks is not None and self.transform.sink_tokens:
+            out_f, lse_f = paged_attention(q, kv, meta, return_lse=True)
+            opts = meta.options
+            out = self.sinks.attend(layer.layer_idx, q, out_f, lse_f, self.sinks.step,
+                                    softmax_scale=opts.softmax_scale, sliding_window=opts.sliding_window,
+                                    softcap=opts.logits_soft_cap)
+        else:
+            out = paged_attention(q, kv, meta)
+        if st.valid is not None:  # a padding column: nothing written, output 0
+            out = out * st.valid[:, :, None].to(out.dtype)
+        return out.view(B, 1, Hq, D)
+
+    def replayed(self, steps: int) -> None:
+        """Tell the cache that a captured static decode step was replayed ``steps`` times.
+
+        A CUDA-graph replay advances the cache on the device only; this advances the host's
+        counters alike (no transfer), so that ``get_seq_length``, ``crop`` and the
+        ``max_cache_len`` check stay right."""
+        if self.static is None:
+            raise Fp8KVError("replayed: the cache is not static (FP8PagedCache(..., static=True, max_cache_len=N))")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise bad_argument("steps", repr(steps), "an int >= 0")
+        self.static.upper += steps
+        self.static.device_steps += steps
+        self.pool.steps += steps
+        for layer in self.layers:
+            layer.columns += steps
+            layer.steps += steps
 
     def _attend_with_sinks(self, layer_idx: int, q: torch.Tensor, kv: KVCache, meta: AttentionMetadata,
                            plan: StepPlan, xstep, B: int, q_len: int) -> torch.Tensor:
@@ -633,6 +723,8 @@ def fp8kv_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0
         raise bad_argument("attention_mask", f"shape {tuple(attention_mask.shape)}",
                            f"a 2D padding mask [batch, >= {q_length}] (past and new columns)")
     valid = attention_mask[:, -q_length:].to(torch.bool)
+    if q_length == 1:  # decode: no host read (a static step stays free of syncs; the flags are cheap)
+        return valid
     if bool(valid.all()):
         return None
     return valid

@@ -125,6 +125,15 @@ class SinkState:
             min_position=min(firsts, default=0), max_position=max(lasts, default=0))
         return self.step
 
+    def static_step(self, batch_size: int, device: torch.device) -> SinkStep:
+        """The step of a static decode step: one FP8 token per row, every row's sinks full and
+        visible, means set (the caller checked it; nothing here reads the device)."""
+        rows = torch.arange(batch_size, device=device)
+        S = self.transform.sink_tokens
+        return SinkStep(fp8_valid=None, query_index=None, rows=rows, positions=rows, fp8_of_query=None,
+                        sink_cols=None, sink_rows=None, sink_pos=None, mean_rows=[], all_rows=True, sink_full=True,
+                        min_position=S, max_position=S)
+
     def _batch_mismatch(self, got: int, have: int):
         raise bad_argument("input", f"batch size {got}", f"the cache's batch size {have} (call cache.reset() "
                            "for a new batch)")
