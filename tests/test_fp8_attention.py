@@ -302,6 +302,14 @@ def test_lse_is_the_natural_log_sum_exp_of_the_logits():
     (dict(fp8_attention=True, prob_scale=0.0), "prob_scale"),
     (dict(fp8_attention=True, prob_scale=math.nan), "prob_scale"),
     (dict(fp8_attention="yes"), "fp8_attention"),
+    (dict(fp8_attention=True, q_scale=0.01), "q_scale"),
+    (dict(fp8_attention=True, q_scale=torch.tensor(0.01, device="meta")), "q_scale"),
+    (dict(fp8_attention=True, q_scale=torch.tensor(0.01, requires_grad=True)), "q_scale"),
+    (dict(fp8_attention=True, q_scale=torch.zeros(())), "q_scale"),
+    (dict(fp8_attention=True, prob_scale=-1.0), "prob_scale"),
+    (dict(fp8_attention=True, prob_scale=math.inf), "prob_scale"),
+    (dict(fp8_attention=True, prob_scale=True), "prob_scale"),
+    (dict(fp8_attention=True, prob_scale=torch.tensor([0.5, 0.5])), "prob_scale"),
 ])
 def test_bad_arguments_name_themselves(kwargs, name):
     cache, q, tables, lens, qsl = _setup()
