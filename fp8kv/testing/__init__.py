@@ -11,6 +11,9 @@ Contents:
 
 * :mod:`fp8kv.testing.tolerance`: the derived attention tolerance
   (:func:`attention_tolerance`, :func:`assert_attention_close`, :func:`paged_attention_bounds`).
+* :mod:`fp8kv.testing.fp8_tolerance`: the FP8 attention mode's own derived tolerance
+  (``fp8_attention_tolerance``, ``assert_fp8_attention_close``, ``fp8_probability_envelope``;
+  ``check_backend(..., fp8_attention="only")`` applies it).
 * :mod:`fp8kv.testing.strategies`: Hypothesis strategies for workloads (:func:`workloads`,
   :class:`Workload`).
 * :mod:`fp8kv.testing.conformance`: :func:`check_backend`.
