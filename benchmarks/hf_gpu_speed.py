@@ -11,8 +11,14 @@ steps (one ``model(...)`` forward each, the caller feeding back the argmax) afte
 * ``static+graph``: the same decode step captured in a CUDA graph (transformers' static-cache
   pattern: static input, position and cache-position buffers); if capture fails, the row says why;
 * ``fp8kv``: ``FP8PagedCache`` (e4m3, per-token-head scales, pool pre-allocated with
-  ``max_cache_len``) and the ``fp8kv`` attention, ``FP8KV_CHECK=shapes``, eager (its per-step
-  host planning is not capturable yet).
+  ``max_cache_len``) and the ``fp8kv`` attention, ``FP8KV_CHECK=shapes``, eager, host-planned steps;
+* ``fp8kv+graph``: the same cache with ``static=True`` (rows own their blocks, lengths and slots on
+  the device, no host read), the decode step captured in a CUDA graph like ``static+graph``;
+* ``fp8kv-sk+graph``: as ``fp8kv+graph`` with the shipped transform (``sink_tokens=1``,
+  ``k_centering="prefill"``): its speed cost on the GPU.
+
+Contexts run 8k first (the targets: >= 1.0x at batch 1, >= 1.3x at batch 16 against ``dynamic``);
+rows that would start after ``--budget-s`` seconds are recorded as skipped.
 
 Prints progress and a table, writes JSON (device, versions, every row) to ``--json`` and a PNG
 beside it. One command on an H100 (about 5 minutes)::
@@ -37,7 +43,8 @@ import traceback
 
 import torch
 
-CACHES = ("dynamic", "static", "static+graph", "fp8kv")
+CACHES = ("dynamic", "static", "static+graph", "fp8kv", "fp8kv+graph", "fp8kv-sk+graph")
+GRAPH = ("static+graph", "fp8kv+graph", "fp8kv-sk+graph")
 
 
 def llama_1b_config(smoke: bool):
@@ -62,9 +69,12 @@ def make_cache(kind: str, model, max_len: int, backend: str):
 
     from fp8kv.integrations.transformers import FP8PagedCache, enable
 
-    if kind == "fp8kv":
+    if kind.startswith("fp8kv"):
         enable(model, kv_dtype="fp8_e4m3", scale_granularity="token_head", backend=backend)
-        return FP8PagedCache.from_model(model, max_cache_len=max_len)
+        kw = {} if kind == "fp8kv" else {"static": True}
+        if kind.startswith("fp8kv-sk"):
+            kw.update(sink_tokens=1, k_centering="prefill")
+        return FP8PagedCache.from_model(model, max_cache_len=max_len, **kw)
     model.set_attn_implementation("sdpa")
     if kind == "dynamic":
         return DynamicCache(config=model.config)
@@ -144,13 +154,13 @@ def run_one(model, kind: str, ctx: int, batch: int, steps: int, chunk: int, back
     row = {"cache": kind, "context": ctx, "batch": batch, "steps": steps}
     cache = None
     try:
-        cache = make_cache("static" if kind == "static+graph" else kind, model, ctx + steps + 8, backend)
+        cache = make_cache(kind.removesuffix("+graph"), model, ctx + steps + 8, backend)
         t0 = time.perf_counter()
         tok = prefill(model, cache, ids, chunk)
         sync(dev)
         row["prefill_s"] = time.perf_counter() - t0
-        timer = time_graph if kind == "static+graph" else time_eager
-        if kind == "static+graph" and dev.type != "cuda":
+        timer = time_graph if kind in GRAPH else time_eager
+        if kind in GRAPH and dev.type != "cuda":
             raise RuntimeError("CUDA graphs need a CUDA device")
         sec = timer(model, cache, tok, ctx, steps)
         row.update(step_ms=1e3 * sec, tokens_per_s=batch / sec)
@@ -215,6 +225,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets: the fp8kv caches against ``dynamic`` at an 8k context, batch 1 (>= 1.0x)
+    and 16 (>= 1.3x)."""
+    out = []
+    tps = {(r["cache"], r["context"], r["batch"]): r.get("tokens_per_s") for r in rows}
+    for kind in ("fp8kv", "fp8kv+graph", "fp8kv-sk+graph"):
+        for b, want in ((1, 1.0), (16, 1.3)):
+            a, d = tps.get((kind, 8192, b)), tps.get(("dynamic", 8192, b))
+            t = {"cache": kind, "context": 8192, "batch": b, "target": want}
+            if a and d:
+                t.update(ratio=a / d, met=a / d >= want)
+            out.append(t)
+    return out
+
+
 def plot(rows: list[dict], env: dict, path: str) -> None:
     import matplotlib
 
@@ -254,6 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--caches", nargs="+", default=list(CACHES), choices=CACHES)
     p.add_argument("--backend", default=None, help="fp8kv backend (default auto on GPU, reference on CPU)")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, any device: tests the script")
+    p.add_argument("--budget-s", type=float, default=270.0, help="rows that would start later are skipped")
     args = p.parse_args(argv)
     from tqdm import tqdm
     from transformers import LlamaForCausalLM
@@ -261,7 +287,7 @@ def main(argv=None) -> int:
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend or ("auto" if dev.type == "cuda" else "reference")
     os.environ.setdefault("FP8KV_CHECK", "shapes")
-    contexts = args.contexts or ([32, 64] if args.smoke else [1024, 8192, 32768])
+    contexts = args.contexts or ([32, 64] if args.smoke else [8192, 1024, 32768])
     batches = args.batch or ([1, 2] if args.smoke else [1, 16])
     steps = args.steps or (4 if args.smoke else 32)
     chunk = args.chunk or (16 if args.smoke else 2048)
@@ -276,13 +302,18 @@ def main(argv=None) -> int:
                fp8kv_backend=selected_backend(model, backend), params=sum(p.numel() for p in model.parameters()))
     print(f"{env['device']}: {env['model']}, {env['params'] / 1e9:.2f}B params, {env['dtype']}; fp8kv backend "
           f"{env['fp8kv_backend']}", flush=True)
-    # graph captures last: a failed capture can leave the CUDA context unusable for what follows
-    jobs = [(c, b, k) for c in contexts for b in batches for k in args.caches if k != "static+graph"]
-    jobs += [(c, b, k) for c in contexts for b in batches for k in args.caches if k == "static+graph"]
+    # per context, graph captures after the eager rows (a failed capture can leave the CUDA context unusable)
+    jobs = [(c, b, k) for c in contexts for graph in (False, True) for b in batches for k in args.caches
+            if (k in GRAPH) == graph]
     rows = []
     bar = tqdm(jobs, desc="decode", file=sys.stdout)
     for ctx, b, kind in bar:
         bar.set_postfix_str(f"context {ctx}, batch {b}, {kind}")
+        if time.perf_counter() - t_all > args.budget_s:
+            rows.append({"cache": kind, "context": ctx, "batch": b, "steps": steps,
+                         "error": f"skipped: time budget of {args.budget_s:.0f}s spent"})
+            tqdm.write(f"  context {ctx:6d} batch {b:3d} {kind:13s} skipped (time budget)", file=sys.stdout)
+            continue
         rows.append(run_one(model, kind, ctx, b, steps, chunk, backend))
         r = rows[-1]
         tqdm.write(f"  context {ctx:6d} batch {b:3d} {kind:13s} " + (
@@ -294,7 +325,10 @@ def main(argv=None) -> int:
     print(table(rows))
     result = {"environment": env, "config": {"contexts": contexts, "batches": batches, "steps": steps,
                                              "prefill_chunk": chunk, "warmup_steps": 3},
-              "rows": rows, "seconds": time.perf_counter() - t_all}
+              "rows": rows, "targets": targets(rows), "seconds": time.perf_counter() - t_all}
+    for t in result["targets"]:
+        print(f"target {t['cache']} vs dynamic at context {t['context']}, batch {t['batch']}: "
+              f"{t.get('ratio', float('nan')):.2f}x (target >= {t['target']}x)")
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     png = os.path.splitext(args.json)[0] + ".png"
