@@ -10,7 +10,7 @@ format without transform, with batch-means standard errors.
 
 Speed: ``generate()`` of ``--speed-tokens`` new tokens at batch 1 in ``--speed-rounds`` rounds,
 each running every cache once in turn (the unquantized cache, fp8kv e4m3, fp8kv e4m3 with the
-transform); ratios are medians of the per-round ratios.
+transform, with ``static=True``, both); ratios are medians of the per-round ratios.
 
     python benchmarks/hf_transforms.py                  # -> benchmarks/results/hf_transforms_cpu.json
 """
@@ -40,6 +40,8 @@ VARIANTS = {  # name -> FP8PagedCache kwargs beyond the format
     "sink1+kcenter": {"sink_tokens": 1, "k_centering": "prefill"},
     "sink1+kcenter(calibrated)": {"sink_tokens": 1, "k_centering": "calibrated"},
     "sink4+kcenter": {"sink_tokens": 4, "k_centering": "prefill"},
+    "static": {"static": True, "max_cache_len": 1024},
+    "sink1+kcenter+static": {"sink_tokens": 1, "k_centering": "prefill", "static": True, "max_cache_len": 1024},
 }
 DEFAULT = ["e4m3", "e4m3 sink1", "e4m3 kcenter", "e4m3 sink1+kcenter", "e4m3 sink1+kcenter(calibrated)",
            "e4m3 sink4+kcenter", "e5m2", "e5m2 sink1+kcenter", "e5m2 sink1+kcenter(calibrated)"]
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--speed-rounds", type=int, default=5)
     p.add_argument("--speed-tokens", type=int, default=64)
-    p.add_argument("--speed-variant", default="sink1+kcenter")
+    p.add_argument("--speed-variants", nargs="+", default=["sink1+kcenter", "static", "sink1+kcenter+static"])
     p.add_argument("--skip-kl", action="store_true")
     p.add_argument("--skip-speed", action="store_true")
     p.add_argument("--backend", default=None)
@@ -138,8 +140,8 @@ def main(argv=None) -> int:
     if not args.skip_speed:
         from transformers.cache_utils import DynamicCache
 
-        sm = [hf_kl.Maker("none", lambda: DynamicCache(config=model.config)), maker(model, "e4m3", backend, k_means),
-              maker(model, f"e4m3 {args.speed_variant}", backend, k_means)]
+        sm = [hf_kl.Maker("none", lambda: DynamicCache(config=model.config)), maker(model, "e4m3", backend, k_means)]
+        sm += [maker(model, f"e4m3 {v}", backend, k_means) for v in args.speed_variants]
         result["speed"] = {"rounds": args.speed_rounds, "new_tokens": args.speed_tokens, "batch": 1,
                            **speed(model, tok, sm, args.speed_rounds, args.speed_tokens)}
     env["load_average_end"] = os.getloadavg()

@@ -169,26 +169,30 @@ def merge_sink_attention(query: torch.Tensor, out_fp8: torch.Tensor, lse_fp8: to
     """
     N, Hq, D = query.shape
     S, H = sink_k.shape[1], sink_k.shape[2]
-    dt = torch.float64 if query.device.type == "cpu" else torch.float32
+    g = Hq // H
+    dt = torch.promote_types(query.dtype, torch.float32)  # float32 math (float64 for float64 input)
     k = sink_k.to(dt)
     if means is not None:
         if logits_soft_cap is not None:
             raise bad_argument("k_centering", "with a logit soft-cap", "no centering (soft-capped logits are "
                                "not shift-invariant)")
         k = k - means.to(dt)[:, None]
-    q = query.to(dt).view(N, H, Hq // H, D)
+    q = query.to(dt).view(N, H, g, D)
     logits = torch.einsum("nhgd,nshd->nhgs", q, k).mul_(softmax_scale)  # [N, H, g, S]
     if logits_soft_cap is not None:
         logits = torch.tanh(logits.div_(logits_soft_cap)).mul_(logits_soft_cap)
     logits.clamp_(-LOGIT_MAX, LOGIT_MAX)
     if visible is not None:
         logits.masked_fill_(~visible[:, None, None, :], float("-inf"))
-    if lse_fp8 is not None:
-        logits = torch.cat([logits, lse_fp8.to(dt).view(N, H, Hq // H, 1)], dim=-1)
-    p = torch.softmax(logits, dim=-1)
-    o = torch.einsum("nhgs,nshd->nhgd", p[..., :S], sink_v.to(dt))
-    if lse_fp8 is not None:
-        o = o + p[..., S:] * out_fp8.to(dt).view(N, H, Hq // H, D)
+    v = sink_v.to(dt).transpose(1, 2)  # [N, H, S, D]
+    if lse_fp8 is None:
+        o = torch.matmul(torch.softmax(logits, dim=-1), v)
+    elif S == 1:  # two "keys": the FP8 part's weight is sigmoid(lse - logit)
+        w = torch.sigmoid(lse_fp8.to(dt).view(N, H, g, 1) - logits)
+        o = torch.lerp(v.expand(N, H, g, D), out_fp8.to(dt).view(N, H, g, D), w)
+    else:
+        p = torch.softmax(torch.cat([logits, lse_fp8.to(dt).view(N, H, g, 1)], dim=-1), dim=-1)
+        o = torch.matmul(p[..., :S], v) + p[..., S:] * out_fp8.to(dt).view(N, H, g, D)
     return o.reshape(N, Hq, D).to(query.dtype)
 
 

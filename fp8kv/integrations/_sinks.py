@@ -52,11 +52,13 @@ class SinkStep:
 
 @dataclass
 class SinkLayer:
-    """One layer's sink keys/values ``[B, S, H, D]`` and K means ``[B, H, D]`` (float32)."""
+    """One layer's sink keys/values ``[B, S, H, D]`` and K means ``[B, H, D]`` (float32); ``centered``:
+    the sink keys minus the means in float32 (kept between steps: both change only while rows fill)."""
 
     sink_k: torch.Tensor | None = None
     sink_v: torch.Tensor | None = None
     means: torch.Tensor | None = None
+    centered: torch.Tensor | None = None
 
 
 class SinkState:
@@ -159,6 +161,8 @@ class SinkState:
         if S and (lay.sink_k is None or lay.sink_k.shape[0] != B):
             lay.sink_k = key.new_zeros((B, S, H, D))
             lay.sink_v = value.new_zeros((B, S, H, D))
+        if step.sink_cols is not None or step.mean_rows:
+            lay.centered = None
         if step.sink_cols is not None:
             lay.sink_k[step.sink_rows, step.sink_pos] = key.reshape(B * q_len, H, D)[step.sink_cols]
             lay.sink_v[step.sink_rows, step.sink_pos] = value.reshape(B * q_len, H, D)[step.sink_cols]
@@ -170,6 +174,7 @@ class SinkState:
                 lay.means = self.transform.k_means[layer_idx].to(key.device).expand(B, H, D).contiguous()
             else:
                 lay.means = torch.zeros((B, H, D), dtype=torch.float32, device=key.device)
+            lay.centered = None
         if step.mean_rows:
             rows = torch.tensor(step.mean_rows, device=key.device)
             lay.means[rows] = row_key_means(key, step.fp8_valid)[rows]
@@ -189,11 +194,18 @@ class SinkState:
             out_fp8, lse_fp8 = o, lse
         if self.transform.sink_tokens == 0:  # centering only: the FP8 part is the whole attention
             return query.new_zeros((N, Hq, D)) if out_fp8 is None else out_fp8
+        if lay.means is not None and softcap is not None:
+            raise bad_argument("k_centering", f"{self.transform.k_centering!r} with a logit soft-cap",
+                               "None (soft-capped logits are not shift-invariant); sink_tokens alone are fine")
+        keys = lay.sink_k
+        if lay.means is not None:
+            if lay.centered is None:
+                lay.centered = lay.sink_k.to(torch.float32) - lay.means[:, None]
+            keys = lay.centered
         rows = None if step.all_rows else step.rows
         take = (lambda t: t) if rows is None else (lambda t: t[rows])
-        means = None if lay.means is None else take(lay.means)
-        return merge_sink_attention(query, out_fp8, lse_fp8, take(lay.sink_k), take(lay.sink_v),
-                                    self._visible(step, sliding_window), means, softmax_scale=softmax_scale,
+        return merge_sink_attention(query, out_fp8, lse_fp8, take(keys), take(lay.sink_v),
+                                    self._visible(step, sliding_window), None, softmax_scale=softmax_scale,
                                     logits_soft_cap=softcap)
 
     # -- batch surgery ----------------------------------------------------------------
@@ -208,6 +220,7 @@ class SinkState:
                 t = getattr(lay, name)
                 if t is not None:
                     setattr(lay, name, t[torch.tensor(index, device=t.device)])
+            lay.centered = None
         self.step = None
 
     def check_crop(self, n: int, fp8_lens: list[int]) -> None:
