@@ -178,7 +178,7 @@ def merge_sink_attention(query: torch.Tensor, out_fp8: torch.Tensor, lse_fp8: to
                                "not shift-invariant)")
         k = k - means.to(dt)[:, None]
     q = query.to(dt).view(N, H, g, D)
-    logits = torch.einsum("nhgd,nshd->nhgs", q, k).mul_(softmax_scale)  # [N, H, g, S]
+    logits = torch.matmul(q, k.permute(0, 2, 3, 1)).mul_(softmax_scale)  # [N, H, g, S]
     if logits_soft_cap is not None:
         logits = torch.tanh(logits.div_(logits_soft_cap)).mul_(logits_soft_cap)
     logits.clamp_(-LOGIT_MAX, LOGIT_MAX)
