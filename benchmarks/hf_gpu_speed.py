@@ -281,8 +281,13 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes, any device: tests the script")
     p.add_argument("--budget-s", type=float, default=270.0, help="rows that would start later are skipped")
     args = p.parse_args(argv)
+    try:
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        print("hf_gpu_speed: transformers is not installed here; it needs the 'hf' extra (pip install "
+              "'fp8kv[hf]', or transformers >= 5 from a wheel)", file=sys.stderr)
+        return 2
     from tqdm import tqdm
-    from transformers import LlamaForCausalLM
 
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     backend = args.backend or ("auto" if dev.type == "cuda" else "reference")
