@@ -65,19 +65,21 @@ def sync(device: torch.device) -> None:
 
 
 def make_cache(kind: str, model, max_len: int, backend: str):
+    """A fresh cache for the row ``kind`` (one of :data:`CACHES`; ``+graph`` rows get static caches)."""
     from transformers.cache_utils import DynamicCache, StaticCache
 
     from fp8kv.integrations.transformers import FP8PagedCache, enable
 
     if kind.startswith("fp8kv"):
         enable(model, kv_dtype="fp8_e4m3", scale_granularity="token_head", backend=backend)
-        kw = {} if kind == "fp8kv" else {"static": True}
+        kw = {"static": True} if kind in GRAPH else {}
         if kind.startswith("fp8kv-sk"):
             kw.update(sink_tokens=1, k_centering="prefill")
         return FP8PagedCache.from_model(model, max_cache_len=max_len, **kw)
     model.set_attn_implementation("sdpa")
     if kind == "dynamic":
         return DynamicCache(config=model.config)
+    assert kind in ("static", "static+graph"), kind
     return StaticCache(config=model.config, max_cache_len=max_len)
 
 
@@ -154,7 +156,7 @@ def run_one(model, kind: str, ctx: int, batch: int, steps: int, chunk: int, back
     row = {"cache": kind, "context": ctx, "batch": batch, "steps": steps}
     cache = None
     try:
-        cache = make_cache(kind.removesuffix("+graph"), model, ctx + steps + 8, backend)
+        cache = make_cache(kind, model, ctx + steps + 8, backend)
         t0 = time.perf_counter()
         tok = prefill(model, cache, ids, chunk)
         sync(dev)

@@ -82,3 +82,74 @@ def test_inference_mode_metadata_is_supported():
     want = fp8kv.paged_attention(k, cache, meta.block_tables, meta.seq_lens, query_start_loc=meta.query_start_loc,
                                  backend="reference")
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _decode_case(scale_granularity="tensor", k_scale=None, seq_lens=(9, 5), g=2):
+    """A decode step over two sequences of a small NHD e4m3 cache (written by the reference)."""
+    gen = torch.Generator().manual_seed(3)
+    kw = {} if k_scale is None else {"k_scale": k_scale, "v_scale": 1.0}
+    cache = fp8kv.KVCache.allocate(8, 4, 2, 16, kv_dtype="fp8_e4m3", scale_granularity=scale_granularity, **kw)
+    k, v = (torch.randn(24, 2, 16, generator=gen) * 100 for _ in range(2))
+    fp8kv.write_kv(cache, k, v, torch.arange(24), backend="reference")
+    tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    q = torch.randn(2, 2 * g, 16, generator=gen)
+    return cache, q, tables, lens
+
+
+def _both(cache, q, tables, lens, **kw):
+    got = fp8kv.paged_attention(q, cache, tables, lens, backend="torch", **kw)
+    want = fp8kv.paged_attention(q, cache, tables, lens, backend="reference", **kw)
+    return got, want
+
+
+def _assert_within_tolerance(got, want, cache, q, tables, lens, qsl=None):
+    """The conformance kit's derived tolerance (fp8kv.testing.tolerance), not a picked one."""
+    from fp8kv.testing import assert_attention_close, paged_attention_bounds
+
+    assert_attention_close(got, want, **paged_attention_bounds(q, cache, tables, lens, qsl))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "head", "token_head"])
+def test_float32_path_serves_plain_steps(monkeypatch, granularity):
+    """Decode and chunked prefill without soft-cap or lse take the float32 (SDPA) path: the float64
+    path is never entered, and the result is the reference's within the kit's tolerance."""
+    from fp8kv_torch import attention
+
+    monkeypatch.setattr(attention, "_attend_float64", lambda *a: pytest.fail("took the float64 path"))
+    cache, q, tables, lens = _decode_case(granularity if granularity != "head" else "tensor")
+    if granularity == "head":
+        cache = fp8kv.KVCache.allocate(8, 4, 2, 16, kv_dtype="fp8_e4m3", scale_granularity="head",
+                                       k_scale=torch.tensor([0.5, 2.0]), v_scale=torch.tensor([3.0, 0.25]))
+        gen = torch.Generator().manual_seed(5)
+        fp8kv.write_kv(cache, *(torch.randn(24, 2, 16, generator=gen) for _ in range(2)), torch.arange(24),
+                       backend="reference")
+    got, want = _both(cache, q, tables, lens)
+    _assert_within_tolerance(got, want, cache, q, tables, lens)
+    qp = torch.randn(7, 4, 16, generator=torch.Generator().manual_seed(4))  # prefill: 4 + 3 new tokens
+    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    got, want = _both(cache, qp, tables, lens, query_start_loc=qsl, max_query_len=4)
+    _assert_within_tolerance(got, want, cache, qp, tables, lens, qsl)
+
+
+def test_float32_overflow_falls_back_to_float64():
+    """A K scale near the float32 limit overflows float32 logits; the result is still the
+    reference's (finite, from float64), not inf or NaN."""
+    cache, q, tables, lens = _decode_case(k_scale=1e36)
+    got, want = _both(cache, q, tables, lens)
+    assert torch.isfinite(want).all() and torch.isfinite(got).all()
+    _assert_within_tolerance(got, want, cache, q, tables, lens)
+
+
+def test_float32_path_nan_and_keyless_rows_match_the_reference():
+    """A NaN code at a visible key gives that sequence NaN as the reference does; a sequence
+    with no visible key (a length of 0 with host checks off) gives 0 (both through the float64 path)."""
+    cache, q, tables, lens = _decode_case()
+    cache.key_cache.view(torch.uint8)[0, 2, 0, 3] = 0x7F  # NaN in sequence 0's key 2, head 0
+    got, want = _both(cache, q, tables, lens)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[0, :2]).all()
+    _assert_within_tolerance(got, want, cache, q, tables, lens)  # NaN where the reference is NaN passes
+    lens = torch.tensor([6, 0], dtype=torch.int32)
+    got, want = _both(cache, q, tables, lens, validate=False)  # host checks off
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    _assert_within_tolerance(got, want, cache, q, tables, lens)

@@ -1,5 +1,6 @@
 """fp8kv's fast CPU backend in plain PyTorch: fused K+V quantize-and-scatter, and paged attention
-as one gather of the FP8 codes, scale folding and float32 matrix products per layer.
+as one gather of the FP8 codes, dequantization in float32 and one ``scaled_dot_product_attention``
+per layer (float64 where float32 would overflow: see :mod:`~fp8kv_torch.attention`).
 
 Registered through the ``fp8kv.backends`` entry point as ``torch``
 (:class:`fp8kv_torch.plugin.TorchBackend`), priority 10: above the reference (0) on the CPU,

@@ -6,8 +6,12 @@ rows without a visible key give 0), done for every sequence at once:
 * per step (:class:`StepIndex`, built at the first layer and shared by the others): which
   cache block and offset holds each key position of each sequence, which keys each query
   may see (length, causality, sliding window, absent blocks) and where each query row sits;
-* per layer: one gather of the K and V codes (and token_head scales) of every sequence,
-  dequantization, two batched matrix products and a masked softmax.
+* per layer: one gather of the K and V codes (and token_head scales) of every sequence, a
+  table lookup of their values, and either one float32 ``scaled_dot_product_attention`` (the
+  common case) or the reference's float64 arithmetic (two batched matrix products and a masked
+  softmax) where float32 would overflow, meets NaN, or the step needs soft-capping, the
+  log-sum-exp or has a row without keys. Both stay within the conformance kit's derived
+  float32 tolerance (:mod:`fp8kv.testing.tolerance`).
 
 The index is rebuilt whenever the metadata's buffers were refilled in place with other values
 (``AttentionMetadata.update``), so a replayed step never reads a stale index.
@@ -16,6 +20,7 @@ The index is rebuilt whenever the metadata's buffers were refilled in place with
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -30,24 +35,41 @@ from fp8kv.reference import FLOAT32_MAX, LOGIT_MAX, math_dtype
 class StepIndex:
     """One step's gather indices and masks (B sequences, Q = max_query_len, L = key positions).
 
+    ``L`` is the longest sequence of the step (at most the block tables' width times the block
+    size): this backend serves CPU tensors only, so reading the lengths is no device sync.
+
     Attributes:
         block / offset: ``[B, L]`` int64: cache block (clamped into the cache) and offset of
             key position ``l`` of sequence ``b``.
+        slot: ``[B * L]`` int64: ``block * block_size + offset`` (a row of an NHD cache viewed as
+            ``[num_slots, H, D]``, or of the token_head scales viewed as ``[num_slots, H]``).
         present: ``[B, L]`` bool: the position is below the sequence's length and its block id
             is inside the cache (else its K/V are not read: they may hold anything, NaN included).
         visible: ``[B, Q, L]`` bool: query ``j`` of sequence ``b`` may attend to key ``l``.
         rows: ``[B, Q]`` int64: the query row (in ``query``/``out``) of query ``j`` of sequence ``b``.
         real: ``[B, Q]`` bool: query ``j`` exists (``j`` < the sequence's query count).
         any_visible: ``[B, Q]`` bool: at least one visible key (else the output row is 0).
+        all_present / all_visible / all_any_visible: host flags: the masks hold no False, so the
+            per-layer masking they would do is skipped.
+        sdpa_mask: ``[B, 1, Q, L]`` bool for the float32 path (``visible``, with rows of absent
+            queries all True: their results are dropped), or None when it holds no False.
+        real_rows_see_keys: every real query row sees at least one key (the float32 path's
+            condition: SDPA gives NaN, not the reference's 0, for a row without keys).
     """
 
     block: torch.Tensor
     offset: torch.Tensor
+    slot: torch.Tensor
     present: torch.Tensor
     visible: torch.Tensor
     rows: torch.Tensor
     real: torch.Tensor
     any_visible: torch.Tensor
+    all_present: bool
+    all_visible: bool
+    all_any_visible: bool
+    sdpa_mask: torch.Tensor | None
+    real_rows_see_keys: bool
 
     @classmethod
     def build(cls, meta: AttentionMetadata) -> StepIndex:
@@ -55,11 +77,12 @@ class StepIndex:
         dev = meta.block_tables.device
         bs, nb = spec.block_size, spec.num_blocks
         B, width = meta.block_tables.shape
-        L, T, Q = width * bs, meta.num_tokens, max(meta.max_query_len, 1)
+        T, Q = meta.num_tokens, max(meta.max_query_len, 1)
+        seq = meta.seq_lens.to(torch.long).clamp(0, width * bs)  # [B]
+        L = int(seq.max()) if B else 0  # CPU tensors: no device sync
         pos = torch.arange(L, device=dev)
         blocks = meta.block_tables.to(torch.long)[:, pos // bs]  # [B, L]
         inside = (blocks >= 0) & (blocks < nb)
-        seq = meta.seq_lens.to(torch.long).clamp(0, L)  # [B]
         present = inside & (pos[None, :] < seq[:, None])
         qsl = meta.query_start_loc.to(torch.long).clamp(0, T)
         qlen = (qsl[1:] - qsl[:-1]).clamp_min(0)  # [B]
@@ -72,8 +95,13 @@ class StepIndex:
             visible = visible & (pos[None, None, :] <= q_pos[:, :, None])
         if opts.sliding_window is not None:
             visible = visible & (pos[None, None, :] > q_pos[:, :, None] - opts.sliding_window)
-        return cls(blocks.clamp(0, nb - 1), (pos % bs).expand(B, L), present, visible, rows, real,
-                   visible.any(dim=-1))
+        block = blocks.clamp(0, nb - 1)
+        offset = (pos % bs).expand(B, L)
+        any_visible = visible.any(dim=-1)
+        mask = visible | ~real[:, :, None]
+        return cls(block, offset, (block * bs + offset).reshape(-1), present, visible, rows, real, any_visible,
+                   bool(present.all()), bool(visible.all()), bool(any_visible.all()),
+                   None if bool(mask.all()) else mask[:, None], bool((any_visible | ~real).all()))
 
 
 @dataclass
@@ -114,19 +142,39 @@ def _decode_table(fmt: Fp8Format, dtype: torch.dtype, device: torch.device) -> t
     return codes.to(dtype).to(device)
 
 
-def _gather(cache: KVCache, which: str, idx: StepIndex, dt: torch.dtype) -> torch.Tensor:
-    """Dequantized ``[B, H, L, D]`` (contiguous) K or V of every key position: ``codes * scale`` in ``dt``."""
+def _codes(cache: KVCache, which: str, idx: StepIndex) -> torch.Tensor:
+    """uint8 ``[B, L, H, D]`` codes of K or V at every key position of the step."""
     c = (cache.key_cache if which == "key" else cache.value_cache).view(torch.uint8)
-    codes = c[idx.block, idx.offset] if cache.layout == "NHD" else c[idx.block, :, idx.offset]  # [B, L, H, D]
-    codes = codes.transpose(1, 2)
-    flat = codes.reshape(-1).to(torch.int32)  # one byte per element copied, in [B, H, L, D] order
-    x = _decode_table(cache.fmt, dt, c.device).index_select(0, flat).view(codes.shape)
+    B, L = idx.block.shape
+    if cache.layout == "NHD":
+        return _slot_rows(c, idx).view(B, L, c.shape[2], c.shape[3])
+    return c[idx.block, :, idx.offset]
+
+
+def _slot_rows(t: torch.Tensor, idx: StepIndex) -> torch.Tensor:
+    """Rows of ``t`` ``[num_blocks, block_size, ...]`` at the step's key positions: ``[B * L, ...]``."""
+    if t.is_contiguous():
+        return t.view(-1, *t.shape[2:]).index_select(0, idx.slot)
+    return t[idx.block, idx.offset].flatten(0, 1)
+
+
+def _token_scales(cache: KVCache, which: str, idx: StepIndex, dt: torch.dtype) -> torch.Tensor:
+    """token_head scales ``[B, H, 1, L]`` in ``dt`` of every key position of the step."""
+    B, L = idx.block.shape
+    s = _slot_rows(cache.k_scale if which == "key" else cache.v_scale, idx).view(B, L, -1)  # [B, L, H]
+    return s.to(dt).permute(0, 2, 1)[:, :, None, :]
+
+
+def _values(cache: KVCache, codes: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """The FP8 values of ``codes`` (unscaled) in ``dt``, same shape, contiguous (a table lookup)."""
+    flat = codes.to(torch.int32, memory_format=torch.contiguous_format).view(-1)  # in codes' logical order
+    return _decode_table(cache.fmt, dt, codes.device).index_select(0, flat).view(codes.shape)
+
+
+def _head_scale(cache: KVCache, which: str, dt: torch.dtype) -> torch.Tensor:
+    """A tensor or head scale broadcastable to ``[B, H, rows, *]``: ``[1 or H, 1, 1]`` in ``dt``."""
     s = cache.k_scale if which == "key" else cache.v_scale
-    if cache.scale_granularity == "token_head":
-        s = s[idx.block, idx.offset].transpose(1, 2)[..., None]  # [B, H, L, 1]
-    else:
-        s = s.reshape(-1, 1, 1)  # [1 or H, 1, 1]
-    return x.mul_(s)
+    return s.to(dt).reshape(-1, 1, 1)
 
 
 def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor,
@@ -134,30 +182,110 @@ def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     """``out [T, Hq, D]`` (and ``lse [T, Hq]``) as :func:`fp8kv.reference.paged_attention` computes
     them, for all sequences at once; rows outside every sequence's queries are untouched.
 
+    Two paths, both within the conformance kit's derived float32 tolerance
+    (:mod:`fp8kv.testing.tolerance`): the float32 path (:func:`_attend_float32`: the FP8 values
+    scaled in float32 and one ``scaled_dot_product_attention``) where it applies and its result is
+    finite, else the float64 path (:func:`_attend_float64`, the reference's arithmetic), which
+    also serves soft-capping, the log-sum-exp and rows that see no key."""
+    idx = step_index(meta)
+    if lse is None and meta.options.logits_soft_cap is None and idx.real_rows_see_keys and \
+            _attend_float32(query, cache, meta, idx, out):
+        return
+    _attend_float64(query, cache, meta, idx, out, lse)
+
+
+def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, idx: StepIndex,
+                    out: torch.Tensor) -> bool:
+    """The float32 path; returns False (``out`` untouched) if any result is not finite.
+
+    K and V are dequantized in float32 (``value * scale``: one rounding, the tolerance's
+    setting), tensor/head K scales are folded into the query and the V scale into the result.
+    Float32 can overflow where the reference's float64 does not (a K scale near 3e38, say):
+    an overflow makes a logit or a value infinite, and that reaches the result as inf or NaN
+    (an overflow to -inf only drops a key whose weight is 0 anyway), so a non-finite result
+    sends the whole call to the float64 path, which also reproduces NaN inputs exactly."""
+    opts = meta.options
+    T, Hq, D = query.shape
+    H = cache.num_kv_heads
+    g = Hq // H
+    B, Q = idx.rows.shape
+    L = idx.block.shape[1]
+    f32 = torch.float32
+    token = cache.scale_granularity == "token_head"
+    codes = torch.stack((_codes(cache, "key", idx), _codes(cache, "value", idx)))  # [2, B, L, H, D]
+    kv = _values(cache, codes.transpose(2, 3), f32)  # [2, B, H, L, D]
+    if token:
+        s = torch.stack((_slot_rows(cache.k_scale, idx), _slot_rows(cache.v_scale, idx)))  # [2, B * L, H]
+        kv.mul_(s.view(2, B, L, H, 1).transpose(2, 3))
+    if not idx.all_present:  # absent keys may hold NaN codes or scales: 0 * NaN would reach the output
+        kv[1].masked_fill_(~idx.present[:, None, :, None], 0.0)
+    q = query if meta.is_decode else query[idx.rows]
+    q = q if q.dtype == f32 else q.to(f32)
+    if not token:
+        q = q.view(B, Q, H, g, D) * _as_f32(cache.k_scale).reshape(-1, 1, 1)  # [1 or H, 1, 1] over (H, g, D)
+    q = q.view(B, Q, Hq, D).transpose(1, 2)  # [B, Hq, Q, D]
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q, kv[0], kv[1], attn_mask=idx.sdpa_mask, scale=opts.softmax_scale, enable_gqa=g > 1)  # [B, Hq, Q, D]
+    if not token:
+        o = o.reshape(B, H, g, Q, D).mul_(_as_f32(cache.v_scale).reshape(-1, 1, 1, 1)).reshape(B, Hq, Q, D)
+    if not math.isfinite(float(o.sum())):  # inf or NaN anywhere (or a sum past float32: rare, and safe)
+        return False
+    if out.dtype != f32:  # float32 results are finite here; narrower outputs saturate
+        o = o.clamp(-torch.finfo(out.dtype).max, torch.finfo(out.dtype).max)
+    if meta.is_decode:
+        out.copy_(o.reshape(B, Hq, D))
+    else:
+        out[idx.rows[idx.real]] = o.transpose(1, 2)[idx.real].to(out.dtype)
+    return True
+
+
+def _as_f32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 else t.to(torch.float32)
+
+
+def _attend_float64(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, idx: StepIndex,
+                    out: torch.Tensor, lse: torch.Tensor | None) -> None:
+    """The float64 path: the reference's arithmetic (every path of :func:`paged_attention`).
+
     Keys that are not ``present`` (past a sequence's length, or in an absent block) may hold any
     bytes, NaN included: their logits are masked to -inf and their values zeroed."""
     opts = meta.options
-    idx = step_index(meta)
     dt = math_dtype(query.device)
     T, Hq, D = query.shape
     H = cache.num_kv_heads
     g = Hq // H
     B, Q = idx.rows.shape
     decode = meta.is_decode  # one query per sequence, in order: row b is sequence b's query
-    k = _gather(cache, "key", idx, dt)  # [B, H, L, D]
-    v = _gather(cache, "value", idx, dt).masked_fill_(~idx.present[:, None, :, None], 0.0)
+    token = cache.scale_granularity == "token_head"
+    # K and V as their unscaled FP8 values [B, H, L, D]; the scales multiply the (smaller) logits
+    # and probabilities instead: float64 products of FP8 values and float32 scales are exact
+    k = _values(cache, _codes(cache, "key", idx), dt).permute(0, 2, 1, 3)
+    v = _values(cache, _codes(cache, "value", idx), dt).permute(0, 2, 1, 3)
+    if not idx.all_present:  # absent keys may hold NaN codes: 0 * NaN would reach the output
+        v = v.masked_fill(~idx.present[:, None, :, None], 0.0)
     q = (query if decode else query[idx.rows]).to(dt).view(B, Q, H, g, D)
     q = q.view(B, H, g, D) if decode else q.permute(0, 2, 3, 1, 4).reshape(B, H, g * Q, D)  # rows (g, Q)
-    logits = torch.matmul(q, k.transpose(-1, -2)).mul_(opts.softmax_scale)  # [B, H, g*Q, L]
+    logits = torch.matmul(q, k.transpose(-1, -2))  # [B, H, g*Q, L]
+    logits.mul_(_token_scales(cache, "key", idx, dt) if token else _head_scale(cache, "key", dt))
+    logits.mul_(opts.softmax_scale)
     if opts.logits_soft_cap is not None:
         logits = torch.tanh(logits.div_(opts.logits_soft_cap)).mul_(opts.logits_soft_cap)
     logits.clamp_(-LOGIT_MAX, LOGIT_MAX)  # NaN stays NaN
     L = logits.shape[-1]
     logits5 = logits.view(B, H, g, Q, L)
-    logits5.masked_fill_(~idx.visible[:, None, None], float("-inf"))
+    if not idx.all_visible:
+        logits5.masked_fill_(~idx.visible[:, None, None], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    probs.view(B, H, g, Q, L).masked_fill_(~idx.any_visible[:, None, None, :, None], 0.0)  # no key: 0, not NaN
-    o = torch.matmul(probs, v).view(B, H, g, Q, D)
+    if not idx.all_any_visible:  # no key: 0, not NaN
+        probs.view(B, H, g, Q, L).masked_fill_(~idx.any_visible[:, None, None, :, None], 0.0)
+    if token:
+        sv = _token_scales(cache, "value", idx, dt)
+        if not idx.all_present:  # an absent key's scale may be anything (inf * 0 is NaN)
+            sv = sv.masked_fill(~idx.present[:, None, None, :], 0.0)
+        o = torch.matmul(probs * sv, v)
+    else:
+        o = torch.matmul(probs, v).mul_(_head_scale(cache, "value", dt))
+    o = o.view(B, H, g, Q, D)
     out_max = torch.finfo(out.dtype).max
     if decode:
         out.copy_(o.view(T, Hq, D).clamp_(-out_max, out_max))

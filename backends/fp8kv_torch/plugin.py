@@ -21,8 +21,8 @@ class TorchBackend:
     def fp8kv_backend_info(self) -> BackendInfo:
         return BackendInfo("torch", __version__, priority=10,
                            description="PyTorch on the CPU: K+V quantized in one pass, attention over every "
-                                       "sequence at once with a per-step gather index (float64 math, as the "
-                                       "reference)", fast=False)
+                                       "sequence at once with a per-step gather index (float32 SDPA, float64 "
+                                       "where float32 would overflow)", fast=False)
 
     @hookimpl
     def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:

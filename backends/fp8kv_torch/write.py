@@ -4,9 +4,15 @@ The reference quantizes K and V separately with the same primitives
 (:func:`fp8kv.scales.token_head_scale`, :func:`fp8kv.formats.divide_by_scale`,
 :func:`fp8kv.formats.quantize_scaled`); each element's code depends only on the element and
 its own scale, so stacking K and V changes no byte and halves the number of operations.
+
+Every layer of a step writes to the same slots: which rows are written and where
+(:class:`SlotPlan`) is worked out once per slot tensor and reused while its values are unchanged
+(compared with a snapshot: this backend serves CPU tensors, where reading them is no device sync).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -15,24 +21,70 @@ from fp8kv.formats import divide_by_scale, quantize_scaled
 from fp8kv.scales import token_head_scale
 
 
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where one slot tensor's tokens go in caches of ``num_slots`` slots of ``block_size``.
+
+    Attributes:
+        rows: ``[m]`` int64 rows of the step's tokens that are written, or None for all of them.
+        slots / block / offset: ``[m]`` int64 slot, block and offset of each written row.
+        snapshot: a copy of the slot tensor the plan was made from.
+    """
+
+    rows: torch.Tensor | None
+    slots: torch.Tensor
+    block: torch.Tensor
+    offset: torch.Tensor
+    snapshot: torch.Tensor
+
+    @classmethod
+    def build(cls, slot_mapping: torch.Tensor, num_slots: int, block_size: int) -> SlotPlan:
+        keep = (slot_mapping >= 0) & (slot_mapping < num_slots)  # padding and out-of-range slots are skipped
+        rows = None if bool(keep.all()) else keep.nonzero().view(-1)
+        slots = (slot_mapping if rows is None else slot_mapping.index_select(0, rows)).to(torch.long)
+        return cls(rows, slots, slots // block_size, slots % block_size, slot_mapping.clone())
+
+
+_LAST: dict[tuple, SlotPlan] = {}
+
+
+def slot_plan(cache: KVCache, slot_mapping: torch.Tensor) -> SlotPlan:
+    """The :class:`SlotPlan` of ``slot_mapping`` for ``cache``'s geometry (the last one is kept)."""
+    key = (cache.num_slots, cache.block_size)
+    plan = _LAST.get(key)
+    if plan is None or plan.snapshot.shape != slot_mapping.shape or plan.snapshot.dtype != slot_mapping.dtype \
+            or not torch.equal(plan.snapshot, slot_mapping):
+        plan = _LAST[key] = SlotPlan.build(slot_mapping, *key)
+    return plan
+
+
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantize ``key``/``value`` ``[n, H, D]`` into ``slot_mapping`` ``[n]``; slots < 0 or >= the
     cache's slots are skipped (never written)."""
-    rows = ((slot_mapping >= 0) & (slot_mapping < cache.num_slots)).nonzero().view(-1)
-    slots = slot_mapping.index_select(0, rows).to(torch.long)
-    x = torch.stack((key, value)).index_select(1, rows)  # [2, n, H, D]
-    block, offset = slots // cache.block_size, slots % cache.block_size
+    plan = slot_plan(cache, slot_mapping)
+    x = torch.stack((key, value))  # [2, n, H, D]
+    if plan.rows is not None:
+        x = x.index_select(1, plan.rows)
     if cache.scale_granularity == "token_head":
-        scale = token_head_scale(x, cache.fmt)  # [2, n, H]
-        cache.k_scale[block, offset] = scale[0]
-        cache.v_scale[block, offset] = scale[1]
+        scale = token_head_scale(x, cache.fmt)  # [2, m, H]
+        for dst, src in ((cache.k_scale, scale[0]), (cache.v_scale, scale[1])):
+            _scatter(dst, plan, src, slot_dims=2)
     else:
         scale = torch.stack((cache.k_scale.expand(cache.num_kv_heads),
                              cache.v_scale.expand(cache.num_kv_heads)))[:, None]  # [2, 1, H]
     codes = quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt).view(torch.uint8)
-    for dst, src in ((cache.key_cache, codes[0]), (cache.value_cache, codes[1])):
-        raw = dst.view(torch.uint8)
-        if cache.layout == "NHD":
-            raw[block, offset] = src
-        else:
-            raw[block, :, offset] = src
+    nhd = cache.layout == "NHD"
+    _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], slot_dims=2 if nhd else None)
+    _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], slot_dims=2 if nhd else None)
+
+
+def _scatter(dst: torch.Tensor, plan: SlotPlan, src: torch.Tensor, slot_dims: int | None) -> None:
+    """``dst``'s rows at the plan's slots = ``src`` ``[m, ...]``. ``slot_dims=2``: ``dst`` is
+    ``[num_blocks, block_size, ...]`` (one row per slot: a single ``index_copy_`` when contiguous);
+    None: an HND cache ``[num_blocks, H, block_size, D]``."""
+    if slot_dims is None:
+        dst[plan.block, :, plan.offset] = src
+    elif dst.is_contiguous():
+        dst.view(-1, *dst.shape[2:]).index_copy_(0, plan.slots, src)
+    else:
+        dst[plan.block, plan.offset] = src
