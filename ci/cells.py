@@ -35,6 +35,9 @@ class Cell:
     gpu_tests: tuple[str, ...] = field(default=())
     compile_budget_s: int = 0
     """Time limit of the compile part (default: ``budget_s``)."""
+    kit_examples: int = 0
+    """Run cells: Hypothesis examples per conformance-kit test under the ``thorough`` profile
+    (randomized: each run draws new workloads), sized to fit ``budget_s``; 0: the profile's own."""
 
 
 def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
@@ -44,13 +47,16 @@ def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
     cells = {}
     for name, c in data.get("cells", {}).items():
         cell = Cell(name, c["kind"], c["runner"], int(c["budget_s"]), tuple(c.get("compile", ())),
-                    tuple(c.get("gpu_tests", ())), int(c.get("compile_budget_s", c["budget_s"])))
+                    tuple(c.get("gpu_tests", ())), int(c.get("compile_budget_s", c["budget_s"])),
+                    int(c.get("kit_examples", 0)))
         if cell.kind not in KINDS:
             raise ValueError(f"cell {name}: kind {cell.kind!r}, expected one of {KINDS}")
         if not set(cell.compile) <= set(COMPILERS):
             raise ValueError(f"cell {name}: compile {cell.compile}, expected a subset of {COMPILERS}")
         if cell.budget_s <= 0:
             raise ValueError(f"cell {name}: budget_s must be positive")
+        if cell.kit_examples < 0 or (cell.kit_examples and cell.kind != "run"):
+            raise ValueError(f"cell {name}: kit_examples {cell.kit_examples}, expected >= 0, on run cells only")
         if (cell.kind == "run") != bool(cell.gpu_tests):
             raise ValueError(f"cell {name}: gpu_tests belong to run cells (and every run cell has some)")
         for t in cell.gpu_tests:

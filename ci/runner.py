@@ -6,7 +6,9 @@
 * ``compile`` (any CPU): every compiler the cell lists compiles its kernel variants for the cell's target
   (``python -m fp8kv_cuda.compile``, ``python -m fp8kv_triton.aot``) and records registers and spills.
 * ``gpu`` (a run cell's GPU): first confirms the device is the cell's architecture, then the cell's GPU
-  test files (``-m gpu``, ``FP8KV_GPU_EXAMPLES``) and the Hopper prefill benchmark where it applies.
+  test files (``-m gpu``) under the randomized ``thorough`` Hypothesis profile, with the cell's
+  ``kit_examples`` per conformance-kit test (``FP8KV_GPU_EXAMPLES``: sized to the cell's budget, new
+  workloads every run), and the Hopper prefill benchmark where it applies.
 
 Every part writes JUnit XML (pytest parts), ``<part>.json`` (device, driver, versions, commit, date,
 passed/failed/timed-out counts, exit codes) and ``SUMMARY.md`` under ``ci/reports/<cell>/`` (or ``--out``).
@@ -105,6 +107,16 @@ def _junit_counts(path: Path) -> dict:
     return counts
 
 
+def _gpu_env(cell: Cell) -> dict:
+    """The GPU tests' environment: the ``thorough`` profile, the cell's examples per kit test
+    (``FP8KV_GPU_EXAMPLES`` in the caller's environment wins, for a longer soak)."""
+    env = {"HYPOTHESIS_PROFILE": "thorough"}
+    examples = os.environ.get("FP8KV_GPU_EXAMPLES") or (str(cell.kit_examples) if cell.kit_examples else None)
+    if examples:
+        env["FP8KV_GPU_EXAMPLES"] = examples
+    return env
+
+
 def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
     """Run ``part`` of ``cell``; returns the record also written to ``out/<part>.json``."""
     out.mkdir(parents=True, exist_ok=True)
@@ -138,7 +150,7 @@ def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
             workers = ["-n", str(min(8, os.cpu_count() or 1))]
         steps.append(_step("GPU tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *workers,
                                          f"--junitxml={xml}", *cell.gpu_tests], deadline,
-                           env={"FP8KV_GPU_EXAMPLES": os.environ.get("FP8KV_GPU_EXAMPLES", "10")},
+                           env=_gpu_env(cell),
                            log=out / "gpu_tests.log"))
         junit["gpu_tests"] = _junit_counts(xml)
         if cell.name == "sm90":
@@ -152,6 +164,7 @@ def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
         "cell": cell.name, "part": part, "runner": cell.runner, "budget_s": budget, "device": _device(),
         "versions": _versions(), "commit": _commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "steps": steps, "junit": junit,
+        "hypothesis": _gpu_env(cell) if part == "gpu" else {"HYPOTHESIS_PROFILE": "ci"} if part == "cpu" else None,
         "passed": all(s["rc"] == 0 for s in steps) and bool(steps),
         "timed_out": sum(s["timed_out"] for s in steps), "failed_steps": sum(s["rc"] != 0 for s in steps),
     }
@@ -174,7 +187,8 @@ def write_summary(out: Path) -> None:
         lines += [f"## {rec['part']}: {'passed' if rec['passed'] else 'FAILED'}", "",
                   f"device {dev['name']} ({dev['arch']}), driver {dev['driver']}, CUDA {dev['cuda']}; "
                   f"torch {ver['torch']}, triton {ver['triton']}, cupy {ver['cupy']}, fp8kv {ver['fp8kv']}; "
-                  f"commit {rec['commit']}; {rec['date']}; budget {rec['budget_s']} s", "",
+                  f"commit {rec['commit']}; {rec['date']}; budget {rec['budget_s']} s"
+                  + (f"; Hypothesis {rec['hypothesis']}" if rec.get("hypothesis") else ""), "",
                   "| step | exit | timed out | seconds |", "|---|---|---|---|"]
         lines += [f"| {s['name']} | {s['rc']} | {s['timed_out']} | {s['seconds']} |" for s in rec["steps"]]
         for name, c in rec["junit"].items():
