@@ -112,9 +112,12 @@ def _assert_within_tolerance(got, want, cache, q, tables, lens, qsl=None):
 
 @pytest.mark.parametrize("granularity", ["tensor", "head", "token_head"])
 def test_float32_path_serves_plain_steps(monkeypatch, granularity):
-    """Decode and chunked prefill without soft-cap or lse take the float32 (SDPA) path: the float64
-    path is never entered, and the result is the reference's within the kit's tolerance."""
+    """Decode and chunked prefill without soft-cap, with and without the log-sum-exp, take the
+    float32 path: the float64 path is never entered, and output and lse are the reference's
+    within the kit's derived tolerances."""
     from fp8kv_torch import attention
+
+    from fp8kv.testing import paged_attention_bounds
 
     monkeypatch.setattr(attention, "_attend_float64", lambda *a: pytest.fail("took the float64 path"))
     cache, q, tables, lens = _decode_case(granularity if granularity != "head" else "tensor")
@@ -130,6 +133,12 @@ def test_float32_path_serves_plain_steps(monkeypatch, granularity):
     qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
     got, want = _both(cache, qp, tables, lens, query_start_loc=qsl, max_query_len=4)
     _assert_within_tolerance(got, want, cache, qp, tables, lens, qsl)
+    from fp8kv.testing.tolerance import assert_lse_close
+
+    for qq, kw in ((q, {}), (qp, {"query_start_loc": qsl, "max_query_len": 4})):  # with the log-sum-exp
+        (got, lse), (want, ref_lse) = _both(cache, qq, tables, lens, return_lse=True, **kw)
+        _assert_within_tolerance(got, want, cache, qq, tables, lens, kw.get("query_start_loc"))
+        assert_lse_close(lse, ref_lse, **paged_attention_bounds(qq, cache, tables, lens, kw.get("query_start_loc")))
 
 
 def test_float32_overflow_falls_back_to_float64():

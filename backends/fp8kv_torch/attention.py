@@ -7,11 +7,11 @@ rows without a visible key give 0), done for every sequence at once:
   cache block and offset holds each key position of each sequence, which keys each query
   may see (length, causality, sliding window, absent blocks) and where each query row sits;
 * per layer: one gather of the K and V codes (and token_head scales) of every sequence, a
-  table lookup of their values, and either one float32 ``scaled_dot_product_attention`` (the
-  common case) or the reference's float64 arithmetic (two batched matrix products and a masked
-  softmax) where float32 would overflow, meets NaN, or the step needs soft-capping, the
-  log-sum-exp or has a row without keys. Both stay within the conformance kit's derived
-  float32 tolerance (:mod:`fp8kv.testing.tolerance`).
+  table lookup of their values, and in float32 either one ``scaled_dot_product_attention`` or,
+  when the log-sum-exp is asked for, the softmax written out; the reference's float64
+  arithmetic (two batched matrix products and a masked softmax) where float32 would overflow,
+  meets NaN, or the step needs soft-capping or has a row without keys. Both stay within the
+  conformance kit's derived float32 tolerance (:mod:`fp8kv.testing.tolerance`).
 
 The index is rebuilt whenever the metadata's buffers were refilled in place with other values
 (``AttentionMetadata.update``), so a replayed step never reads a stale index.
@@ -184,19 +184,20 @@ def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
 
     Two paths, both within the conformance kit's derived float32 tolerance
     (:mod:`fp8kv.testing.tolerance`): the float32 path (:func:`_attend_float32`: the FP8 values
-    scaled in float32 and one ``scaled_dot_product_attention``) where it applies and its result is
-    finite, else the float64 path (:func:`_attend_float64`, the reference's arithmetic), which
-    also serves soft-capping, the log-sum-exp and rows that see no key."""
+    scaled in float32 and one ``scaled_dot_product_attention``, or the softmax written out when the
+    log-sum-exp is asked for) where it applies and its result is finite, else the float64 path
+    (:func:`_attend_float64`, the reference's arithmetic), which also serves soft-capping and rows
+    that see no key."""
     idx = step_index(meta)
-    if lse is None and meta.options.logits_soft_cap is None and idx.real_rows_see_keys and \
-            _attend_float32(query, cache, meta, idx, out):
+    if meta.options.logits_soft_cap is None and idx.real_rows_see_keys and \
+            _attend_float32(query, cache, meta, idx, out, lse):
         return
     _attend_float64(query, cache, meta, idx, out, lse)
 
 
 def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, idx: StepIndex,
-                    out: torch.Tensor) -> bool:
-    """The float32 path; returns False (``out`` untouched) if any result is not finite.
+                    out: torch.Tensor, lse: torch.Tensor | None) -> bool:
+    """The float32 path; returns False (``out`` and ``lse`` untouched) if any result is not finite.
 
     K and V are dequantized in float32 (``value * scale``: one rounding, the tolerance's
     setting), tensor/head K scales are folded into the query and the V scale into the result.
@@ -224,11 +225,20 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     if not token:
         q = q.view(B, Q, H, g, D) * _as_f32(cache.k_scale).reshape(-1, 1, 1)  # [1 or H, 1, 1] over (H, g, D)
     q = q.view(B, Q, Hq, D).transpose(1, 2)  # [B, Hq, Q, D]
-    o = torch.nn.functional.scaled_dot_product_attention(
-        q, kv[0], kv[1], attn_mask=idx.sdpa_mask, scale=opts.softmax_scale, enable_gqa=g > 1)  # [B, Hq, Q, D]
+    row_lse = None
+    if lse is None:
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, kv[0], kv[1], attn_mask=idx.sdpa_mask, scale=opts.softmax_scale, enable_gqa=g > 1)  # [B, Hq, Q, D]
+    else:  # SDPA keeps its log-sum-exp to itself: the softmax written out, rows (g, Q) per KV head
+        logits = torch.matmul(q.reshape(B, H, g * Q, D), kv[0].transpose(-1, -2)).mul_(opts.softmax_scale)
+        if idx.sdpa_mask is not None:
+            logits.view(B, H, g, Q, L).masked_fill_(~idx.sdpa_mask[:, :, None], float("-inf"))
+        row_lse = torch.logsumexp(logits, dim=-1)  # [B, H, g * Q]
+        o = torch.matmul(torch.exp(logits.sub_(row_lse[..., None])), kv[1]).view(B, Hq, Q, D)
     if not token:
         o = o.reshape(B, H, g, Q, D).mul_(_as_f32(cache.v_scale).reshape(-1, 1, 1, 1)).reshape(B, Hq, Q, D)
-    if not math.isfinite(float(o.sum())):  # inf or NaN anywhere (or a sum past float32: rare, and safe)
+    total = o.sum() if row_lse is None else o.sum() + row_lse.sum()
+    if not math.isfinite(float(total)):  # inf or NaN anywhere (or a sum past float32: rare, and safe)
         return False
     if out.dtype != f32:  # float32 results are finite here; narrower outputs saturate
         o = o.clamp(-torch.finfo(out.dtype).max, torch.finfo(out.dtype).max)
@@ -236,6 +246,12 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
         out.copy_(o.reshape(B, Hq, D))
     else:
         out[idx.rows[idx.real]] = o.transpose(1, 2)[idx.real].to(out.dtype)
+    if lse is not None:
+        row_lse = row_lse.view(B, Hq, Q)
+        if meta.is_decode:
+            lse.copy_(row_lse.view(B, Hq))
+        else:
+            lse[idx.rows[idx.real]] = row_lse.transpose(1, 2)[idx.real]
     return True
 
 
