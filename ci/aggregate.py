@@ -69,6 +69,20 @@ def _status(claim: Claim, cell, parts: dict[str, dict]) -> str:
     return "claimed"
 
 
+def _verdict(rec: dict) -> str:
+    """A part's outcome in words: passed, or FAILED with why (a time-out is a failure)."""
+    if rec["passed"]:
+        return "passed"
+    why = []
+    if rec.get("timed_out"):
+        names = [s["name"] for s in rec["steps"] if s.get("timed_out")]
+        why.append(f"timed out in its {rec['budget_s']:.0f}-s budget ({', '.join(names)})")
+    failed = [s["name"] for s in rec["steps"] if not s.get("timed_out") and s.get("rc") != 0]
+    if failed:
+        why.append(f"{', '.join(failed)} failed")
+    return f"FAILED ({'; '.join(why)})" if why else "FAILED"
+
+
 def _bench_rows() -> list[str]:
     rows = ["| benchmark | measured | target | met | source |", "|---|---|---|---|---|"]
     for what, path, key, target, unit in TARGETS:
@@ -115,7 +129,7 @@ def render() -> str:
     lines.append("|---|---|---|---|---|")
     for name, cell in cells.items():
         parts = _load(name)
-        rep = ", ".join(f"{p}: {'passed' if r['passed'] else 'FAILED'} ({r['date'][:10]}, {r['device']['name']})"
+        rep = ", ".join(f"{p}: {_verdict(r)} ({r['date'][:10]}, {r['device']['name']})"
                         for p, r in parts.items()) or "none yet"
         lines.append(f"| {name} | {cell.kind} | `{cell.runner}` | {cell.budget_s} s | {rep} |")
     lines += ["", "## Claims", "",
