@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of the Triton kernels for AMD gfx942/gfx950 and NVIDIA sm80/sm90, on the CPU.
+"""Ahead-of-time compile of the Triton kernels for AMD gfx942/gfx950 and NVIDIA sm80/sm86/sm89/sm90, on the CPU.
 
 ``python -m fp8kv_triton.aot`` (Triton's real compiler in a subprocess without TRITON_INTERPRET,
 a fresh Triton cache) compiles one variant per kernel and format class (OCP, fnuz) with the
@@ -39,7 +39,7 @@ def test_every_kernel_compiles_for_amd_and_nvidia_without_spills(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     assert all(x["ok"] for x in results)
-    for target in ("gfx942", "gfx950", "sm80", "sm90"):
+    for target in ("gfx942", "gfx950", "sm80", "sm86", "sm89", "sm90"):
         kernels = {(x["kernel"], x["fmt"]) for x in results if x["target"] == target}
         # NVIDIA decodes with the decode kernel; AMD keeps the general kernel for decode
         expected = {"_attn_kernel", "_reduce_kernel", "_write_kv_kernel"}
@@ -53,6 +53,28 @@ def test_every_kernel_compiles_for_amd_and_nvidia_without_spills(tmp_path):
         else:
             assert x["regs"], x
     assert "| gfx942 |" in r.stdout and "VGPR" in r.stdout
+    for x in results:  # 99 KB GPUs (RTX 30/40, A10, L4): every tile fits, and the decode kernel spills nothing
+        if x["target"] in ("sm86", "sm89"):
+            assert x["shared"] <= 99 << 10, x
+            assert x["kernel"] != "_decode_kernel" or x["spills"] == 0, x
+
+
+def test_tiles_fit_the_shared_memory_of_99_kb_gpus():
+    """The H100-tuned decode tile (128 keys, two stages: 104 KB) does not launch on sm86/sm89;
+    there the decode kernel takes 32-key tiles and float32 prefill one stage of 32 keys."""
+    import torch
+    from fp8kv_triton.attention import choose_config
+
+    def cfg(arch, q_len, dtype=torch.bfloat16, D=128):
+        return choose_config(torch.device("cpu"), group=4, head_size=D, num_seqs=8, num_kv_heads=8,
+                             max_query_len=q_len, max_keys=4096, interpret=False, query_dtype=dtype, arch=arch)
+
+    assert cfg("sm90", 1).block_n == 128 and cfg("sm80", 1).block_n == 128
+    for arch in ("sm86", "sm89", "sm120"):
+        assert cfg(arch, 1).block_n == 32 and cfg(arch, 1).decode
+        assert cfg(arch, 64).block_n == 128  # bf16 prefill: 82 KB, fits
+        assert (cfg(arch, 64, torch.float32).block_n, cfg(arch, 64, torch.float32).num_stages) == (32, 1)
+        assert cfg(arch, 64, torch.float32, D=256).block_m == 32
 
 
 def test_the_variant_sets():

@@ -2,7 +2,7 @@
 
 Every kernel variant the backend claims on a target is compiled by Triton's real compiler
 (not the interpreter) for ``GPUTarget("hip", "gfx942", 64)``, ``("hip", "gfx950", 64)``,
-``("cuda", 80, 32)`` and ``("cuda", 90, 32)``: TTIR -> TTGIR -> LLVM -> AMDGCN/hsaco or
+``("cuda", 80 | 86 | 89 | 90, 32)``: TTIR -> TTGIR -> LLVM -> AMDGCN/hsaco or
 PTX/cubin. This catches "does not compile on that architecture" on a CPU-only machine, and
 the compiled metadata gives the resources: registers (VGPR/SGPR on AMD, from the AMDGCN
 metadata; ``n_regs`` on NVIDIA), spills and shared memory (LDS). A compile error, a spill or
@@ -38,11 +38,14 @@ TARGETS = {
     "gfx942": ("hip", "gfx942", 64),
     "gfx950": ("hip", "gfx950", 64),
     "sm80": ("cuda", 80, 32),
+    "sm86": ("cuda", 86, 32),
+    "sm89": ("cuda", 89, 32),
     "sm90": ("cuda", 90, 32),
 }
 """Name -> ``GPUTarget(backend, arch, warp_size)`` arguments."""
 
-SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm80": 163 << 10, "sm90": 227 << 10}
+SHARED_LIMIT = {"gfx942": 64 << 10, "gfx950": 160 << 10, "sm80": 163 << 10, "sm86": 99 << 10, "sm89": 99 << 10,
+                "sm90": 227 << 10}
 """Shared memory (LDS) per workgroup a launch may use, in bytes."""
 
 FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")

@@ -964,6 +964,18 @@ def is_amd(arch: str | None) -> bool:
     return arch is not None and arch.startswith("gfx")
 
 
+SMALL_SHARED_ARCHS = frozenset({"sm86", "sm89", "sm120", "sm121"})
+"""NVIDIA architectures with 99 KB of shared memory per block (sm80/sm87: 163 KB, sm90/sm100: 227 KB):
+RTX 30/40/50, A10/A40, L4/L40. The H100-tuned tiles need more (the decode kernel's 128-key, two-stage
+tile 104 KB), and a launch that asks for more than the GPU has fails; compiled for sm89
+(``python -m fp8kv_triton.aot --target sm89``) the tiles of :func:`choose_config` fit."""
+
+
+def small_shared(arch: str | None) -> bool:
+    """Whether ``arch`` has only 99 KB of shared memory per block (see :data:`SMALL_SHARED_ARCHS`)."""
+    return arch in SMALL_SHARED_ARCHS
+
+
 def reduce_warps(arch: str | None) -> int:
     """Warps of the split-KV reduce: 4 (on AMD 4 wavefronts of 64: with 2, gfx942 spills SGPRs)."""
     return 4
@@ -1034,6 +1046,12 @@ def choose_config(
     block_m = max(gpad, 64)
     block_n = 64 if wide or query_dtype == torch.float32 else 128
     num_stages = 2
+    if small_shared(arch) and query_dtype == torch.float32:
+        # 99 KB GPUs, compiled for sm89: 64 x 64 float32 tiles in two stages take 112 KB (D=128);
+        # 32 keys in one stage 56 KB and no spill; D=256 needs 32 query rows as well
+        block_n, num_stages = 32, 1
+        if wide:
+            block_m = max(gpad, 32)
     if interpret:
         block_m, block_n = (gpad, 32)
     block_q = max(1, block_m // group)
@@ -1074,15 +1092,21 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, num_seqs: int
     other combination of 32/64/128/256 keys, 2/4/8 warps and 1-4 stages at all four bench
     shapes (e.g. B=32 L=4096: 135 us; 3 stages 173-195 us, 8 warps 225 us, 64-key tiles 143 us;
     without ``v_regs`` 211 us). Head sizes above 128 and float32 queries halve the key tile
-    (registers, shared memory). Splits: enough for ``DECODE_PROGRAMS_PER_SM`` programs on every
-    SM, and pieces of at most :data:`DECODE_KEYS_PER_SPLIT` keys. AMD: the general kernel
-    (``decode=False``: compiled for gfx950 the decode kernel spills VGPRs to scratch), 4 wavefronts,
+    (registers, shared memory); GPUs with 99 KB of shared memory (:data:`SMALL_SHARED_ARCHS`) take
+    32-key tiles (compiled, not run or timed on such a GPU). Splits: enough for
+    ``DECODE_PROGRAMS_PER_SM`` programs on every SM, and pieces of at most
+    :data:`DECODE_KEYS_PER_SPLIT` keys. AMD: the general kernel (``decode=False``: compiled for
+    gfx950 the decode kernel spills VGPRs to scratch), 4 wavefronts,
     one stage (see :func:`choose_config`), no ``v_regs`` (its barrier is PTX).
     """
     block_n = 64 if wide or query_dtype == torch.float32 else 128
     num_warps, num_stages = 4, 2
     if is_amd(arch):
         num_stages = 1
+    if small_shared(arch):
+        # 99 KB GPUs, compiled for sm89: the 128-key two-stage tile takes 104 KB (bf16, D=128);
+        # 32 keys, two stages: 29 KB and no spill (D=256 token_head: 58 KB)
+        block_n = 32
     if interpret:
         block_n, num_stages = 32, 1
     programs = num_seqs * num_kv_heads
