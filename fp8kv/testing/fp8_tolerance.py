@@ -88,7 +88,7 @@ import math
 
 import torch
 
-from .tolerance import U32, ulp
+from .tolerance import U32, ulp, worst_violation
 
 U_FP8_DOT = 2.0**-13
 """Accumulator model of an FP8 tensor-core dot product, per 32-wide step of the reduction: each
@@ -242,9 +242,7 @@ def assert_fp8_attention_close(out: torch.Tensor, ref: torch.Tensor, tol: torch.
         ok = (a64 == r64) | (torch.isnan(a64) & torch.isnan(r64)) | (diff <= t)
         if bool(ok.all()):
             continue
-        ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / t, nan=math.inf))
-        worst = int(torch.argmax(ratio.flatten()))
-        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r64.shape))
+        _, idx = worst_violation(ok, diff, t)
         raise AssertionError(f"{context}FP8-mode {name} differs from the reference beyond the derived tolerance at "
                              f"{int((~ok).sum())} of {ok.numel()} elements; worst at {list(idx)}: got "
                              f"{float(a64[idx])!r}, reference {float(r64[idx])!r}, |diff| {float(diff[idx]):.6g} > "

@@ -208,10 +208,7 @@ def assert_attention_close(
     if bool(ok.all()):
         return
     bad = ~ok
-    ratio = torch.nan_to_num(diff / tol, nan=math.inf, posinf=math.inf)
-    ratio = torch.where(bad, ratio, torch.zeros_like(diff))
-    worst = int(torch.argmax(ratio.flatten()))
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ref.shape))
+    worst_ratio, idx = worst_violation(ok, diff, tol)
 
     def at(x: Scalar) -> float:
         t = _as64(x, ref)
@@ -221,10 +218,17 @@ def assert_attention_close(
         f"{context}attention output differs from the reference beyond the derived tolerance at "
         f"{int(bad.sum())} of {bad.numel()} elements; worst at [token, head, dim] = {list(idx)}: "
         f"got {float(o[idx])!r}, reference {float(r[idx])!r}, |diff| = {float(diff[idx]):.6g} > "
-        f"tol = {float(tol[idx]):.6g} ({float(ratio.flatten()[worst]):.3g}x); bounds there: "
+        f"tol = {float(tol[idx]):.6g} ({worst_ratio:.3g}x); bounds there: "
         f"num_keys={at(num_keys):g}, logit_bound={at(logit_bound):.6g}, v_absmax={at(v_absmax):.6g}, "
         f"head_size={head_size}, soft_cap={soft_cap}, out_dtype={out_dtype}"
     )
+
+
+def worst_violation(ok: torch.Tensor, diff: torch.Tensor, tol: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    """The largest ``diff / tol`` among the elements that are not ``ok`` and its index (``ok``'s shape)."""
+    ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / tol, nan=math.inf, posinf=math.inf))
+    worst = int(torch.argmax(ratio.flatten()))
+    return float(ratio.flatten()[worst]), tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ok.shape))
 
 
 def _logit_error(head_size: int, L: torch.Tensor, soft_cap: float | None, u: float) -> tuple[torch.Tensor, ...]:
@@ -270,9 +274,7 @@ def assert_lse_close(lse: torch.Tensor, ref_lse: torch.Tensor, *, head_size: int
     ok = (a == r) | (diff <= tol)
     if bool(ok.all()):
         return
-    ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / tol, nan=math.inf))
-    worst = int(torch.argmax(ratio.flatten()))
-    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), r.shape))
+    _, idx = worst_violation(ok, diff, tol)
     raise AssertionError(f"{context}log-sum-exp differs from the reference beyond the derived tolerance at "
                          f"{int((~ok).sum())} of {ok.numel()} rows; worst at [token, head] = {list(idx)}: got "
                          f"{float(a[idx])!r}, reference {float(r[idx])!r}, tol {float(tol[idx]):.6g}")
