@@ -162,3 +162,19 @@ def test_float32_path_nan_and_keyless_rows_match_the_reference():
     got, want = _both(cache, q, tables, lens, validate=False)  # host checks off
     assert torch.equal(got[1], torch.zeros_like(got[1]))
     _assert_within_tolerance(got, want, cache, q, tables, lens)
+
+
+def test_float32_path_ignores_nan_bytes_past_a_sequence_end(monkeypatch):
+    """Bytes past a shorter sequence's end (in its own last block) are never read as keys: NaN
+    codes and an infinite scale there neither reach the output nor push the step to float64."""
+    from fp8kv_torch import attention
+
+    monkeypatch.setattr(attention, "_attend_float64", lambda *a: pytest.fail("took the float64 path"))
+    cache, q, tables, lens = _decode_case(scale_granularity="token_head", seq_lens=(9, 5))
+    # sequence 1 owns blocks 3, 4, 5 (block size 4): its length 5 ends at block 4, offset 0
+    cache.key_cache.view(torch.uint8)[4, 1:] = 0x7F
+    cache.value_cache.view(torch.uint8)[4, 1:] = 0xFF
+    cache.k_scale[4, 2:] = float("inf")
+    got, want = _both(cache, q, tables, lens)
+    assert torch.isfinite(got).all() and torch.isfinite(want).all()
+    _assert_within_tolerance(got, want, cache, q, tables, lens)

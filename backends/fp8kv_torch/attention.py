@@ -218,8 +218,8 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     if token:
         s = torch.stack((_slot_rows(cache.k_scale, idx), _slot_rows(cache.v_scale, idx)))  # [2, B * L, H]
         kv.mul_(s.view(2, B, L, H, 1).transpose(2, 3))
-    if not idx.all_present:  # absent keys may hold NaN codes or scales: 0 * NaN would reach the output
-        kv[1].masked_fill_(~idx.present[:, None, :, None], 0.0)
+    if not idx.all_present:  # absent keys may hold NaN codes or scales: a NaN logit or 0 * NaN would
+        kv.masked_fill_(~idx.present[None, :, None, :, None], 0.0)  # reach the output through SDPA
     q = query if meta.is_decode else query[idx.rows]
     q = q if q.dtype == f32 else q.to(f32)
     if not token:
