@@ -223,7 +223,7 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     q = query if meta.is_decode else query[idx.rows]
     q = q if q.dtype == f32 else q.to(f32)
     if not token:
-        q = q.view(B, Q, H, g, D) * _as_f32(cache.k_scale).reshape(-1, 1, 1)  # [1 or H, 1, 1] over (H, g, D)
+        q = q.view(B, Q, H, g, D) * _head_scale(cache, "key", f32)  # [1 or H, 1, 1] over (H, g, D)
     q = q.view(B, Q, Hq, D).transpose(1, 2)  # [B, Hq, Q, D]
     row_lse = None
     if lse is None:
@@ -236,7 +236,7 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
         row_lse = torch.logsumexp(logits, dim=-1)  # [B, H, g * Q]
         o = torch.matmul(torch.exp(logits.sub_(row_lse[..., None])), kv[1]).view(B, Hq, Q, D)
     if not token:
-        o = o.reshape(B, H, g, Q, D).mul_(_as_f32(cache.v_scale).reshape(-1, 1, 1, 1)).reshape(B, Hq, Q, D)
+        o = o.reshape(B, H, g, Q, D).mul_(_head_scale(cache, "value", f32)[..., None]).reshape(B, Hq, Q, D)
     total = o.sum() if row_lse is None else o.sum() + row_lse.sum()
     if not math.isfinite(float(total)):  # inf or NaN anywhere (or a sum past float32: rare, and safe)
         return False
@@ -253,10 +253,6 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
         else:
             lse[idx.rows[idx.real]] = row_lse.transpose(1, 2)[idx.real]
     return True
-
-
-def _as_f32(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.float32 else t.to(torch.float32)
 
 
 def _attend_float64(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, idx: StepIndex,

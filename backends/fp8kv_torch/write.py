@@ -68,21 +68,21 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     if cache.scale_granularity == "token_head":
         scale = token_head_scale(x, cache.fmt)  # [2, m, H]
         for dst, src in ((cache.k_scale, scale[0]), (cache.v_scale, scale[1])):
-            _scatter(dst, plan, src, slot_dims=2)
+            _scatter(dst, plan, src)
     else:
         scale = torch.stack((cache.k_scale.expand(cache.num_kv_heads),
                              cache.v_scale.expand(cache.num_kv_heads)))[:, None]  # [2, 1, H]
     codes = quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt).view(torch.uint8)
-    nhd = cache.layout == "NHD"
-    _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], slot_dims=2 if nhd else None)
-    _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], slot_dims=2 if nhd else None)
+    hnd = cache.layout == "HND"
+    _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], hnd=hnd)
+    _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], hnd=hnd)
 
 
-def _scatter(dst: torch.Tensor, plan: SlotPlan, src: torch.Tensor, slot_dims: int | None) -> None:
-    """``dst``'s rows at the plan's slots = ``src`` ``[m, ...]``. ``slot_dims=2``: ``dst`` is
-    ``[num_blocks, block_size, ...]`` (one row per slot: a single ``index_copy_`` when contiguous);
-    None: an HND cache ``[num_blocks, H, block_size, D]``."""
-    if slot_dims is None:
+def _scatter(dst: torch.Tensor, plan: SlotPlan, src: torch.Tensor, *, hnd: bool = False) -> None:
+    """``dst``'s rows at the plan's slots = ``src`` ``[m, ...]``: ``dst`` is ``[num_blocks, block_size,
+    ...]`` (one row per slot: a single ``index_copy_`` when contiguous), or with ``hnd`` an HND cache
+    ``[num_blocks, H, block_size, D]``."""
+    if hnd:
         dst[plan.block, :, plan.offset] = src
     elif dst.is_contiguous():
         dst.view(-1, *dst.shape[2:]).index_copy_(0, plan.slots, src)
