@@ -2,7 +2,7 @@
 
     python -m ci cells                      # the cells of ci/matrix.toml
     python -m ci claims CELL                # what the registry claims for CELL's device
-    python -m ci run CELL [--part P] [--out DIR] [--budget S]
+    python -m ci run CELL [--part P] [--shard K] [--out DIR] [--budget S]
     python -m ci aggregate [--out PATH]     # regenerate ci/reports/MATRIX.md
 """
 
@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--part", choices=("cpu", "compile", "gpu"))
     r.add_argument("--out")
     r.add_argument("--budget", type=float)
+    r.add_argument("--shard", type=int, help="GPU shard K (1-based) of a cell with gpu_shards > 1")
     a = sub.add_parser("aggregate")
     a.add_argument("--out")
     args = ap.parse_args(argv)
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "run":
         from .runner import main_run
 
-        return main_run(args.cell, args.part, args.out, args.budget)
+        return main_run(args.cell, args.part, args.out, args.budget, args.shard)
     from .aggregate import main_aggregate
 
     return main_aggregate(args.out)

@@ -5,8 +5,10 @@ Claims come from :func:`ci.cells.claims` at aggregation time, so a backend that 
 supports changes the matrix with no hand edit; what verified each claim comes from the reports:
 
 * ``passed``: a run (GPU) or CPU part ran that backend's tests and they passed;
-* ``compiled``: the cell compiled that backend's kernels without error or unbudgeted spill, not run;
-* ``FAILED``: the part that verifies it failed or timed out;
+* ``compiled``: the cell compiled every kernel variant serving that claim (its op, format and token
+  or per-tensor/head scales) without error, shared memory over the limit or unbudgeted spill, not run;
+* ``FAILED``: the part that verifies it failed or timed out (a sharded GPU part: any shard, or a
+  shard without a report), or a kernel variant serving the claim failed to compile within limits;
 * ``claimed``: claimed, but no report of the cell verifies it (e.g. the reference on a GPU cell
   without a run);
 * ``-``: not claimed.
@@ -40,13 +42,45 @@ TARGETS = [  # (what, file, how to read the measured value, target, unit); ratio
 ]
 
 
-def _load(cell: str) -> dict[str, dict]:
+def _load(cell) -> dict[str, dict]:
+    """The cell's part reports by part; a sharded GPU part is one record made of its shards'."""
     out = {}
     for part in ("cpu", "compile", "gpu"):
-        path = REPORTS / cell / f"{part}.json"
-        if path.is_file():
+        path = REPORTS / cell.name / f"{part}.json"
+        if path.is_file() and not (part == "gpu" and cell.gpu_shards > 1):
             out[part] = json.loads(path.read_text())
+    if cell.kind == "run" and cell.gpu_shards > 1:
+        shards = {k: REPORTS / cell.name / f"gpu-{k}.json" for k in range(1, cell.gpu_shards + 1)}
+        recs = [json.loads(p.read_text()) for p in shards.values() if p.is_file()]
+        if recs:
+            out["gpu"] = _merge_shards(recs, missing=[k for k, p in shards.items() if not p.is_file()])
     return out
+
+
+def _merge_shards(recs: list[dict], missing: list[int]) -> dict:
+    """One GPU record from its shards': passed only if every shard has a report and passed."""
+    last = max(recs, key=lambda r: r["date"])
+    steps = [dict(st, name=f"{st['name']} (shard {r['shard'][0]})") for r in recs for st in r["steps"]]
+    steps += [{"name": f"shard {k} (no report)", "rc": None, "timed_out": False} for k in missing]
+    return {**last, "steps": steps, "budget_s": max(r["budget_s"] for r in recs),
+            "passed": not missing and all(r["passed"] for r in recs),
+            "timed_out": sum(r["timed_out"] for r in recs)}
+
+
+def _compile_results(cell: str, compiler: str) -> list[dict] | None:
+    """The per-variant results a cell's compile part wrote for ``compiler`` (None when absent)."""
+    path = REPORTS / cell / f"{compiler}_compile.json"
+    return json.loads(path.read_text())["results"] if path.is_file() else None
+
+
+def _serves(claim: Claim, variant: dict) -> bool:
+    """Whether a compiled kernel variant is one that serves ``claim`` (op, format, token scales or not)."""
+    if (claim.op == "write_kv") != ("write" in variant["kernel"]):
+        return False
+    if variant["fmt"] not in ("-", claim.kv_dtype):
+        return False
+    token = "token_head" in variant["label"] or "token_scales=1" in variant["label"]
+    return token == (claim.scale_granularity == "token_head")
 
 
 def _status(claim: Claim, cell, parts: dict[str, dict]) -> str:
@@ -64,8 +98,16 @@ def _status(claim: Claim, cell, parts: dict[str, dict]) -> str:
     compiler = COMPILER_OF.get(claim.backend)
     if comp is not None and compiler in cell.compile:
         step = next((s for s in comp["steps"] if s["name"].startswith(compiler)), None)
-        if step is not None:
+        if step is None:
+            return "claimed"
+        results = _compile_results(cell.name, compiler)
+        if step.get("timed_out") or not results:  # no per-variant record: the step decides
             return "compiled" if step["rc"] == 0 else "FAILED"
+        mine = [r for r in results if _serves(claim, r)]
+        if not mine:
+            return "FAILED"  # claimed, but none of its kernels was compiled
+        bad = any(r.get("problems") or not r.get("ok", True) for r in mine)
+        return "FAILED" if bad else "compiled"
     return "claimed"
 
 
@@ -115,7 +157,7 @@ def render() -> str:
     cells = load_cells()
     table: dict[tuple, dict[str, set]] = defaultdict(lambda: defaultdict(set))
     for name, cell in cells.items():
-        parts = _load(name)
+        parts = _load(cell)
         for c in claims(name):
             key = (c.backend, c.op, c.mode, c.kv_dtype, c.scale_granularity)
             table[key][name].add((_status(c, cell, parts), c.layout))
@@ -128,7 +170,7 @@ def render() -> str:
     lines.append("| cell | kind | runner | budget | report |")
     lines.append("|---|---|---|---|---|")
     for name, cell in cells.items():
-        parts = _load(name)
+        parts = _load(cell)
         rep = ", ".join(f"{p}: {_verdict(r)} ({r['date'][:10]}, {r['device']['name']})"
                         for p, r in parts.items()) or "none yet"
         lines.append(f"| {name} | {cell.kind} | `{cell.runner}` | {cell.budget_s} s | {rep} |")

@@ -38,6 +38,9 @@ class Cell:
     kit_examples: int = 0
     """Run cells: Hypothesis examples per conformance-kit test under the ``thorough`` profile
     (randomized: each run draws new workloads), sized to fit ``budget_s``; 0: the profile's own."""
+    gpu_shards: int = 1
+    """Run cells: the GPU tests split into this many jobs (pytest-split, balanced by the durations in
+    ``ci/durations/<cell>.json``), each with its own ``budget_s``, as a CI service runs shards."""
 
 
 def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
@@ -48,7 +51,7 @@ def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
     for name, c in data.get("cells", {}).items():
         cell = Cell(name, c["kind"], c["runner"], int(c["budget_s"]), tuple(c.get("compile", ())),
                     tuple(c.get("gpu_tests", ())), int(c.get("compile_budget_s", c["budget_s"])),
-                    int(c.get("kit_examples", 0)))
+                    int(c.get("kit_examples", 0)), int(c.get("gpu_shards", 1)))
         if cell.kind not in KINDS:
             raise ValueError(f"cell {name}: kind {cell.kind!r}, expected one of {KINDS}")
         if not set(cell.compile) <= set(COMPILERS):
@@ -57,6 +60,8 @@ def load_cells(path: Path = MATRIX) -> dict[str, Cell]:
             raise ValueError(f"cell {name}: budget_s must be positive")
         if cell.kit_examples < 0 or (cell.kit_examples and cell.kind != "run"):
             raise ValueError(f"cell {name}: kit_examples {cell.kit_examples}, expected >= 0, on run cells only")
+        if cell.gpu_shards < 1 or (cell.gpu_shards > 1 and cell.kind != "run"):
+            raise ValueError(f"cell {name}: gpu_shards {cell.gpu_shards}, expected >= 1, above 1 on run cells only")
         if (cell.kind == "run") != bool(cell.gpu_tests):
             raise ValueError(f"cell {name}: gpu_tests belong to run cells (and every run cell has some)")
         for t in cell.gpu_tests:

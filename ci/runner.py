@@ -8,7 +8,10 @@
 * ``gpu`` (a run cell's GPU): first confirms the device is the cell's architecture, then the cell's GPU
   test files (``-m gpu``) under the randomized ``thorough`` Hypothesis profile, with the cell's
   ``kit_examples`` per conformance-kit test (``FP8KV_GPU_EXAMPLES``: sized to the cell's budget, new
-  workloads every run), and the Hopper prefill benchmark where it applies.
+  workloads every run), and the Hopper prefill benchmark where it applies. A cell with
+  ``gpu_shards`` N > 1 runs as N jobs, ``--shard 1`` .. ``--shard N`` (pytest-split, balanced by
+  ``ci/durations/<cell>.json``), each in its own budget and report ``gpu-K.json``; the last one
+  runs the benchmark.
 
 Every part writes JUnit XML (pytest parts), ``<part>.json`` (device, driver, versions, commit, date,
 passed/failed/timed-out counts, exit codes) and ``SUMMARY.md`` under ``ci/reports/<cell>/`` (or ``--out``).
@@ -117,9 +120,39 @@ def _gpu_env(cell: Cell) -> dict:
     return env
 
 
-def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
-    """Run ``part`` of ``cell``; returns the record also written to ``out/<part>.json``."""
+DURATIONS = ROOT / "ci" / "durations"
+"""Per-cell test durations (pytest-split's JSON: node id -> seconds) that balance a cell's GPU shards."""
+
+
+def shard_args(cell: Cell, shard: int | None) -> list[str]:
+    """pytest-split's arguments for GPU shard ``shard`` (1-based) of ``cell`` ([] for one shard)."""
+    if cell.gpu_shards == 1:
+        if shard not in (None, 1):
+            raise SystemExit(f"shard: got {shard}, but cell {cell.name} has one GPU shard")
+        return []
+    if shard is None or not 1 <= shard <= cell.gpu_shards:
+        raise SystemExit(f"shard: got {shard}, expected 1..{cell.gpu_shards} (cell {cell.name} has "
+                         f"{cell.gpu_shards} GPU shards: run each with --shard K)")
+    if importlib.util.find_spec("pytest_split") is None:
+        raise SystemExit("the GPU shards need pytest-split (pip install pytest-split)")
+    args = ["--splits", str(cell.gpu_shards), "--group", str(shard), "--splitting-algorithm", "least_duration"]
+    durations = DURATIONS / f"{cell.name}.json"
+    if durations.is_file():
+        args += ["--durations-path", str(durations)]
+    return args
+
+
+def part_name(cell: Cell, part: str, shard: int | None) -> str:
+    """The report's name: ``gpu``, or ``gpu-K`` for shard K of a sharded cell."""
+    return f"{part}-{shard}" if part == "gpu" and cell.gpu_shards > 1 else part
+
+
+def run_part(cell: Cell, part: str, out: Path, budget: float, shard: int | None = None) -> dict:
+    """Run ``part`` of ``cell`` (GPU shard ``shard`` of a sharded run cell); returns the record also
+    written to ``out/<name>.json`` (name: :func:`part_name`)."""
     out.mkdir(parents=True, exist_ok=True)
+    name = part_name(cell, part, shard)
+    split = shard_args(cell, shard) if part == "gpu" else []
     deadline = time.monotonic() + budget
     steps, junit = [], {}
     py = sys.executable
@@ -144,16 +177,17 @@ def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
         dev = _device()
         if dev["arch"] != cell.name:
             raise SystemExit(f"cell {cell.name}: this machine is {dev['name']} ({dev['arch']}), not {cell.name}")
-        xml = out / "gpu_tests.xml"
+        tests = name.replace("gpu", "gpu_tests")
+        xml = out / f"{tests}.xml"
         workers = []
         if importlib.util.find_spec("xdist") is not None:  # pytest-xdist where installed: one GPU, 8 workers
             workers = ["-n", str(min(8, os.cpu_count() or 1))]
         steps.append(_step("GPU tests", [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *workers,
-                                         f"--junitxml={xml}", *cell.gpu_tests], deadline,
+                                         f"--junitxml={xml}", *split, *cell.gpu_tests], deadline,
                            env=_gpu_env(cell),
-                           log=out / "gpu_tests.log"))
-        junit["gpu_tests"] = _junit_counts(xml)
-        if cell.name == "sm90":
+                           log=out / f"{tests}.log"))
+        junit[tests] = _junit_counts(xml)
+        if cell.name == "sm90" and (shard or 1) == cell.gpu_shards:  # the last shard runs the benchmark
             steps.append(_step("hopper prefill benchmark", [py, "benchmarks/hopper_prefill.py", "--grid", "none",
                                                             "--shapes", "4x2048+2048", "--json",
                                                             str(out / "bench_hopper_prefill.json")],
@@ -161,14 +195,15 @@ def run_part(cell: Cell, part: str, out: Path, budget: float) -> dict:
     else:
         raise SystemExit(f"part: got {part!r}, expected cpu, compile or gpu")
     record = {
-        "cell": cell.name, "part": part, "runner": cell.runner, "budget_s": budget, "device": _device(),
+        "cell": cell.name, "part": part, "shard": [shard or 1, cell.gpu_shards] if part == "gpu" else None,
+        "runner": cell.runner, "budget_s": budget, "device": _device(),
         "versions": _versions(), "commit": _commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "steps": steps, "junit": junit,
         "hypothesis": _gpu_env(cell) if part == "gpu" else {"HYPOTHESIS_PROFILE": "ci"} if part == "cpu" else None,
         "passed": all(s["rc"] == 0 for s in steps) and bool(steps),
         "timed_out": sum(s["timed_out"] for s in steps), "failed_steps": sum(s["rc"] != 0 for s in steps),
     }
-    (out / f"{part}.json").write_text(json.dumps(record, indent=1))
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
     write_summary(out)
     return record
 
@@ -184,7 +219,9 @@ def write_summary(out: Path) -> None:
         if not isinstance(rec, dict) or "part" not in rec:
             continue
         dev, ver = rec["device"], rec["versions"]
-        lines += [f"## {rec['part']}: {'passed' if rec['passed'] else 'FAILED'}", "",
+        shard = rec.get("shard")
+        title = rec["part"] + (f" (shard {shard[0]} of {shard[1]})" if shard and shard[1] > 1 else "")
+        lines += [f"## {title}: {'passed' if rec['passed'] else 'FAILED'}", "",
                   f"device {dev['name']} ({dev['arch']}), driver {dev['driver']}, CUDA {dev['cuda']}; "
                   f"torch {ver['torch']}, triton {ver['triton']}, cupy {ver['cupy']}, fp8kv {ver['fp8kv']}; "
                   f"commit {rec['commit']}; {rec['date']}; budget {rec['budget_s']} s"
@@ -198,12 +235,14 @@ def write_summary(out: Path) -> None:
     (out / "SUMMARY.md").write_text("\n".join(lines))
 
 
-def main_run(cell_name: str, part: str | None, out: str | None, budget: float | None) -> int:
+def main_run(cell_name: str, part: str | None, out: str | None, budget: float | None,
+             shard: int | None = None) -> int:
     cells = load_cells()
     if cell_name not in cells:
         raise SystemExit(f"cell: got {cell_name!r}, expected one of {list(cells)}")
     cell = cells[cell_name]
     part = part or {"cpu": "cpu", "compile": "compile", "run": "gpu"}[cell.kind]
     where = Path(out) if out else ROOT / "ci" / "reports" / cell.name
-    rec = run_part(cell, part, where, budget or (cell.compile_budget_s if part == "compile" else cell.budget_s))
+    rec = run_part(cell, part, where, budget or (cell.compile_budget_s if part == "compile" else cell.budget_s),
+                   shard)
     return 0 if rec["passed"] else 1

@@ -79,3 +79,79 @@ def test_workflows_are_valid_and_cover_the_matrix():
             job = gpu["jobs"][c.name]
             assert c.runner in job["runs-on"]
             assert f"python -m ci run {c.name} --part gpu" in str(job["steps"])
+            if c.gpu_shards > 1:
+                assert job["strategy"]["matrix"]["shard"] == list(range(1, c.gpu_shards + 1))
+                assert "--shard ${{ matrix.shard }}" in str(job["steps"])
+
+
+def _record(part: str, passed: bool, shard=None, steps=None) -> dict:
+    return {"part": part, "shard": shard, "passed": passed, "timed_out": 0, "budget_s": 560,
+            "date": "2026-11-26T00:00:00", "device": {"name": "test"},
+            "steps": steps or [{"name": "GPU tests", "rc": 0 if passed else 1, "timed_out": False}]}
+
+
+def test_gpu_shards_are_pytest_split_groups():
+    from ci import runner
+
+    sm90 = cells.load_cells()["sm90"]
+    assert sm90.gpu_shards == 2
+    args = runner.shard_args(sm90, 2)
+    assert args[:4] == ["--splits", "2", "--group", "2"] and "--durations-path" in args
+    for bad in (None, 0, 3):
+        try:
+            runner.shard_args(sm90, bad)
+        except SystemExit as exc:
+            assert "shard" in str(exc) and "1..2" in str(exc)
+        else:
+            raise AssertionError(f"shard {bad} accepted")
+    assert runner.shard_args(cells.load_cells()["cpu"], None) == []
+    assert runner.part_name(sm90, "gpu", 1) == "gpu-1" and runner.part_name(sm90, "compile", None) == "compile"
+
+
+def test_a_sharded_gpu_part_passes_only_when_every_shard_did(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.setattr(aggregate, "REPORTS", tmp_path)
+    sm90 = cells.load_cells()["sm90"]
+    (tmp_path / "sm90").mkdir()
+    (tmp_path / "sm90" / "gpu-1.json").write_text(json.dumps(_record("gpu", True, [1, 2])))
+    merged = aggregate._load(sm90)["gpu"]
+    assert not merged["passed"] and "shard 2 (no report)" in aggregate._verdict(merged)
+    (tmp_path / "sm90" / "gpu-2.json").write_text(json.dumps(_record("gpu", False, [2, 2])))
+    assert not aggregate._load(sm90)["gpu"]["passed"]
+    (tmp_path / "sm90" / "gpu-2.json").write_text(json.dumps(_record("gpu", True, [2, 2])))
+    assert aggregate._load(sm90)["gpu"]["passed"]
+    (tmp_path / "sm90" / "gpu.json").write_text(json.dumps(_record("gpu", True)))  # a stale unsharded report
+    (tmp_path / "sm90" / "gpu-1.json").unlink()
+    assert not aggregate._load(sm90)["gpu"]["passed"]
+
+
+def test_compile_entries_follow_the_variants_that_serve_each_claim(tmp_path, monkeypatch):
+    """A variant that fails (here: e5m2fnuz token-scale attention) fails only the claims it serves."""
+    import json
+
+    monkeypatch.setattr(aggregate, "REPORTS", tmp_path)
+    sm80 = cells.load_cells()["sm80"]
+    (tmp_path / "sm80").mkdir()
+    steps = [{"name": "triton kernels (AOT)", "rc": 1, "timed_out": False}]
+    (tmp_path / "sm80" / "compile.json").write_text(json.dumps(_record("compile", False, steps=steps)))
+    results = [{"kernel": k, "fmt": f, "label": f"{what} {gran} D128", "problems": []}
+               for f in cells.FORMATS for gran in ("tensor", "token_head")
+               for k, what in (("_decode_kernel", "attn decode"), ("_write_kv_kernel", "write bfloat16"))]
+    results += [{"kernel": "_reduce_kernel", "fmt": "-", "label": "reduce D128 token_head", "problems": []}]
+    bad = next(r for r in results if r["fmt"] == "fp8_e5m2fnuz" and r["kernel"] == "_decode_kernel"
+               and "token_head" in r["label"])
+    bad["problems"] = ["412 spill bytes > baseline 0"]
+    (tmp_path / "sm80" / "triton_compile.json").write_text(json.dumps({"results": results}))
+    parts = aggregate._load(sm80)
+
+    def status(op, fmt, gran):
+        return aggregate._status(cells.Claim("triton", op, "default", fmt, gran, "NHD"), sm80, parts)
+
+    assert status("paged_attention", "fp8_e5m2fnuz", "token_head") == "FAILED"
+    assert status("paged_attention", "fp8_e5m2fnuz", "tensor") == "compiled"
+    assert status("paged_attention", "fp8_e4m3", "token_head") == "compiled"
+    assert status("write_kv", "fp8_e5m2fnuz", "token_head") == "compiled"
+    (tmp_path / "sm80" / "triton_compile.json").write_text(json.dumps({"results": [
+        r for r in results if r["fmt"] != "fp8_e4m3"]}))
+    assert status("paged_attention", "fp8_e4m3", "head") == "FAILED"  # claimed, but never compiled

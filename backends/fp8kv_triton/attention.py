@@ -1036,8 +1036,9 @@ def choose_config(
     gpad = max(16, triton.next_power_of_2(group))
     wide = block_d > 128
     if max_query_len <= 1:
-        return _decode_config(device, gpad=gpad, wide=wide, num_seqs=num_seqs, num_kv_heads=num_kv_heads,
-                              max_keys=max_keys, interpret=interpret, query_dtype=query_dtype, arch=arch)
+        return _decode_config(device, gpad=gpad, wide=wide, narrow=block_d <= AMD_SMALL_TILE_HEAD_SIZE,
+                              num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_keys=max_keys, interpret=interpret,
+                              query_dtype=query_dtype, arch=arch)
     # prefill tiles from the H100 sweep (benchmarks/bench_triton.py run --sweep): 64 query rows,
     # 128 keys, 4 warps; smaller for head sizes above 128. Two stages: since the kernel addresses K
     # and V through their own strides, three stages take 147 KB of shared memory, one program per SM
@@ -1046,12 +1047,18 @@ def choose_config(
     block_m = max(gpad, 64)
     block_n = 64 if wide or query_dtype == torch.float32 else 128
     num_stages = 2
+    if wide and query_dtype == torch.float32:
+        # D=256 float32 tiles: 64 x 64 in two stages take 213 KB of shared memory, beyond the A100's
+        # 163 KB (a launch failure there); 32 keys take 140 KB and spill half as much (compiled for sm80)
+        block_n = 32
     if small_shared(arch) and query_dtype == torch.float32:
         # 99 KB GPUs, compiled for sm89: 64 x 64 float32 tiles in two stages take 112 KB (D=128);
         # 32 keys in one stage 56 KB and no spill; D=256 needs 32 query rows as well
         block_n, num_stages = 32, 1
         if wide:
             block_m = max(gpad, 32)
+    if is_amd(arch) and block_d <= AMD_SMALL_TILE_HEAD_SIZE and query_dtype == torch.float32:
+        block_n = 32
     if interpret:
         block_m, block_n = (gpad, 32)
     block_q = max(1, block_m // group)
@@ -1073,6 +1080,14 @@ def choose_config(
                       reduce_warps=reduce_warps(arch))
 
 
+AMD_SMALL_TILE_HEAD_SIZE = 64
+"""On AMD, head sizes up to this take smaller key tiles: 64 keys in decode, 32 in float32 prefill.
+Compiled for gfx942/gfx950 (the CI matrix's compile cells, Triton 3.9), three D=64 variants with
+the usual tiles put 20-36 B per lane in scratch memory at only 142-318 VGPRs (e4m3 decode, 128 keys,
+float16 queries on gfx942; e5m2fnuz on gfx950: split decode, 128 keys, bfloat16, and prefill, 64
+keys, float32); with those tiles none does. Halving every tile instead moved the scratch to the
+float32 split decode (32 keys) of both fnuz formats on gfx950."""
+
 DECODE_KEYS_PER_SPLIT = 2048
 """Decode: the key range is cut into pieces of about this many keys (and at least enough pieces
 that every SM holds programs). Measured on the H100 (benchmarks/results/decode_tune_h100.json,
@@ -1083,7 +1098,7 @@ DECODE_PROGRAMS_PER_SM = 2
 of shared memory each: Nsight Compute, benchmarks/results/decode_ncu_h100.txt)."""
 
 
-def _decode_config(device: torch.device, *, gpad: int, wide: bool, num_seqs: int, num_kv_heads: int,
+def _decode_config(device: torch.device, *, gpad: int, wide: bool, narrow: bool, num_seqs: int, num_kv_heads: int,
                    max_keys: int, interpret: bool, query_dtype: torch.dtype, arch: str | None) -> AttnConfig:
     """Launch configuration of the decode kernel (:mod:`fp8kv_triton.decode`).
 
@@ -1107,6 +1122,8 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, num_seqs: int
         # 99 KB GPUs, compiled for sm89: the 128-key two-stage tile takes 104 KB (bf16, D=128);
         # 32 keys, two stages: 29 KB and no spill (D=256 token_head: 58 KB)
         block_n = 32
+    if is_amd(arch) and narrow:  # AMD_SMALL_TILE_HEAD_SIZE
+        block_n = min(block_n, 64)
     if interpret:
         block_n, num_stages = 32, 1
     programs = num_seqs * num_kv_heads
