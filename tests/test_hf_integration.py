@@ -31,6 +31,7 @@ from fp8kv.integrations.transformers import (  # noqa: E402
     disable,
     enable,
     model_shape,
+    register,
 )
 from fp8kv.scales import token_head_scale  # noqa: E402
 
@@ -380,6 +381,23 @@ def test_without_an_fp8kv_cache_the_error_says_what_to_pass():
     disable(model)
     assert model.config._attn_implementation == "sdpa"
     model.generate(input_ids=torch.randint(3, 128, (1, 4)), max_new_tokens=2)
+
+
+def test_a_cache_without_fp8kv_attention_is_an_error_not_wrong_outputs():
+    """With another attention (sdpa), FP8PagedCache.update hands the model only the step's new keys:
+    it would attend without the cache. The next update says so instead."""
+    model = tiny_llama()
+    register()
+    model.set_attn_implementation("sdpa")
+    cache = FP8PagedCache(model.config, backend=BACKEND)
+    with pytest.raises(fp8kv.Fp8KVError, match=r"attn_implementation: layer 0's new keys .*\.enable\(model\)"):
+        model(input_ids=torch.randint(3, 128, (1, 4)), past_key_values=cache, use_cache=True)
+    cache.reset()
+    enable(model, backend=BACKEND)
+    try:
+        model(input_ids=torch.randint(3, 128, (1, 4)), past_key_values=cache, use_cache=True)  # usable again
+    finally:
+        disable(model)
 
 
 def test_unsupported_models_are_named():

@@ -382,6 +382,15 @@ class FP8PagedCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Count the step's columns for ``layer_idx`` and return ``key_states``/``value_states``
         (``[B, H, q_len, D]``) unchanged; the attention function stores them."""
+        pending = _ACTIVE.get()
+        if pending is not None and pending[0] is self:
+            _ACTIVE.set(None)
+            raise Fp8KVError(
+                f"attn_implementation: layer {pending[1]}'s new keys went through FP8PagedCache.update but never "
+                "reached fp8kv's attention, so the model attended without the cache (wrong outputs). An "
+                "FP8PagedCache needs the model's attention to be 'fp8kv': call "
+                "fp8kv.integrations.transformers.enable(model) (or model.set_attn_implementation('fp8kv') after "
+                "register()); if an earlier forward failed part-way, call cache.reset()")
         out = self.layers[layer_idx].update(key_states, value_states)
         _ACTIVE.set((self, layer_idx))
         return out
@@ -395,6 +404,8 @@ class FP8PagedCache(Cache):
         if self.static is not None:
             self.static.reset()
         self._step_plan, self._step_metadata = None, {}
+        if (_ACTIVE.get() or (None,))[0] is self:  # a forward that failed between update and attention
+            _ACTIVE.set(None)
 
     # -- batch surgery: beam search, batch select / repeat, assisted decoding ---------
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
