@@ -19,6 +19,7 @@ wraps an engine's memory without copying (``docs/engines.md`` has a recipe per e
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -195,6 +196,20 @@ def _token_head_scale(value, name: str, shape: tuple[int, int, int], device) -> 
     return value
 
 
+def paired(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``[2, *a.shape]``: ``a`` and ``b`` as one strided view of their common storage, or None.
+
+    Only when they have the same dtype, device, shape and strides, and ``b`` starts a positive
+    number of elements after ``a`` in the same storage (never for separate allocations)."""
+    if (a.dtype != b.dtype or a.device != b.device or a.shape != b.shape or a.stride() != b.stride()
+            or a.device.type == "meta" or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()):
+        return None
+    delta = b.storage_offset() - a.storage_offset()
+    if delta <= 0:
+        return None
+    return a.as_strided((2, *a.shape), (delta, *a.stride()), a.storage_offset())
+
+
 @dataclass(frozen=True)
 class KVCache:
     """One layer's paged FP8 K and V cache with its scales. Frozen; validated when built.
@@ -350,9 +365,10 @@ class KVCache:
         numel = num_blocks * block_size * num_kv_heads * head_size
         if numel >= 2**62 // 8:
             raise bad_argument("num_blocks", num_blocks, f"a cache of fewer than 2^59 elements (asked for {numel})")
-        try:
-            key_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
-            value_cache = torch.zeros(shape, dtype=fmt.torch_dtype, device=device)
+        try:  # K and V in one allocation, and token_head scales too: a backend may address each as a pair
+            key_cache, value_cache = torch.zeros((2, *shape), dtype=fmt.torch_dtype, device=device)
+            if scale_granularity == "token_head" and k_scale is None and v_scale is None:
+                k_scale, v_scale = torch.ones((2, num_blocks, block_size, num_kv_heads), device=device)
         except (RuntimeError, MemoryError) as exc:  # out of memory, or a device this torch lacks
             raise Unsupported(f"num_blocks: allocating 2 x {numel} bytes ({list(shape)}) on {device} failed: "
                               f"{str(exc).splitlines()[0][:200]}") from None
@@ -448,6 +464,24 @@ class KVCache:
         else:
             ks, vs = self.k_scale[..., start:stop], self.v_scale[..., start:stop]
         return KVCache(k, v, ks, vs, self.fmt, self.layout, self.scale_granularity)
+
+    # -- K and V as one tensor -----------------------------------------------------
+    @functools.cached_property
+    def kv_pair(self) -> torch.Tensor | None:
+        """``[2, *key_cache.shape]``: K (index 0) and V (1) as one view, or None.
+
+        A view exists when the two lie in one storage at a constant distance with the same shape
+        and strides (as :meth:`allocate` makes them, or a vLLM-style ``[2, ...]`` or ``[..., 2, ...]``
+        tensor given to :meth:`from_tensors`): one gather or scatter then serves both."""
+        return paired(self.key_cache, self.value_cache)
+
+    @functools.cached_property
+    def scale_pair(self) -> torch.Tensor | None:
+        """``[2, num_blocks, block_size, H]``: the token_head K and V scales as one view, or None
+        (other granularities, or scales that are not one storage at a constant distance)."""
+        if self.scale_granularity != "token_head":
+            return None
+        return paired(self.k_scale, self.v_scale)
 
     # -- geometry -----------------------------------------------------------------
     @property

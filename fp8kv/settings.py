@@ -24,6 +24,10 @@ variable                    meaning
 ``FP8KV_TRITON_CODEC``      Triton backend codec: ``auto`` (default), ``integer``
                             (force the integer-bit encoder/decoders), ``native``
                             (native casts on sm89+ even where not yet proven).
+``FP8KV_TORCH_NATIVE``      torch (CPU) backend: ``1`` (default) builds its fused C
+                            loops at first use with the system C compiler (cached in
+                            ``~/.cache/fp8kv``) where one helps; ``0``: PyTorch
+                            operations only.
 ``TRITON_INTERPRET``        Triton's own: ``1`` runs Triton kernels on the CPU; fp8kv
                             reads it to decide whether the Triton backend serves CPU
                             tensors.
@@ -97,6 +101,11 @@ def triton_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def torch_native() -> bool:
+    """``FP8KV_TORCH_NATIVE``: the torch backend may build and use its C loops (default 1)."""
+    return _choice("FP8KV_TORCH_NATIVE", "1", ("0", "1")) == "1"
+
+
 VARIABLES = ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_CHECK", "FP8KV_SIMULATE_DEVICE",
-             "FP8KV_TRITON_CODEC", "TRITON_INTERPRET")
+             "FP8KV_TRITON_CODEC", "FP8KV_TORCH_NATIVE", "TRITON_INTERPRET")
 """Every variable read (the README lists them; tests check the two agree)."""

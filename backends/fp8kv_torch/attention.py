@@ -30,6 +30,8 @@ from fp8kv.formats import Fp8Format
 from fp8kv.metadata import AttentionMetadata
 from fp8kv.reference import FLOAT32_MAX, LOGIT_MAX, math_dtype
 
+from . import native
+
 
 @dataclass(frozen=True)
 class StepIndex:
@@ -151,6 +153,25 @@ def _codes(cache: KVCache, which: str, idx: StepIndex) -> torch.Tensor:
     return c[idx.block, :, idx.offset]
 
 
+def _code_pair(cache: KVCache, idx: StepIndex) -> torch.Tensor:
+    """uint8 ``[2, B, L, H, D]``: K's and V's codes at every key position of the step (one gather
+    where the cache holds them as a pair, :attr:`KVCache.kv_pair`)."""
+    pair = cache.kv_pair
+    B, L = idx.block.shape
+    if cache.layout == "NHD" and pair is not None and pair.stride(1) == pair.stride(2) * pair.shape[2]:
+        rows = pair.view(torch.uint8).view(2, -1, *pair.shape[3:]).index_select(1, idx.slot)
+        return rows.view(2, B, L, *pair.shape[3:])
+    return torch.stack((_codes(cache, "key", idx), _codes(cache, "value", idx)))
+
+
+def _scale_pair(cache: KVCache, idx: StepIndex) -> torch.Tensor:
+    """float32 ``[2, B * L, H]``: the token_head K and V scales at every key position of the step."""
+    pair = cache.scale_pair
+    if pair is not None and pair.stride(1) == pair.stride(2) * pair.shape[2]:
+        return pair.view(2, -1, pair.shape[3]).index_select(1, idx.slot)
+    return torch.stack((_slot_rows(cache.k_scale, idx), _slot_rows(cache.v_scale, idx)))
+
+
 def _slot_rows(t: torch.Tensor, idx: StepIndex) -> torch.Tensor:
     """Rows of ``t`` ``[num_blocks, block_size, ...]`` at the step's key positions: ``[B * L, ...]``."""
     if t.is_contiguous():
@@ -188,11 +209,78 @@ def paged_attention(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     log-sum-exp is asked for) where it applies and its result is finite, else the float64 path
     (:func:`_attend_float64`, the reference's arithmetic), which also serves soft-capping and rows
     that see no key."""
+    if _attend_native(query, cache, meta, out, lse):
+        return
     idx = step_index(meta)
     if meta.options.logits_soft_cap is None and idx.real_rows_see_keys and \
             _attend_float32(query, cache, meta, idx, out, lse):
         return
     _attend_float64(query, cache, meta, idx, out, lse)
+
+
+NATIVE_MAX_HEAD_SIZE = 512
+NATIVE_MAX_GROUP = 64
+"""Limits of the C decode loop (its per-row buffers): larger steps take the PyTorch path."""
+
+
+def _attend_native(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor,
+                   lse: torch.Tensor | None) -> bool:
+    """Decode steps without soft-capping through the C loop (:mod:`fp8kv_torch.native`): per
+    sequence and KV head, the codes of every visible key read through the format's value table,
+    an online softmax in float32 and the V sum, in one call. Returns False (``out``/``lse``
+    untouched, or rewritten by the caller's next path) where it does not apply or its result is
+    not finite: like the float32 path's, such a step goes on to the float64 reference arithmetic."""
+    opts = meta.options
+    T, Hq, D = query.shape
+    H = cache.num_kv_heads
+    if not meta.is_decode or opts.logits_soft_cap is not None or D > NATIVE_MAX_HEAD_SIZE \
+            or Hq // H > NATIVE_MAX_GROUP or T == 0:
+        return False
+    lib = native.library()
+    if lib is None:
+        return False
+    f32 = torch.float32
+    q = query if query.dtype == f32 and query.stride(2) == 1 else query.to(f32).contiguous()
+    direct = out.dtype == f32 and out.is_contiguous()
+    o = out if direct else torch.empty((T, Hq, D), dtype=f32)
+    tables, lens = meta.block_tables, meta.seq_lens
+    if tables.dtype != torch.int32 or tables.stride(1) != 1:
+        tables = tables.to(torch.int32).contiguous()
+    if lens.dtype != torch.int32 or not lens.is_contiguous():
+        lens = lens.to(torch.int32).contiguous()
+    kind = {"tensor": 0, "head": 1, "token_head": 2}[cache.scale_granularity]
+    ks, vs = cache.k_scale, cache.v_scale
+    s_strides = ks.stride() if kind == 2 else (0, 0, ks.stride(0) if kind == 1 else 0)
+    if kind == 2 and vs.stride() != ks.stride():
+        return False
+    kc, vc = cache.key_cache, cache.value_cache
+    k_str, v_str = cache_strides(kc, cache.layout), cache_strides(vc, cache.layout)
+    table = _decode_table(cache.fmt, f32, query.device)
+    window = opts.sliding_window or 0
+    rc = lib.fp8kv_decode(
+        q.data_ptr(), q.stride(0), q.stride(1), kc.data_ptr(), vc.data_ptr(), *k_str, *v_str, ks.data_ptr(),
+        vs.data_ptr(), kind, *s_strides, table.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        T, H, Hq // H, D, cache.block_size, cache.num_blocks, tables.shape[1], float(opts.softmax_scale),
+        int(window), o.data_ptr(), None if lse is None else lse.data_ptr())
+    if rc != 0:
+        return False
+    total = o.sum()
+    if lse is not None:  # -inf marks a row without keys; NaN or +inf anywhere is not finite
+        total = total + lse.masked_fill(torch.isneginf(lse), 0.0).sum()
+    if not math.isfinite(float(total)):
+        return False
+    if not direct:
+        if out.dtype != f32:  # narrower outputs saturate
+            o = o.clamp_(-torch.finfo(out.dtype).max, torch.finfo(out.dtype).max)
+        out.copy_(o)
+    return True
+
+
+def cache_strides(t: torch.Tensor, layout: str) -> tuple[int, int, int]:
+    """(block, offset, head) strides in elements of an NHD or HND cache tensor."""
+    if layout == "NHD":
+        return t.stride(0), t.stride(1), t.stride(2)
+    return t.stride(0), t.stride(2), t.stride(1)
 
 
 def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, idx: StepIndex,
@@ -213,11 +301,9 @@ def _attend_float32(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     L = idx.block.shape[1]
     f32 = torch.float32
     token = cache.scale_granularity == "token_head"
-    codes = torch.stack((_codes(cache, "key", idx), _codes(cache, "value", idx)))  # [2, B, L, H, D]
-    kv = _values(cache, codes.transpose(2, 3), f32)  # [2, B, H, L, D]
+    kv = _values(cache, _code_pair(cache, idx).transpose(2, 3), f32)  # [2, B, H, L, D]
     if token:
-        s = torch.stack((_slot_rows(cache.k_scale, idx), _slot_rows(cache.v_scale, idx)))  # [2, B * L, H]
-        kv.mul_(s.view(2, B, L, H, 1).transpose(2, 3))
+        kv.mul_(_scale_pair(cache, idx).view(2, B, L, H, 1).transpose(2, 3))
     if not idx.all_present:  # absent keys may hold NaN codes or scales: a NaN logit or 0 * NaN would
         kv.masked_fill_(~idx.present[None, :, None, :, None], 0.0)  # reach the output through SDPA
     q = query if meta.is_decode else query[idx.rows]

@@ -20,6 +20,8 @@ from fp8kv.cache import KVCache
 from fp8kv.formats import divide_by_scale, quantize_scaled
 from fp8kv.scales import token_head_scale
 
+from . import native
+
 
 @dataclass(frozen=True)
 class SlotPlan:
@@ -62,20 +64,68 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     """Quantize ``key``/``value`` ``[n, H, D]`` into ``slot_mapping`` ``[n]``; slots < 0 or >= the
     cache's slots are skipped (never written)."""
     plan = slot_plan(cache, slot_mapping)
+    if _write_native(cache, key, value, plan):
+        return
     x = torch.stack((key, value))  # [2, n, H, D]
     if plan.rows is not None:
         x = x.index_select(1, plan.rows)
     if cache.scale_granularity == "token_head":
         scale = token_head_scale(x, cache.fmt)  # [2, m, H]
-        for dst, src in ((cache.k_scale, scale[0]), (cache.v_scale, scale[1])):
-            _scatter(dst, plan, src)
+        if not _scatter_pair(cache.scale_pair, plan, scale):
+            for dst, src in ((cache.k_scale, scale[0]), (cache.v_scale, scale[1])):
+                _scatter(dst, plan, src)
     else:
         scale = torch.stack((cache.k_scale.expand(cache.num_kv_heads),
                              cache.v_scale.expand(cache.num_kv_heads)))[:, None]  # [2, 1, H]
     codes = quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt).view(torch.uint8)
     hnd = cache.layout == "HND"
-    _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], hnd=hnd)
-    _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], hnd=hnd)
+    if hnd or not _scatter_pair(cache.kv_pair, plan, codes):
+        _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], hnd=hnd)
+        _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], hnd=hnd)
+
+
+def _write_native(cache: KVCache, key: torch.Tensor, value: torch.Tensor, plan: SlotPlan) -> bool:
+    """The scales and the scaled, clamped float32 values of K and V from the C loop
+    (:mod:`fp8kv_torch.native`: the same IEEE float32 operations as the reference's
+    ``token_head_scale`` / ``divide_by_scale`` / clamp), then torch's FP8 cast and one scatter
+    each for codes and scales. False (nothing written) without the C loops."""
+    lib = native.library()
+    if lib is None or key.shape[0] == 0:
+        return False
+    if plan.rows is not None:
+        key, value = key.index_select(0, plan.rows), value.index_select(0, plan.rows)
+    f32 = torch.float32
+    key = key if key.dtype == f32 and key.is_contiguous() else key.to(f32).contiguous()  # exact
+    value = value if value.dtype == f32 and value.is_contiguous() else value.to(f32).contiguous()
+    n, H, D = key.shape
+    token = cache.scale_granularity == "token_head"
+    y = torch.empty((2, n, H, D), dtype=f32)
+    scales = torch.empty((2, n, H), dtype=f32) if token else None
+    ks, vs = (None, None) if token else (cache.k_scale, cache.v_scale)
+    lib.fp8kv_prepare_write(key.data_ptr(), value.data_ptr(), n, H, D, int(token),
+                            None if token else ks.data_ptr(), None if token else vs.data_ptr(),
+                            0 if token or ks.dim() == 0 else ks.stride(0), float(cache.fmt.max),
+                            None if scales is None else scales.data_ptr(), y.data_ptr())
+    codes = y.to(cache.fmt.torch_dtype).view(torch.uint8)
+    if token and not _scatter_pair(cache.scale_pair, plan, scales):
+        _scatter(cache.k_scale, plan, scales[0])
+        _scatter(cache.v_scale, plan, scales[1])
+    hnd = cache.layout == "HND"
+    if hnd or not _scatter_pair(cache.kv_pair, plan, codes):
+        _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], hnd=hnd)
+        _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], hnd=hnd)
+    return True
+
+
+def _scatter_pair(pair: torch.Tensor | None, plan: SlotPlan, src: torch.Tensor) -> bool:
+    """K's and V's rows at the plan's slots = ``src`` ``[2, m, ...]`` in one ``index_copy_``, where
+    ``pair`` (:attr:`KVCache.kv_pair` / ``scale_pair``, ``[2, num_blocks, block_size, ...]``) exists
+    and its blocks and offsets merge into one slot dimension; returns False (nothing written) if not."""
+    if pair is None or pair.stride(1) != pair.stride(2) * pair.shape[2]:
+        return False
+    rows = pair.view(torch.uint8) if pair.dtype != src.dtype else pair
+    rows.view(2, -1, *rows.shape[3:]).index_copy_(1, plan.slots, src)  # a view: never a copy
+    return True
 
 
 def _scatter(dst: torch.Tensor, plan: SlotPlan, src: torch.Tensor, *, hnd: bool = False) -> None:
