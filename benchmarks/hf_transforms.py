@@ -89,6 +89,21 @@ def speed(model, tok, makers: list[hf_kl.Maker], rounds: int, tokens: int, log=p
     return out
 
 
+def _c_loops() -> str:
+    try:
+        from fp8kv_torch import native
+    except ImportError:
+        return "torch backend not installed"
+    return native.status()
+
+
+def _commit() -> str | None:
+    import subprocess
+
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+    return r.stdout.strip() or None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--caches", nargs="+", default=DEFAULT, help="<e4m3|e5m2>[ <variant>], variants: "
@@ -116,7 +131,8 @@ def main(argv=None) -> int:
     env = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "fp8kv": fp8kv.__version__, "device": f"cpu: {platform.processor() or platform.machine()}, "
            f"{os.cpu_count()} cores, {torch.get_num_threads()} torch threads", "backend": backend,
-           "load_average_start": os.getloadavg(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> float32)"}
+           "load_average_start": os.getloadavg(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1 -> float32)",
+           "torch_backend_c_loops": _c_loops(), "commit": _commit()}
     result: dict = {"environment": env}
     if not args.skip_kl:
         ids = hf_kl.windows(tok, args.windows, args.prompt_len + args.tokens)
