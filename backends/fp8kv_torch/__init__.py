@@ -9,7 +9,11 @@ below the accelerated backends. Modules:
 * :mod:`~fp8kv_torch.write`: K and V quantized together with fp8kv's codec, bit-exact with the
   reference write;
 * :mod:`~fp8kv_torch.attention`: the per-step plan (gather indices and masks, computed once per
-  step and shared by every layer) and the per-layer attention.
+  step and shared by every layer) and the per-layer attention;
+* :mod:`~fp8kv_torch.native`: C loops (``csrc/kernels.c``, built at first use with the system C
+  compiler, ``FP8KV_TORCH_NATIVE=0`` turns them off) for decode attention and the write's scaling,
+  where a chain of small PyTorch operations costs more in dispatch than in arithmetic. They bound
+  every index themselves and leave anything non-finite to the float64 path.
 """
 
 from fp8kv._version import __version__

@@ -3,7 +3,9 @@
 It serves every format, layout, granularity and attention feature, for CPU tensors only (GPUs
 have the Triton kernels). Priority 10: ``backend="auto"`` prefers it to the reference (0) on
 the CPU and leaves it below the accelerated backends (100+). Not ``fast`` in fp8kv's sense (no
-kernels): PyTorch's indexing raises on an out-of-range index instead of touching other memory.
+GPU kernels). PyTorch's indexing raises on an out-of-range index instead of touching other memory;
+its C loops (:mod:`fp8kv_torch.native`) skip block ids outside the cache and clamp lengths to the
+block tables' width themselves.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class TorchBackend:
         return BackendInfo("torch", __version__, priority=10,
                            description="PyTorch on the CPU: K+V quantized in one pass, attention over every "
                                        "sequence at once with a per-step gather index (float32 SDPA, float64 "
-                                       "where float32 would overflow)", fast=False)
+                                       "where float32 would overflow); decode and the write's scaling in C "
+                                       "loops built at first use", fast=False)
 
     @hookimpl
     def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:
