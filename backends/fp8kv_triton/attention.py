@@ -1106,15 +1106,21 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, narrow: bool,
     queries): 128 keys, 4 warps, 2 stages and V decoded in registers (``v_regs``) beat every
     other combination of 32/64/128/256 keys, 2/4/8 warps and 1-4 stages at all four bench
     shapes (e.g. B=32 L=4096: 135 us; 3 stages 173-195 us, 8 warps 225 us, 64-key tiles 143 us;
-    without ``v_regs`` 211 us). Head sizes above 128 and float32 queries halve the key tile
-    (registers, shared memory); GPUs with 99 KB of shared memory (:data:`SMALL_SHARED_ARCHS`) take
+    without ``v_regs`` 211 us). Head sizes above 128 halve the key tile (registers, shared memory)
+    and float32 queries take 32 keys: with 64, Triton 3.6 built the float32 decode kernel with 32
+    registers and 896 spills and it ran 8703 us at B=32 L=4096 on the H100 (bf16 queries: 154 us);
+    32 keys: 255 registers, 66 spills, 1565 us, the fastest of 32/64 keys x 4/8 warps x 1-3 stages
+    tried (benchmarks/results/fp32_decode/); GPUs with 99 KB of shared memory (:data:`SMALL_SHARED_ARCHS`) take
     32-key tiles (compiled, not run or timed on such a GPU). Splits: enough for
     ``DECODE_PROGRAMS_PER_SM`` programs on every SM, and pieces of at most
     :data:`DECODE_KEYS_PER_SPLIT` keys. AMD: the general kernel (``decode=False``: compiled for
     gfx950 the decode kernel spills VGPRs to scratch), 4 wavefronts,
     one stage (see :func:`choose_config`), no ``v_regs`` (its barrier is PTX).
     """
-    block_n = 64 if wide or query_dtype == torch.float32 else 128
+    f32 = query_dtype == torch.float32
+    block_n = 64 if wide or f32 else 128
+    if f32 and not is_amd(arch):
+        block_n = 32  # see the docstring (AMD keeps 64: with 32, gfx950's fnuz split decode uses scratch)
     num_warps, num_stages = 4, 2
     if is_amd(arch):
         num_stages = 1
