@@ -7,11 +7,11 @@ semantics: :mod:`~fp8kv_torch.attention` checks their result as it checks SDPA's
 result goes to the float64 path) and falls back to PyTorch whenever :func:`library` is None
 (``FP8KV_TORCH_NATIVE=0``, no C compiler, or a build that failed; the reason is in :func:`status`).
 
-The shared object is built with the system C compiler (``$CC``, else ``cc``/``gcc``/``clang``)
-at ``-O3`` without fast-math and without FMA contraction (every float32 operation is the IEEE
+The shared object is built with the system C compiler (the first of ``cc``, ``gcc``, ``clang`` on
+``PATH``) at ``-O3`` without fast-math and without FMA contraction (every float32 operation is the IEEE
 one the source writes), for the baseline ISA of the machine (no ``-march=native``: the cache
 directory may be shared by other CPUs), once per source and compiler, into
-``$XDG_CACHE_HOME/fp8kv`` (default ``~/.cache/fp8kv``).
+``~/.cache/fp8kv``.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from fp8kv import settings
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kernels.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 OPENMP = ("-fopenmp",)
+COMPILERS = ("cc", "gcc", "clang")
+"""The first of these on ``PATH`` builds the loops."""
 
 _i64, _f32, _int, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -43,15 +45,11 @@ _why_not: list[str] = []
 
 
 def _compiler() -> str | None:
-    cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return next((p for p in map(shutil.which, ("cc", "gcc", "clang")) if p), None)
+    return next((p for p in map(shutil.which, COMPILERS) if p), None)
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fp8kv"
+    return Path.home() / ".cache" / "fp8kv"
 
 
 def _build(cc: str) -> Path:
@@ -80,7 +78,7 @@ def _build(cc: str) -> Path:
 def _load() -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
-        _why_not.append("no C compiler ($CC, cc, gcc or clang) on PATH")
+        _why_not.append(f"no C compiler ({', '.join(COMPILERS)}) on PATH")
         return None
     try:
         lib = ctypes.CDLL(str(_build(cc)))
