@@ -1047,10 +1047,14 @@ def choose_config(
     block_m = max(gpad, 64)
     block_n = 64 if wide or query_dtype == torch.float32 else 128
     num_stages = 2
-    if wide and query_dtype == torch.float32:
-        # D=256 float32 tiles: 64 x 64 in two stages take 213 KB of shared memory, beyond the A100's
-        # 163 KB (a launch failure there); 32 keys take 140 KB and spill half as much (compiled for sm80)
-        block_n = 32
+    if query_dtype == torch.float32 and not is_amd(arch):
+        # float32 queries: 32 keys, one stage. On the H100 (4 x 1024 new over 1024 cached, D=128;
+        # benchmarks/results/fp32_decode/prefill_probe*): the 64 x 64 two-stage tile was built with
+        # 32 registers and 2302 spills and ran 142 ms (bf16 queries: 1.3 ms); every two-stage tile
+        # tried and every 64-key one did the same (70-108 ms); 32 keys in one stage: 255 registers,
+        # 74 spills, 10.5 ms. It also fits the A100 at D=256 (64 keys in two stages took 213 KB of
+        # shared memory, beyond its 163 KB: a launch failure)
+        block_n, num_stages = 32, 1
     if small_shared(arch) and query_dtype == torch.float32:
         # 99 KB GPUs, compiled for sm89: 64 x 64 float32 tiles in two stages take 112 KB (D=128);
         # 32 keys in one stage 56 KB and no spill; D=256 needs 32 query rows as well
