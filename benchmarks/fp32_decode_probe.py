@@ -12,6 +12,7 @@ import sys
 
 import torch
 import triton
+from fp8kv_bench.kernel_probe import compiled_kernels, time_config
 from fp8kv_triton import attention as A
 from fp8kv_triton import decode as Dk
 from fp8kv_triton.capabilities import codec_for
@@ -38,15 +39,8 @@ def main() -> None:
     choice = codec_for("sm90", FORMATS["fp8_e4m3"], interpret=False)
     rows = []
 
-    def kernel_info():
-        out = []
-        for fn in (Dk._decode_kernel, A._attn_kernel, A._reduce_kernel):
-            caches = getattr(fn, "device_caches", {})
-            for dc in caches.values():
-                kc = dc[0] if isinstance(dc, tuple) else dc
-                for k in kc.values():
-                    out.append((fn.__name__, getattr(k, "n_regs", None), getattr(k, "n_spills", None)))
-        return out
+    def kernels():
+        return compiled_kernels(Dk._decode_kernel, A._attn_kernel, A._reduce_kernel)
 
     dtypes = (torch.bfloat16, torch.float32) if len(sys.argv) > 2 else (torch.bfloat16, torch.float16, torch.float32)
     for qdt in dtypes:
@@ -70,24 +64,14 @@ def main() -> None:
                 A.paged_attention(q, cache, tables, lens, qsl, 1, D ** -0.5, True, None, None, out,
                                   decode_mode=choice.decoder, interpret=False, config=cfg)
 
-            try:
-                before = set(kernel_info())
-                f()
-                torch.cuda.synchronize()
-                new = sorted(set(kernel_info()) - before, key=str)
-                ms = triton.testing.do_bench_cudagraph(f, rep=200)
-                rows.append({"q": str(qdt), "variant": name, "us": ms * 1e3, "cfg": dataclasses.asdict(cfg),
-                             "new_kernels": [list(k) for k in new]})
-                print(f"{str(qdt):15s} {name:10s} {ms*1e3:8.1f} us  cfg bn={cfg.block_n} w={cfg.num_warps} "
-                      f"st={cfg.num_stages} splits={cfg.num_splits} kernels {new}", flush=True)
-            except Exception as e:
-                print(qdt, name, "failed", type(e).__name__, str(e)[:300], flush=True)
+            time_config(rows, str(qdt), name, cfg, f, kernels,
+                        lambda run: triton.testing.do_bench_cudagraph(run, rep=200))
     print("kernels (name, n_regs, n_spills):")
-    for k in sorted(set(kernel_info()), key=str):
+    for k in sorted(kernels(), key=str):
         print("  ", k)
     json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                "shape": dict(B=B, HQ=HQ, H=H, D=D, L=L, block_size=bs), "rows": rows,
-               "kernels": sorted(set(map(str, kernel_info())))}, open(sys.argv[1], "w"), indent=1)
+               "kernels": sorted(map(str, kernels()))}, open(sys.argv[1], "w"), indent=1)
 
 
 if __name__ == "__main__":
