@@ -31,6 +31,7 @@ from fp8kv.metadata import AttentionMetadata
 from fp8kv.reference import FLOAT32_MAX, LOGIT_MAX, math_dtype
 
 from . import native
+from .write import slot_pair
 
 
 @dataclass(frozen=True)
@@ -156,19 +157,18 @@ def _codes(cache: KVCache, which: str, idx: StepIndex) -> torch.Tensor:
 def _code_pair(cache: KVCache, idx: StepIndex) -> torch.Tensor:
     """uint8 ``[2, B, L, H, D]``: K's and V's codes at every key position of the step (one gather
     where the cache holds them as a pair, :attr:`KVCache.kv_pair`)."""
-    pair = cache.kv_pair
-    B, L = idx.block.shape
-    if cache.layout == "NHD" and pair is not None and pair.stride(1) == pair.stride(2) * pair.shape[2]:
-        rows = pair.view(torch.uint8).view(2, -1, *pair.shape[3:]).index_select(1, idx.slot)
-        return rows.view(2, B, L, *pair.shape[3:])
+    pair = slot_pair(cache.kv_pair) if cache.layout == "NHD" else None
+    if pair is not None:
+        B, L = idx.block.shape
+        return pair.view(torch.uint8).index_select(1, idx.slot).view(2, B, L, *pair.shape[2:])
     return torch.stack((_codes(cache, "key", idx), _codes(cache, "value", idx)))
 
 
 def _scale_pair(cache: KVCache, idx: StepIndex) -> torch.Tensor:
     """float32 ``[2, B * L, H]``: the token_head K and V scales at every key position of the step."""
-    pair = cache.scale_pair
-    if pair is not None and pair.stride(1) == pair.stride(2) * pair.shape[2]:
-        return pair.view(2, -1, pair.shape[3]).index_select(1, idx.slot)
+    pair = slot_pair(cache.scale_pair)
+    if pair is not None:
+        return pair.index_select(1, idx.slot)
     return torch.stack((_slot_rows(cache.k_scale, idx), _slot_rows(cache.v_scale, idx)))
 
 

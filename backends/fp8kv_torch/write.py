@@ -69,19 +69,14 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     x = torch.stack((key, value))  # [2, n, H, D]
     if plan.rows is not None:
         x = x.index_select(1, plan.rows)
-    if cache.scale_granularity == "token_head":
+    token = cache.scale_granularity == "token_head"
+    if token:
         scale = token_head_scale(x, cache.fmt)  # [2, m, H]
-        if not _scatter_pair(cache.scale_pair, plan, scale):
-            for dst, src in ((cache.k_scale, scale[0]), (cache.v_scale, scale[1])):
-                _scatter(dst, plan, src)
     else:
         scale = torch.stack((cache.k_scale.expand(cache.num_kv_heads),
                              cache.v_scale.expand(cache.num_kv_heads)))[:, None]  # [2, 1, H]
-    codes = quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt).view(torch.uint8)
-    hnd = cache.layout == "HND"
-    if hnd or not _scatter_pair(cache.kv_pair, plan, codes):
-        _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], hnd=hnd)
-        _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], hnd=hnd)
+    codes = quantize_scaled(divide_by_scale(x, scale[..., None]), cache.fmt)
+    _store(cache, plan, codes, scale if token else None)
 
 
 def _write_native(cache: KVCache, key: torch.Tensor, value: torch.Tensor, plan: SlotPlan) -> bool:
@@ -106,26 +101,38 @@ def _write_native(cache: KVCache, key: torch.Tensor, value: torch.Tensor, plan: 
                             None if token else ks.data_ptr(), None if token else vs.data_ptr(),
                             0 if token or ks.dim() == 0 else ks.stride(0), float(cache.fmt.max),
                             None if scales is None else scales.data_ptr(), y.data_ptr())
-    codes = y.to(cache.fmt.torch_dtype).view(torch.uint8)
-    if token and not _scatter_pair(cache.scale_pair, plan, scales):
-        _scatter(cache.k_scale, plan, scales[0])
-        _scatter(cache.v_scale, plan, scales[1])
+    _store(cache, plan, y.to(cache.fmt.torch_dtype), scales)
+    return True
+
+
+def _store(cache: KVCache, plan: SlotPlan, codes: torch.Tensor, scales: torch.Tensor | None) -> None:
+    """Scatter the step's FP8 ``codes`` ``[2, m, H, D]`` (K, V) and, for token_head caches, their
+    ``scales`` ``[2, m, H]`` to the plan's slots: one ``index_copy_`` each where the cache holds K and
+    V as a pair (:func:`slot_pair`), else one per tensor."""
+    codes = codes.view(torch.uint8)
+    if scales is not None:
+        pair = slot_pair(cache.scale_pair)
+        if pair is not None:
+            pair.index_copy_(1, plan.slots, scales)
+        else:
+            _scatter(cache.k_scale, plan, scales[0])
+            _scatter(cache.v_scale, plan, scales[1])
     hnd = cache.layout == "HND"
-    if hnd or not _scatter_pair(cache.kv_pair, plan, codes):
+    pair = None if hnd else slot_pair(cache.kv_pair)
+    if pair is not None:
+        pair.view(torch.uint8).index_copy_(1, plan.slots, codes)
+    else:
         _scatter(cache.key_cache.view(torch.uint8), plan, codes[0], hnd=hnd)
         _scatter(cache.value_cache.view(torch.uint8), plan, codes[1], hnd=hnd)
-    return True
 
 
-def _scatter_pair(pair: torch.Tensor | None, plan: SlotPlan, src: torch.Tensor) -> bool:
-    """K's and V's rows at the plan's slots = ``src`` ``[2, m, ...]`` in one ``index_copy_``, where
-    ``pair`` (:attr:`KVCache.kv_pair` / ``scale_pair``, ``[2, num_blocks, block_size, ...]``) exists
-    and its blocks and offsets merge into one slot dimension; returns False (nothing written) if not."""
+def slot_pair(pair: torch.Tensor | None) -> torch.Tensor | None:
+    """``[2, num_slots, ...]``: a K/V pair (:attr:`KVCache.kv_pair` / ``scale_pair``, ``[2, num_blocks,
+    block_size, ...]``) with blocks and offsets merged into one slot dimension, as a view; None where
+    there is no pair or they do not merge (e.g. a vLLM-style ``[num_blocks, 2, ...]`` tensor)."""
     if pair is None or pair.stride(1) != pair.stride(2) * pair.shape[2]:
-        return False
-    rows = pair.view(torch.uint8) if pair.dtype != src.dtype else pair
-    rows.view(2, -1, *rows.shape[3:]).index_copy_(1, plan.slots, src)  # a view: never a copy
-    return True
+        return None
+    return pair.view(2, -1, *pair.shape[3:])
 
 
 def _scatter(dst: torch.Tensor, plan: SlotPlan, src: torch.Tensor, *, hnd: bool = False) -> None:
