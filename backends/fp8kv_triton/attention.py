@@ -1053,15 +1053,12 @@ def choose_config(
         # 32 registers and 2302 spills and ran 142 ms (bf16 queries: 1.3 ms); every two-stage tile
         # tried and every 64-key one did the same (70-108 ms); 32 keys in one stage: 255 registers,
         # 74 spills, 10.5 ms. It also fits the A100 at D=256 (64 keys in two stages took 213 KB of
-        # shared memory, beyond its 163 KB: a launch failure)
+        # shared memory, beyond its 163 KB: a launch failure), and 99 KB GPUs (compiled for sm89:
+        # 56 KB and no spill at D=128), where D=256 needs 32 query rows as well
         block_n, num_stages = 32, 1
-    if small_shared(arch) and query_dtype == torch.float32:
-        # 99 KB GPUs, compiled for sm89: 64 x 64 float32 tiles in two stages take 112 KB (D=128);
-        # 32 keys in one stage 56 KB and no spill; D=256 needs 32 query rows as well
-        block_n, num_stages = 32, 1
-        if wide:
+        if small_shared(arch) and wide:
             block_m = max(gpad, 32)
-    if is_amd(arch) and block_d <= AMD_SMALL_TILE_HEAD_SIZE and query_dtype == torch.float32:
+    elif query_dtype == torch.float32 and block_d <= AMD_SMALL_TILE_HEAD_SIZE:  # AMD
         block_n = 32
     if interpret:
         block_m, block_n = (gpad, 32)
