@@ -146,7 +146,8 @@ def test_compile_entries_follow_the_variants_that_serve_each_claim(tmp_path, mon
     parts = aggregate._load(sm80)
 
     def status(op, fmt, gran):
-        return aggregate._status(cells.Claim("triton", op, "default", fmt, gran, "NHD"), sm80, parts)
+        claim = cells.Claim("triton", op, "default", fmt, gran, "NHD")
+        return aggregate._status(claim, sm80, parts, aggregate._variants(sm80))
 
     assert status("paged_attention", "fp8_e5m2fnuz", "token_head") == "FAILED"
     assert status("paged_attention", "fp8_e5m2fnuz", "tensor") == "compiled"
