@@ -268,6 +268,58 @@ def test_attention_at_real_sizes(case):
     assert_lse_close(lse, ref_lse, **bounds)
 
 
+def _mma_capable() -> bool:
+    return SKIP is None and torch.cuda.get_device_capability() >= (8, 0)
+
+
+@pytest.mark.skipif(not _mma_capable(), reason="the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
+@pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-inf-codes"])
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
+def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials):
+    """The tensor-core kernel (``csrc/attention_mma.cu``) on caches of raw random bytes: every finite
+    code (subnormals included) through its bit-level FP8 -> 16-bit conversion, and, with
+    ``specials``, NaN/inf codes in chosen keys (NaN must reach exactly the reference's outputs)."""
+    from fp8kv_cuda.attention import plan
+
+    g = torch.Generator().manual_seed(D + 7 * int(specials))
+    B, H, Hq, bs = 4, 2, 12, 16
+    lens = [37, 300, 1, 129]
+    nblocks = 64
+    tables = torch.randperm(nblocks, generator=g)[: B * 19].view(B, 19).int()
+    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt.name, scale_granularity="head", device="cuda",
+                                   k_scale=torch.tensor([0.004, 0.02]), v_scale=torch.tensor([0.03, 0.0007]))
+    bad = torch.tensor(fmt.nan_encodings + fmt.inf_encodings, dtype=torch.uint8)
+    for c in (cache.key_cache, cache.value_cache):
+        b = torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8)
+        b = torch.where(torch.isin(b, bad), b & 0x0F, b)
+        c.view(torch.uint8).copy_(b.cuda())
+    if specials:  # seq 1 key 200: a NaN in K (its row is NaN); seq 3 key 5: NaN/inf in V (those dims)
+        k_slot = (int(tables[1, 200 // bs]), 200 % bs)
+        v_slot = (int(tables[3, 5 // bs]), 5 % bs)
+        cache.key_cache[k_slot[0], k_slot[1], 0, 3].view(torch.uint8).fill_(fmt.nan_encodings[0])
+        for d, code in zip((1, D - 1), (fmt.nan_encodings + fmt.inf_encodings) * 2, strict=False):
+            cache.value_cache[v_slot[0], v_slot[1], 1, d].view(torch.uint8).fill_(code)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    tables = tables.cuda()
+    query = (torch.randn(B, Hq, D, generator=g) * 2).to(dtype).cuda()
+    p = plan(query.device, num_tokens=B, num_kv_heads=H, group=Hq // H, head_size=D, max_keys=19 * bs,
+             query_dtype=dtype)
+    assert p.mma
+    out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
+                                     backend="cuda", return_lse=True)
+    ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="reference", return_lse=True)
+    if specials:
+        assert out[1, 0:6].isnan().all() and not out[1, 6:].isnan().any()
+        assert out[3, 6:, [1, D - 1]].isnan().all() and not out[3, :, 2:D - 1].isnan().any()
+    qsl = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+    bounds = paged_attention_bounds(query, cache, tables, lens_t, qsl)
+    assert_attention_close(out, ref, **bounds)
+    if not specials:
+        assert_lse_close(lse, ref_lse, **bounds)
+
+
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", sorted(FORMATS))
 def test_conformance_kit_on_the_gpu(kv_dtype, io_dtype):

@@ -17,7 +17,7 @@ import torch
 from fp8kv.cache import KVCache
 
 from . import runtime
-from .variants import ATTN_THREADS, attention_tile, attention_variant
+from .variants import ATTN_THREADS, attention_mma_variant, attention_tile, attention_variant
 from .write import cache_strides, scale_strides
 
 LOG2E = 1.4426950408889634
@@ -37,6 +37,8 @@ class AttnPlan:
     head_chunks: int
     num_splits: int
     keys_per_split: int
+    mma: bool = False
+    """The tensor-core kernel (``csrc/attention_mma.cu``) rather than the CUDA-core one."""
 
 
 @functools.cache
@@ -44,11 +46,49 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+MMA_HEADS = 8
+"""Query heads per CTA of the tensor-core kernel (the mma's n)."""
+MMA_HEAD_SIZES = (64, 128, 256)
+MMA_CTAS_PER_SM = 2
+"""CTAs of the tensor-core kernel resident per SM (its register budget, FP8KV_MIN_CTAS)."""
+MMA_SPLIT_KEYS = 128
+"""A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
+
+
+def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool) -> bool:
+    """Whether the tensor-core kernel serves this step (before the launch's alignment check): sm80+,
+    float16/bfloat16 queries, static scales, head size 64, 128 or 256."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+            and query_dtype in (torch.float16, torch.bfloat16) and not token_scales and head_size in MMA_HEAD_SIZES)
+
+
+def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
+             max_keys: int, num_splits: int | None = None) -> AttnPlan:
+    """Head chunks and KV split of the tensor-core kernel. Without ``num_splits``: split the keys
+    until the CTAs fill every SM's resident slots twice over, each split at least 2 x
+    ``MMA_SPLIT_KEYS`` keys."""
+    chunks = _cdiv(group, MMA_HEADS)
+    ctas = max(1, num_tokens) * num_kv_heads * chunks
+    if num_splits is None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        target = 2 * MMA_CTAS_PER_SM * _num_sms(index)
+        num_splits = 1
+        if ctas < target:
+            num_splits = min(_cdiv(target, ctas), max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
+    kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), MMA_SPLIT_KEYS) * MMA_SPLIT_KEYS
+    splits = max(1, _cdiv(max_keys, kps))
+    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True)
+
+
 def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
-         max_keys: int) -> AttnPlan:
+         max_keys: int, query_dtype: torch.dtype | None = None, token_scales: bool = False) -> AttnPlan:
     """Tile and split from host-known sizes (``max_keys = block_tables.shape[1] * block_size``, an
-    upper bound of every sequence). Splits the keys when the CTAs would not fill the GPU 4 times
-    over and each split keeps at least 4 tiles."""
+    upper bound of every sequence): the tensor-core kernel where :func:`mma_serves` (see
+    :func:`plan_mma`), else the CUDA-core kernel, whose keys are split when the CTAs would not
+    fill the GPU 4 times over and each split keeps at least 4 tiles."""
+    if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales):
+        return plan_mma(device, num_tokens=num_tokens, num_kv_heads=num_kv_heads, group=group,
+                        head_size=head_size, max_keys=max_keys)
     d_pad, gpad, block_n = attention_tile(head_size, group)
     chunks = _cdiv(group, gpad)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
@@ -96,14 +136,21 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         if x is not None and not (math.isfinite(x) and 0 < x <= FLOAT32_MAX):
             raise ValueError(f"{name}: got {x!r}, expected a finite number in (0, {FLOAT32_MAX:.4g}]")
     max_keys = block_tables.shape[1] * cache.block_size
-    p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
+    token_scales = cache.scale_granularity == "token_head"
+    vec = _vec(cache, D)
+    p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
+                      query_dtype=query.dtype, token_scales=token_scales)
+    if p.mma and not (vec == 16 and mma_serves(query.device, query.dtype, D, token_scales)):
+        p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
-    token_scales = cache.scale_granularity == "token_head"
-    variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n,
-                                _vec(cache, D))
+    if p.mma:
+        variant, entry = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D), "fp8kv_paged_attention_mma"
+    else:
+        variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
+        entry = "fp8kv_paged_attention"
     split = p.num_splits > 1
     dev = query.device
     if split:
@@ -126,7 +173,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
             r.i32(p.keys_per_split)]
     grid = (T, H * p.head_chunks, p.num_splits)
-    runtime.launch(variant, "fp8kv_paged_attention", dev, grid, ATTN_THREADS, args)
+    runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:
         margs = [r.ptr(part_acc), r.ptr(part_ml), r.ptr(cache.v_scale), r.ptr(query_start_loc), r.ptr(out),
                  r.ptr(lse_arg), r.i32(int(lse is not None)), r.i64(scale_strides(cache, "value")[2]),

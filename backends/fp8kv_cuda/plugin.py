@@ -55,7 +55,8 @@ class CudaBackend:
         spec = metadata.spec
         return plan(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
                     group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
-                    max_keys=metadata.block_tables.shape[1] * spec.block_size)
+                    max_keys=metadata.block_tables.shape[1] * spec.block_size, query_dtype=metadata.query_dtype,
+                    token_scales=spec.scale_granularity == "token_head")
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:

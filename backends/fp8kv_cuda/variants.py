@@ -12,6 +12,7 @@ CPU compile needs no toolkit headers.
 from __future__ import annotations
 
 import functools
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 
@@ -20,6 +21,7 @@ from fp8kv.formats import FORMATS
 
 KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
+           "attention_mma": ("attention_mma.cu", ("fp8kv_paged_attention_mma", "fp8kv_merge")),
            "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16"))}
 """kernel family -> (source file in csrc/, entry points)."""
 
@@ -74,6 +76,13 @@ def attention_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, g
                                       ("FP8KV_VEC", vec)))
 
 
+def attention_mma_variant(fmt: str, io_dtype: str, head_size: int) -> Variant:
+    """The tensor-core attention kernels (sm80+; decode + merge) for one format, float16/bfloat16
+    queries, static scales and a head size of 64, 128 or 256."""
+    return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
+                                          ("FP8KV_D", head_size)))
+
+
 def codec_variant(fmt: str) -> Variant:
     """The elementwise codec kernels of one format (GPU proofs of the software codec)."""
     return Variant("codec", fmt)
@@ -106,13 +115,28 @@ def _read(name: str) -> str:
 
 @functools.cache
 def source(kernel: str) -> str:
-    """The kernel family's CUDA source with ``codec.cuh`` inlined (so that a compile cache keyed
-    on the source text sees every change)."""
+    """The kernel family's CUDA source with every ``#include "x.cuh"`` of ``csrc/`` inlined, each
+    header once (so that a compile cache keyed on the source text sees every change)."""
+    seen: set[str] = set()
+
+    def inline(text: str) -> str:
+        lines = []
+        for line in text.splitlines():
+            m = _INCLUDE.fullmatch(line.strip())
+            if m is None:
+                lines.append(line)
+            elif m.group(1) not in seen:
+                seen.add(m.group(1))
+                lines.append(inline(_read(m.group(1))))
+        return "\n".join(lines)
+
     text = _read(KERNELS[kernel][0])
-    include = '#include "codec.cuh"'
-    if include not in text:
-        raise RuntimeError(f"{KERNELS[kernel][0]}: expected {include!r}")
-    return text.replace(include, _read("codec.cuh"), 1)
+    if _INCLUDE.search(text) is None:
+        raise RuntimeError(f"{KERNELS[kernel][0]}: expected an #include of codec.cuh")
+    return inline(text) + "\n"
+
+
+_INCLUDE = re.compile(r'#include "([\w.]+\.cuh)"')
 
 
 def options(variant: Variant) -> tuple[str, ...]:

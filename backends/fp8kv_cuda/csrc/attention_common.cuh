@@ -1,0 +1,142 @@
+// fp8kv_cuda: what the two attention kernels (attention.cu: any architecture, CUDA cores;
+// attention_mma.cu: sm80+, tensor cores) share: query/output dtype, the numerics helpers of the
+// reference's semantics (scale factors that never overflow, saturation, 2-ulp division), the
+// token-to-sequence search, and the split-KV merge kernel.
+//
+// Macros: FP8KV_QT (query/output dtype 0 float32, 1 float16, 2 bfloat16), FP8KV_TOKEN_SCALES.
+#pragma once
+#include "codec.cuh"
+
+namespace fp8kv {
+
+constexpr int QT = FP8KV_QT;
+constexpr bool TOKEN_SCALES = FP8KV_TOKEN_SCALES != 0;
+constexpr int NT = 128;                    // threads per CTA (both kernels and the merge)
+constexpr int NWARPS = NT / 32;
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+constexpr float FLOAT32_MAX = 3.4028234663852886e38f;
+#define NEG_INF __int_as_float(0xff800000)
+
+#if FP8KV_QT == 0
+typedef float q_t;
+#else
+typedef u16 q_t;
+#endif
+
+__device__ __forceinline__ float load_q(const q_t* q, i64 i) {
+    if constexpr (QT == 0) {
+        return q[i];
+    } else if constexpr (QT == 1) {
+        return u2f(f16_to_f32_bits(q[i]));
+    } else {
+        return u2f((u32)q[i] << 16);
+    }
+}
+
+// o clamped to the output dtype's finite range (NaN stays NaN), stored.
+__device__ __forceinline__ void store_out(q_t* out, i64 i, float o) {
+    constexpr float HI = QT == 0 ? FLOAT32_MAX : (QT == 1 ? 65504.0f : 3.3895313892515355e38f);
+    o = o > HI ? HI : (o < -HI ? -HI : o);
+    if constexpr (QT == 0) {
+        out[i] = o;
+    } else if constexpr (QT == 1) {
+        out[i] = f32_to_f16_bits(o);
+    } else {
+        out[i] = f32_to_bf16_bits(o);
+    }
+}
+
+// x / y to 2 ulp over the full range (PTX div.full.f32: no slow-path call, so no spill around one;
+// the attention tolerance allows it, the write's bit-exact divisions stay IEEE).
+__device__ __forceinline__ float fdiv(float x, float y) {
+    float r;
+    asm("div.full.f32 %0, %1, %2;" : "=f"(r) : "f"(x), "f"(y));
+    return r;
+}
+
+__device__ __forceinline__ float saturate(float x) {  // +-FLOAT32_MAX, NaN kept
+    return x > FLOAT32_MAX ? FLOAT32_MAX : (x < -FLOAT32_MAX ? -FLOAT32_MAX : x);
+}
+
+__device__ __forceinline__ float pow2i(i32 e) {  // 2^e for e in [-126, 127]
+    return u2f((u32)(e + 127) << 23);
+}
+
+// Two float32 factors (f1, f2) with f1 * f2 = x * g_mant * 2^g_exp, on the same side of 1, each a
+// normal float32 (x: any float32 scale, subnormal included; g_mant in [1, 2)): (s * f1) * f2
+// overflows or underflows only if the logit itself does. Zero, inf and NaN keep their value in f1.
+__device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, float& f1, float& f2) {
+    const u32 bits = f2u(x);
+    const u32 eb = (bits >> 23) & 0xFFu;
+    const bool sub = eb == 0u;
+    const float m_int = (float)(bits & 0x7FFFFFu);  // a subnormal is (these bits) * 2^-149, exactly
+    const float xn = sub ? ((bits >> 31) ? -m_int : m_int) : x;
+    const u32 nbits = f2u(xn);
+    const float mant = u2f((nbits & 0x807FFFFFu) | 0x3F800000u) * g_mant;  // sign kept, [1, 4)
+    i32 e = (i32)((nbits >> 23) & 0xFFu) - 127 + (sub ? -149 : 0) + g_exp;
+    e = i32_min(i32_max(e, -250), 250);
+    const i32 e1 = i32_min(i32_max(e, -125), 125);
+    f1 = mant * pow2i(e1);
+    f2 = pow2i(e - e1);
+    if (eb == 255u || x == 0.0f) {
+        f1 = x * g_mant;
+        f2 = 1.0f;
+    }
+}
+
+// The sequence of query token t: s with qsl[s] <= t < qsl[s + 1] (entries clamped to [0, T]),
+// or -1 when t belongs to none. A binary search; with garbage offsets it still stays in bounds.
+__device__ __forceinline__ int find_seq(const int* qsl, int num_seqs, int T, int t, int& q_lo, int& q_hi) {
+    int lo = 0, hi = num_seqs;
+    while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        const int end = i32_min(i32_max(qsl[mid + 1], 0), T);
+        if (end <= t) lo = mid + 1; else hi = mid;
+    }
+    if (lo >= num_seqs) return -1;
+    q_lo = i32_min(i32_max(qsl[lo], 0), T);
+    q_hi = i32_min(i32_max(qsl[lo + 1], 0), T);
+    return (q_lo <= t && t < q_hi) ? lo : -1;
+}
+
+}  // namespace fp8kv
+
+using namespace fp8kv;
+
+// Split-KV merge. Grid (T, HQ), NT threads over the head dimension. With w_s = 2^(m_s - max m):
+// static scales out = sum_s w_s acc_s / sum_s w_s l_s * v_scale; per-token-head (acc_s in units of
+// r_s) out = A * sum_s (w_s r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow).
+extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
+    const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_scale,
+    const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
+    i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
+    const int t = blockIdx.x;
+    const int qh = blockIdx.y;
+    int q_lo = 0, q_hi = 0;
+    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;
+    const i64 row = (i64)t * HQ + qh;
+    const i64 stride = (i64)T * HQ;
+    float m_max = NEG_INF;
+    for (int z = 0; z < num_splits; ++z) m_max = fmaxf(m_max, part_ml[(z * stride + row) * 3]);
+    const float m_safe = m_max == NEG_INF ? 0.0f : m_max;
+    float den = 0.0f, a_max = 0.0f;
+    for (int z = 0; z < num_splits; ++z) {
+        const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
+        den += w * part_ml[(z * stride + row) * 3 + 1];
+        if (TOKEN_SCALES) a_max = fmaxf(a_max, w * part_ml[(z * stride + row) * 3 + 2]);
+    }
+    if (write_lse && threadIdx.x == 0) lse[row] = den > 0.0f ? (m_safe + log2f(den)) * LN2 : NEG_INF;
+    const float den_safe = den > 0.0f ? den : 1.0f;
+    const float a_div = a_max > 0.0f ? a_max : 1.0f;
+    const float mul = TOKEN_SCALES ? a_max : v_scale[(qh / group) * vs_sh];
+    for (int d = threadIdx.x; d < D; d += NT) {
+        float num = 0.0f;
+        for (int z = 0; z < num_splits; ++z) {
+            const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
+            const float c = TOKEN_SCALES ? fdiv(w * part_ml[(z * stride + row) * 3 + 2], a_div) : w;
+            num = fmaf(c, part_acc[(z * stride + row) * D + d], num);
+        }
+        store_out(out, row * D + d, fdiv(num, den_safe) * mul);
+    }
+}

@@ -1,0 +1,453 @@
+// fp8kv_cuda: paged attention on tensor cores (sm80+: mma.sync m16n8k16, movmatrix), for float16
+// and bfloat16 queries, static (per-tensor or per-head) scales, head sizes 64, 128 and 256.
+//
+// Grid (T, H * head_chunks, num_splits), NT = 128 threads (4 warps). A CTA owns one query token,
+// one KV head, up to 8 of its query heads (GQA packing) and the keys of split z. Each warp walks
+// its own steps of 16 * NSUB keys (warp w takes steps w, w + 4, ...) with its own online softmax,
+// straight from global memory into registers (no shared memory, no block-wide barrier in the
+// loop); the 4 warps' states are merged once at the end.
+//
+// Per 16-key sub-tile, in the transposed orientation (keys and dims are rows, heads columns):
+//   S^T[16 keys x 8 heads] = K[16 x D] . Q^T[D x 8]:  A = K (converted FP8), B = Q (registers);
+//   O^T[D x 8 heads]     += V^T[D x 16 keys] . P^T:   A = V^T (converted FP8), B = P^T (movmatrix).
+// The k index of an mma may be permuted freely when both operands agree, so each thread loads
+// contiguous bytes with 16-byte loads: for K, lane (g = lane / 4, c = lane % 4) reads bytes
+// [c D/4, (c + 1) D/4) of keys g and g + 8; for V, bytes [g D/8, (g + 1) D/8) of keys 2c, 2c + 1,
+// 2c + 8, 2c + 9 of the sub-tile, paired byte by byte with one PRMT.
+//
+// Exactness (the same numbers as attention.cu, within tolerance.py's bound):
+//   * FP8 -> 16-bit by bit operations: the code's sign and magnitude bits placed under the 16-bit
+//     format's exponent (exact: every FP8 value of every format is a float16 and a bfloat16), then
+//     one multiplication by the power of two 2^(bias16 - bias8), so that no subnormal operand
+//     reaches a tensor core. Codes this mishandles (NaN in every format but e5m2 -> float16, and
+//     e5m2's inf -> bfloat16) are detected per word; a step that holds one takes the software
+//     decoder of codec.cuh instead (never for a cache written by fp8kv from finite values).
+//   * K is converted to the query's dtype (products exact, float32 accumulation); V to float16;
+//     the weights P (float32, <= 1) enter p @ v as two float16 halves, hi + lo, so the product
+//     keeps 22 bits (within the float32 accumulation term of the bound).
+//   * Queries above 2^100 are scaled down by a power of two first; the logit factor
+//     k_scale * softmax_scale * log2(e) stays two float32 factors (scale_factors); base-2 logits
+//     saturate at +-FLOAT32_MAX; rows that see no key get 0 and lse -inf.
+//
+// Memory safety without host checks: as attention.cu (query_start_loc clamped, seq_lens clamped
+// to the block table's row, block ids outside [0, num_blocks) never loaded, tokens outside every
+// sequence left alone). The launcher requires 16-byte aligned K/V rows (VEC 16).
+//
+// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), and the format's.
+#include "attention_common.cuh"
+
+namespace fp8kv {
+
+constexpr int D = FP8KV_D;
+constexpr int NSUB = D > 128 ? 1 : 2;       // 16-key sub-tiles per warp step
+constexpr int STEP = 16 * NSUB;             // keys per warp step
+constexpr int KW = D / 16;                  // K words (4 bytes) per thread and key row = k steps of QK
+constexpr int VW = D / 32;                  // V words per thread and key (two m-tiles of p @ v each)
+constexpr int MT = D / 16;                  // m-tiles of p @ v (16 dims each)
+constexpr int HEADS = 8;                    // query heads per CTA (the mma's n)
+constexpr int KEXP = QT == 1 ? 5 : 8;       // exponent bits of K's 16-bit type (float16 / bfloat16)
+constexpr int FP8_EXP = 7 - MANT;
+#ifndef FP8KV_MIN_CTAS
+#define FP8KV_MIN_CTAS 2  // CTAs per SM the registers are budgeted for
+#endif
+
+static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
+static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
+static_assert(!TOKEN_SCALES, "attention_mma.cu: static scales only");
+
+// ------------------------------------------------------------------ FP8 -> 16-bit pairs
+
+// The codes at bytes 1 and 3 of x (bytes 0 and 2 ignored) as a pair of a 16-bit float format with
+// TEXP exponent bits (5: float16, 8: bfloat16), low half from byte 1: exact for every code but
+// the specials (see has_special), both multiplied by 2^(bias16 - BIAS).
+template <int TEXP>
+__device__ __forceinline__ u32 widen_fast(u32 x) {
+    constexpr int SH = TEXP - FP8_EXP;
+    u32 r;
+    if constexpr (SH == 0) {
+        r = x & 0xFF00FF00u;
+    } else {
+        r = (x & 0x80008000u) | ((x & 0x7F007F00u) >> SH);
+    }
+    constexpr int E = (TEXP == 5 ? 15 : 127) - BIAS;  // the power of two to multiply by
+    if constexpr (E != 0) {
+        constexpr u32 F = TEXP == 5 ? (u32)(E + 15) << 10 : (u32)(E + 127) << 7;
+        constexpr u32 F2 = F | (F << 16);
+        if constexpr (TEXP == 5) {
+            asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(r) : "r"(F2));
+        } else {
+            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(r) : "r"(F2), "r"(0x80008000u));
+        }
+    }
+    return r;
+}
+
+// The same pair through the software decoder (every code, NaN and inf included).
+template <int TEXP>
+__device__ __forceinline__ u32 widen_exact(u32 x) {
+    const float lo = decode((x >> 8) & 0xFFu), hi = decode(x >> 24);
+    u32 r;
+    if constexpr (TEXP == 5) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+template <int TEXP, bool EXACT>
+__device__ __forceinline__ u32 widen(u32 x) {
+    if constexpr (EXACT) return widen_exact<TEXP>(x);
+    else return widen_fast<TEXP>(x);
+}
+
+// Nonzero when a byte of w is a code that widen_fast<TEXP> gets wrong.
+template <int TEXP>
+__device__ __forceinline__ u32 has_special(u32 w) {
+    if constexpr (FNUZ) {  // 0x80 (NaN) would become -0
+        const u32 v = w ^ 0x80808080u;
+        return (v - 0x01010101u) & ~v & 0x80808080u;
+    } else if constexpr (!HASINF) {  // e4m3: 0x7F/0xFF (NaN) would become +-480
+        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+    } else if constexpr (TEXP == 5) {  // e5m2 -> float16: the same bits, inf and NaN included
+        return 0u;
+    } else {  // e5m2 -> bfloat16: inf/NaN (exponent all ones) would become finite
+        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
+    }
+}
+
+// ------------------------------------------------------------------ tensor-core primitives
+
+// d += a . b, m16n8k16, float32 accumulation; a/b in float16 (TEXP 5) or bfloat16 (TEXP 8).
+template <int TEXP>
+__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    if constexpr (TEXP == 5) {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    } else {
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+}
+
+__device__ __forceinline__ u32 transpose8x8(u32 x) {
+    u32 r;
+    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+__device__ __forceinline__ float f16_lo(u32 x) {
+    float r;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }" : "=f"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ float f16_hi(u32 x) {
+    float r;
+    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// The 16-bit bits of a query value scaled by 2^-shift (exact unless it leaves the format's range).
+__device__ __forceinline__ u32 query_bits(const q_t* q, i64 i, bool live, i32 shift) {
+    if (!live) return 0u;
+    const u32 raw = q[i];
+    if (shift == 0) return raw;
+    const float x = load_q(q, i) * pow2i(-shift);
+    return QT == 1 ? (u32)f32_to_f16_bits(x) : (u32)f32_to_bf16_bits(x);
+}
+
+struct MmaShared {
+    float o[NWARPS][HEADS][D];  // each warp's unnormalised output
+    float m[NWARPS][HEADS], l[NWARPS][HEADS];
+};
+
+// Where a key's K and V rows start (byte offsets), or -1 when the key is masked.
+struct KeyRows {
+    const int* bt_row;
+    i64 kbeg, kend, k_sb, k_st, v_sb, v_st, hk, hv;
+    int block_size, num_blocks;
+
+    __device__ __forceinline__ void locate(i64 n, i64& rk, i64& rv) const {
+        rk = rv = -1;
+        if (n < kbeg || n >= kend) return;
+        const int page = (int)n / block_size;  // n < seq_len <= INT32_MAX
+        const int blk = bt_row[page];
+        if (blk < 0 || blk >= num_blocks) return;
+        const i64 tib = n - (i64)page * block_size;
+        rk = (i64)blk * k_sb + tib * k_st + hk;
+        rv = (i64)blk * v_sb + tib * v_st + hv;
+    }
+};
+
+// One warp step's FP8 words in registers.
+struct StepWords {
+    u32 k[NSUB][2][KW];   // K: keys g and g + 8 of each sub-tile, bytes [c D/4, (c + 1) D/4)
+    u32 v[NSUB][4][VW];   // V: keys 2c, 2c + 1, 2c + 8, 2c + 9, bytes [g D/8, (g + 1) D/8)
+    bool live[NSUB][2];   // keys g and g + 8 visible
+};
+
+template <int WORDS>
+__device__ __forceinline__ void load_words(const u8* base, i64 off, u32 (&w)[WORDS]) {
+    if (off < 0) {
+#pragma unroll
+        for (int i = 0; i < WORDS; ++i) w[i] = 0u;
+        return;
+    }
+    if constexpr (WORDS % 4 == 0) {
+#pragma unroll
+        for (int i = 0; i < WORDS; i += 4) {
+            const uint4 x = *reinterpret_cast<const uint4*>(base + off + 4 * i);
+            w[i] = x.x; w[i + 1] = x.y; w[i + 2] = x.z; w[i + 3] = x.w;
+        }
+    } else {
+        static_assert(WORDS == 2, "8-byte rows");
+        const uint2 x = *reinterpret_cast<const uint2*>(base + off);
+        w[0] = x.x; w[1] = x.y;
+    }
+}
+
+__device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1, byte d of b at byte 3
+    return ((u32)(4 + d) << 12) | ((u32)(4 + d) << 8) | ((u32)d << 4) | (u32)d;
+}
+
+// One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
+// O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
+template <bool EXACT>
+__device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb)[KW][2], float f1, float f2,
+                                            float soft_cap, int use_cap, float (&m_run)[2], float (&l_run)[2],
+                                            float (&o)[MT][4]) {
+    // S^T fragments: x[u][0], x[u][1]: key g, heads 2c, 2c + 1; x[u][2], x[u][3]: key g + 8
+    float x[NSUB][4];
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < KW; ++ks) {
+            const u32 w0 = wds.k[u][0][ks], w1 = wds.k[u][1][ks];
+            mma<KEXP>(acc, widen<KEXP, EXACT>(w0 << 8), widen<KEXP, EXACT>(w1 << 8), widen<KEXP, EXACT>(w0),
+                      widen<KEXP, EXACT>(w1), qb[ks][0], qb[ks][1]);
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            float v = (acc[e] * f1) * f2;
+            if (use_cap) v = soft_cap * tanhf(fdiv(v, soft_cap)) * LOG2E;
+            x[u][e] = wds.live[u][e >> 1] ? saturate(v) : NEG_INF;
+        }
+    }
+    // online softmax (base 2) of heads 2c + j over the step's keys
+    float alpha[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        float tmax = NEG_INF;
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) tmax = fmaxf(tmax, fmaxf(x[u][j], x[u][2 + j]));
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, off));
+        const float m_new = fmaxf(m_run[j], tmax);
+        const float m_safe = m_new == NEG_INF ? 0.0f : m_new;
+        alpha[j] = exp2f(m_run[j] - m_safe);
+        float psum = 0.0f;
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+            x[u][j] = exp2f(x[u][j] - m_safe);  // masked keys: exp2(-inf) = 0
+            x[u][2 + j] = exp2f(x[u][2 + j] - m_safe);
+            psum += x[u][j] + x[u][2 + j];
+        }
+        l_run[j] = l_run[j] * alpha[j] + psum;
+        m_run[j] = m_new;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1]; o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
+    }
+    // O^T += V^T P^T with P = hi + lo in float16
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+        const u32 h0 = pack_f16(x[u][0], x[u][1]), h1 = pack_f16(x[u][2], x[u][3]);
+        const u32 l0 = pack_f16(x[u][0] - f16_lo(h0), x[u][1] - f16_hi(h0));
+        const u32 l1 = pack_f16(x[u][2] - f16_lo(h1), x[u][3] - f16_hi(h1));
+        const u32 bh0 = transpose8x8(h0), bh1 = transpose8x8(h1);  // head g; keys 2c, 2c + 1 | + 8
+        const u32 bl0 = transpose8x8(l0), bl1 = transpose8x8(l1);
+#pragma unroll
+        for (int w = 0; w < VW; ++w) {
+            const u32 va = wds.v[u][0][w], vb = wds.v[u][1][w], vc = wds.v[u][2][w], vd = wds.v[u][3][w];
+#pragma unroll
+            for (int tt = 0; tt < 2; ++tt) {  // m-tile 2w + tt: rows g, g + 8 <-> dims 4w + 2tt, + 1
+                constexpr u32 S[4] = {pair_selector(0), pair_selector(1), pair_selector(2), pair_selector(3)};
+                const u32 a0 = widen<5, EXACT>(prmt(va, vb, S[2 * tt])), a1 = widen<5, EXACT>(prmt(va, vb, S[2 * tt + 1]));
+                const u32 a2 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt])), a3 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt + 1]));
+                mma<5>(o[2 * w + tt], a0, a1, a2, a3, bh0, bh1);
+                mma<5>(o[2 * w + tt], a0, a1, a2, a3, bl0, bl1);
+            }
+        }
+    }
+}
+
+}  // namespace fp8kv
+
+extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(
+    const q_t* __restrict__ query, const u8* __restrict__ key_cache, const u8* __restrict__ value_cache,
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ qsl,
+    q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
+    float g_mant, int g_exp, float soft_cap, int use_cap, int window, int causal, int split, int write_lse,
+    i64 bt_stride, i64 k_sb, i64 k_st, i64 k_sh, i64 v_sb, i64 v_st, i64 v_sh,
+    i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,
+    int T, int HQ, int D_arg, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,
+    int num_blocks, int keys_per_split) {
+    __shared__ MmaShared sh;
+    const int tid = threadIdx.x;
+    const int lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, c = lane & 3;
+    const int t = blockIdx.x;
+    const int h = blockIdx.y / head_chunks;
+    const int g0 = (blockIdx.y - h * head_chunks) * HEADS;
+    const int z = blockIdx.z;
+
+    int q_lo = 0, q_hi = 0;
+    const int s = find_seq(qsl, num_seqs, T, t, q_lo, q_hi);
+    if (s < 0) return;  // uniform over the CTA
+
+    // ---- the keys this row sees, and this split's part of them
+    const i64 max_keys = (i64)max_blocks * block_size;
+    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
+    const i64 pos = seq_len - (q_hi - q_lo) + (t - q_lo);
+    const i64 k_hi_vis = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
+    const i64 k_lo_vis = pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
+    KeyRows rows;
+    rows.bt_row = block_tables + (i64)s * bt_stride;
+    rows.kbeg = k_lo_vis > z_lo ? k_lo_vis : z_lo;
+    rows.kend = k_hi_vis < z_hi ? k_hi_vis : z_hi;
+    rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
+    rows.hk = (i64)h * k_sh; rows.hv = (i64)h * v_sh;
+    rows.block_size = block_size; rows.num_blocks = num_blocks;
+
+    // ---- the query fragment (B of S^T): head g, dims c D/4 + 4 ks + {0, 2} and {1, 3}
+    const bool head_live = g0 + g < group;
+    const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
+    u32 qmax = 0u;
+#pragma unroll 4
+    for (int i = 0; i < D / 4; ++i) {
+        if (head_live) qmax = u32_max(qmax, f2u(load_q(query, qrow + c * (D / 4) + i)) & 0x7FFFFFFFu);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) qmax = u32_max(qmax, __shfl_xor_sync(0xFFFFFFFFu, qmax, o));
+    const i32 qexp = (i32)(qmax >> 23) - 127;
+    const i32 qshift = (qmax < 0x7F800000u && qexp > 100) ? qexp - 100 : 0;
+    u32 qb[KW][2];
+#pragma unroll
+    for (int ks = 0; ks < KW; ++ks) {
+        const i64 q0 = qrow + c * (D / 4) + 4 * ks;
+        const u32 e0 = query_bits(query, q0, head_live, qshift), e1 = query_bits(query, q0 + 1, head_live, qshift);
+        const u32 e2 = query_bits(query, q0 + 2, head_live, qshift), e3 = query_bits(query, q0 + 3, head_live, qshift);
+        qb[ks][0] = e0 | (e2 << 16);  // k index 2c, 2c + 1 <-> dims +0, +2 (bytes 0, 2 of a K word)
+        qb[ks][1] = e1 | (e3 << 16);  // k index 2c + 8, 2c + 9 <-> dims +1, +3
+    }
+    float f1, f2;
+    scale_factors(k_scale[h * ks_sh], g_mant, g_exp + qshift, f1, f2);
+    const float vs_static = v_scale[h * vs_sh];
+
+    // ---- per-warp state: heads 2c, 2c + 1 (same in the 8 lanes of a c), O^T fragments
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    float o[MT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+
+    const i64 first = rows.kbeg & ~(i64)15;
+    for (i64 n0 = first + (i64)warp * STEP; n0 < rows.kend; n0 += (i64)NWARPS * STEP) {
+        StepWords wds;
+        u32 special = 0u;
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+            const i64 base = n0 + 16 * u;
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                i64 rk, rv;
+                rows.locate(base + g + 8 * r, rk, rv);
+                wds.live[u][r] = rk >= 0;
+                load_words(key_cache, rk < 0 ? rk : rk + c * (D / 4), wds.k[u][r]);
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                i64 rk, rv;
+                rows.locate(base + 2 * c + (r & 1) + 8 * (r >> 1), rk, rv);
+                load_words(value_cache, rv < 0 ? rv : rv + g * (D / 8), wds.v[u][r]);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int i = 0; i < KW; ++i) special |= has_special<KEXP>(wds.k[u][r][i]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int i = 0; i < VW; ++i) special |= has_special<5>(wds.v[u][r][i]);
+        }
+        if (__any_sync(0xFFFFFFFFu, special != 0u)) {
+            attend_step<true>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        } else {
+            attend_step<false>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        }
+    }
+
+    // ---- merge the 4 warps: (m, l) per head, O^T through shared memory
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int off = 4; off < 32; off <<= 1) l_run[j] += __shfl_xor_sync(0xFFFFFFFFu, l_run[j], off);
+        if (g == 0) { sh.m[warp][2 * c + j] = m_run[j]; sh.l[warp][2 * c + j] = l_run[j]; }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const int d = g * (D / 8) + 4 * (mt >> 1) + 2 * (mt & 1);
+        sh.o[warp][2 * c][d] = o[mt][0];
+        sh.o[warp][2 * c + 1][d] = o[mt][1];
+        sh.o[warp][2 * c][d + 1] = o[mt][2];
+        sh.o[warp][2 * c + 1][d + 1] = o[mt][3];
+    }
+    __syncthreads();
+    for (int idx = tid; idx < HEADS * D; idx += NT) {
+        const int hd = idx / D, d = idx - hd * D;
+        if (g0 + hd >= group) continue;
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) m = fmaxf(m, sh.m[w][hd]);
+        const float m_safe = m == NEG_INF ? 0.0f : m;
+        float l = 0.0f, acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NWARPS; ++w) {
+            const float a = exp2f(sh.m[w][hd] - m_safe);
+            l += a * sh.l[w][hd];
+            acc += a * sh.o[w][hd][d];
+        }
+        const i64 row = (i64)t * HQ + (i64)h * group + g0 + hd;
+        if (split) {
+            const i64 prow = (i64)z * T * HQ + row;
+            part_acc[prow * D + d] = acc;
+            if (d == 0) { part_ml[prow * 3] = m; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = 0.0f; }
+        } else {
+            store_out(out, row * D + d, (acc * fdiv(1.0f, l > 0.0f ? l : 1.0f)) * vs_static);
+            if (d == 0 && write_lse) lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : NEG_INF;
+        }
+    }
+}
