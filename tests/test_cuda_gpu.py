@@ -286,7 +286,7 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials):
     g = torch.Generator().manual_seed(D + 7 * int(specials))
     B, H, Hq, bs = 4, 2, 12, 16
     lens = [37, 300, 1, 129]
-    nblocks = 64
+    nblocks = 96
     tables = torch.randperm(nblocks, generator=g)[: B * 19].view(B, 19).int()
     cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt.name, scale_granularity="head", device="cuda",
                                    k_scale=torch.tensor([0.004, 0.02]), v_scale=torch.tensor([0.03, 0.0007]))

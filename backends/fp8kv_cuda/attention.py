@@ -50,9 +50,22 @@ MMA_HEADS = 8
 """Query heads per CTA of the tensor-core kernel (the mma's n)."""
 MMA_HEAD_SIZES = (64, 128, 256)
 MMA_CTAS_PER_SM = 2
-"""CTAs of the tensor-core kernel resident per SM (its register budget, FP8KV_MIN_CTAS)."""
+"""CTAs of the tensor-core kernel resident per SM (its register budget FP8KV_MIN_CTAS; its ring)."""
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
+MMA_STAGES = 3
+"""Depth of the tensor-core kernel's cp.async ring (``FP8KV_STAGES``)."""
+
+
+def mma_smem_bytes(head_size: int, stages: int = MMA_STAGES) -> int:
+    """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
+    launched with less): the larger of the cp.async ring and the epilogue's per-warp outputs."""
+    nsub = 1 if head_size > 128 else 2
+    v_chunks = max(1, head_size // 8 // 16)
+    chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks)
+    ring = 16 * stages * chunks * ATTN_THREADS
+    epilogue = 4 * (4 * MMA_HEADS * head_size + 2 * 4 * MMA_HEADS)
+    return max(ring, epilogue)
 
 
 def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool) -> bool:
@@ -173,7 +186,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
             r.i32(p.keys_per_split)]
     grid = (T, H * p.head_chunks, p.num_splits)
-    runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
+    runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args, shared_mem=mma_smem_bytes(D) if p.mma else 0)
     if split:
         margs = [r.ptr(part_acc), r.ptr(part_ml), r.ptr(cache.v_scale), r.ptr(query_start_loc), r.ptr(out),
                  r.ptr(lse_arg), r.i32(int(lse is not None)), r.i64(scale_strides(cache, "value")[2]),

@@ -84,15 +84,23 @@ def _external_stream(ptr: int, index: int):
         return cupy().cuda.ExternalStream(ptr, index)
 
 
+_STATIC_SMEM_LIMIT = 48 << 10
+_opted_in: set[tuple[int, int]] = set()
+
+
 def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, int, int], block: int,
-           args: list) -> None:
-    """Launch ``entry`` of ``variant`` on torch's current stream of ``device``."""
+           args: list, shared_mem: int = 0) -> None:
+    """Launch ``entry`` of ``variant`` on torch's current stream of ``device`` with ``shared_mem``
+    bytes of dynamic shared memory (above 48 KiB the kernel is opted in once)."""
     fn = function(variant, entry, device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = torch.cuda.current_stream(index)
     cp = cupy()
     with cp.cuda.Device(index):
-        fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index))
+        if shared_mem > _STATIC_SMEM_LIMIT and (id(fn), shared_mem) not in _opted_in:
+            fn.max_dynamic_shared_size_bytes = shared_mem
+            _opted_in.add((id(fn), shared_mem))
+        fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

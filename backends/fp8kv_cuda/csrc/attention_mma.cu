@@ -45,6 +45,15 @@ constexpr int KW = D / 16;                  // K words (4 bytes) per thread and 
 constexpr int VW = D / 32;                  // V words per thread and key (two m-tiles of p @ v each)
 constexpr int MT = D / 16;                  // m-tiles of p @ v (16 dims each)
 constexpr int HEADS = 8;                    // query heads per CTA (the mma's n)
+#ifndef FP8KV_STAGES
+#define FP8KV_STAGES 3                      // cp.async ring depth per thread (steps in flight + 1)
+#endif
+constexpr int STAGES = FP8KV_STAGES;
+constexpr int KCH = D / 64;                 // 16-byte K chunks per thread and key row
+constexpr int VBYTES = D / 8;               // V bytes per thread and key
+constexpr int VCH = VBYTES >= 16 ? VBYTES / 16 : 1;  // V chunks per thread and key (8 bytes at D = 64)
+constexpr int CHUNKS = NSUB * (2 * KCH + 4 * VCH);   // ring slots per thread and stage
+constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
 constexpr int KEXP = QT == 1 ? 5 : 8;       // exponent bits of K's 16-bit type (float16 / bfloat16)
 constexpr int FP8_EXP = 7 - MANT;
 #ifndef FP8KV_MIN_CTAS
@@ -173,16 +182,19 @@ __device__ __forceinline__ u32 query_bits(const q_t* q, i64 i, bool live, i32 sh
     return QT == 1 ? (u32)f32_to_f16_bits(x) : (u32)f32_to_bf16_bits(x);
 }
 
-struct MmaShared {
+struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
     float o[NWARPS][HEADS][D];  // each warp's unnormalised output
     float m[NWARPS][HEADS], l[NWARPS][HEADS];
 };
+constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * NT > (int)sizeof(MmaShared)
+                               ? (int)sizeof(uint4) * STAGES * CHUNKS * NT : (int)sizeof(MmaShared);
 
-// Where a key's K and V rows start (byte offsets), or -1 when the key is masked.
+// Where keys' K and V rows start (byte offsets), or -1 when the key is masked.
 struct KeyRows {
     const int* bt_row;
     i64 kbeg, kend, k_sb, k_st, v_sb, v_st, hk, hv;
     int block_size, num_blocks;
+    bool page16;  // block_size % 16 == 0: the 16-aligned sub-tile [base, base + 16) lies in one block
 
     __device__ __forceinline__ void locate(i64 n, i64& rk, i64& rv) const {
         rk = rv = -1;
@@ -191,6 +203,21 @@ struct KeyRows {
         const int blk = bt_row[page];
         if (blk < 0 || blk >= num_blocks) return;
         const i64 tib = n - (i64)page * block_size;
+        rk = (i64)blk * k_sb + tib * k_st + hk;
+        rv = (i64)blk * v_sb + tib * v_st + hv;
+    }
+
+    // Key base + j of a 16-aligned sub-tile (j < 16): with page16 one block-table entry serves
+    // the sub-tile (the compiler shares it between the calls of one base).
+    __device__ __forceinline__ void locate16(i64 base, int j, i64& rk, i64& rv) const {
+        if (!page16) return locate(base + j, rk, rv);
+        rk = rv = -1;
+        const i64 n = base + j;
+        if (base >= kend || n < kbeg || n >= kend) return;
+        const int page = (int)base / block_size;
+        const int blk = bt_row[page];
+        if (blk < 0 || blk >= num_blocks) return;
+        const i64 tib = base - (i64)page * block_size + j;
         rk = (i64)blk * k_sb + tib * k_st + hk;
         rv = (i64)blk * v_sb + tib * v_st + hv;
     }
@@ -203,23 +230,91 @@ struct StepWords {
     bool live[NSUB][2];   // keys g and g + 8 visible
 };
 
-template <int WORDS>
-__device__ __forceinline__ void load_words(const u8* base, i64 off, u32 (&w)[WORDS]) {
-    if (off < 0) {
-#pragma unroll
-        for (int i = 0; i < WORDS; ++i) w[i] = 0u;
-        return;
-    }
-    if constexpr (WORDS % 4 == 0) {
-#pragma unroll
-        for (int i = 0; i < WORDS; i += 4) {
-            const uint4 x = *reinterpret_cast<const uint4*>(base + off + 4 * i);
-            w[i] = x.x; w[i + 1] = x.y; w[i + 2] = x.z; w[i + 3] = x.w;
-        }
+__device__ __forceinline__ u32 shared_address(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// cp.async of `bytes` (16 or 8) from src, or zeros without a read when !live.
+template <int BYTES>
+__device__ __forceinline__ void copy_async(u32 dst, const u8* src, bool live) {
+    if constexpr (BYTES == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
     } else {
-        static_assert(WORDS == 2, "8-byte rows");
-        const uint2 x = *reinterpret_cast<const uint2*>(base + off);
-        w[0] = x.x; w[1] = x.y;
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(live ? 8 : 0));
+    }
+}
+
+// The ring: slot (stage, chunk) of thread tid is ring[(stage * CHUNKS + chunk) * NT + tid] (16 bytes;
+// consecutive threads, consecutive slots: conflict-free). Each thread reads back only its own slots.
+struct Ring {
+    uint4* base;
+    int tid;
+    __device__ __forceinline__ uint4* slot(int stage, int chunk) const {
+        return base + (stage * CHUNKS + chunk) * NT + tid;
+    }
+};
+
+// Start the copies of the warp step at n0 into `stage`; one commit group. Returns the step's
+// visible-key bits (bit 2u + r: key g + 8r of sub-tile u).
+__device__ __forceinline__ u32 issue_step(const Ring& ring, int stage, i64 n0, const KeyRows& rows,
+                                          const u8* key_cache, const u8* value_cache, int g, int c) {
+    u32 bits = 0u;
+    int ch = 0;
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+        const i64 base = n0 + 16 * u;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            i64 rk, rv;
+            rows.locate16(base, g + 8 * r, rk, rv);
+            const bool live = rk >= 0;
+            bits |= (u32)live << (2 * u + r);
+#pragma unroll
+            for (int i = 0; i < KCH; ++i)
+                copy_async<16>(shared_address(ring.slot(stage, ch++)), key_cache + (live ? rk + c * (D / 4) + 16 * i : 0),
+                               live);
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            i64 rk, rv;
+            rows.locate16(base, 2 * c + (r & 1) + 8 * (r >> 1), rk, rv);
+            const bool live = rv >= 0;
+#pragma unroll
+            for (int i = 0; i < VCH; ++i)
+                copy_async<(VBYTES >= 16 ? 16 : 8)>(shared_address(ring.slot(stage, ch++)),
+                                                    value_cache + (live ? rv + g * VBYTES + 16 * i : 0), live);
+        }
+    }
+    asm volatile("cp.async.commit_group;");
+    return bits;
+}
+
+// The step in `stage` (its copies complete) into registers.
+__device__ __forceinline__ void read_step(const Ring& ring, int stage, u32 bits, StepWords& wds) {
+    int ch = 0;
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            wds.live[u][r] = (bits >> (2 * u + r)) & 1u;
+#pragma unroll
+            for (int i = 0; i < KCH; ++i) {
+                const uint4 x = *ring.slot(stage, ch++);
+                wds.k[u][r][4 * i] = x.x; wds.k[u][r][4 * i + 1] = x.y;
+                wds.k[u][r][4 * i + 2] = x.z; wds.k[u][r][4 * i + 3] = x.w;
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+#pragma unroll
+            for (int i = 0; i < VCH; ++i) {
+                const uint4 x = *ring.slot(stage, ch++);
+                wds.v[u][r][4 * i] = x.x; wds.v[u][r][4 * i + 1] = x.y;
+                if constexpr (VBYTES >= 16) { wds.v[u][r][4 * i + 2] = x.z; wds.v[u][r][4 * i + 3] = x.w; }
+            }
+        }
     }
 }
 
@@ -312,8 +407,12 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,
     int T, int HQ, int D_arg, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,
     int num_blocks, int keys_per_split) {
-    __shared__ MmaShared sh;
+    extern __shared__ uint4 ring_mem[];  // SMEM_BYTES (the launcher passes fp8kv_cuda.attention.mma_smem_bytes)
+    MmaShared& sh = *reinterpret_cast<MmaShared*>(ring_mem);
     const int tid = threadIdx.x;
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < (u32)SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     const int t = blockIdx.x;
@@ -339,6 +438,7 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
     rows.hk = (i64)h * k_sh; rows.hv = (i64)h * v_sh;
     rows.block_size = block_size; rows.num_blocks = num_blocks;
+    rows.page16 = (block_size & 15) == 0;
 
     // ---- the query fragment (B of S^T): head g, dims c D/4 + 4 ks + {0, 2} and {1, 3}
     const bool head_live = g0 + g < group;
@@ -371,37 +471,40 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
+    // ---- the warp's steps n0 = first + (i * NWARPS + warp) * STEP, STAGES - 1 of them in flight
     const i64 first = rows.kbeg & ~(i64)15;
-    for (i64 n0 = first + (i64)warp * STEP; n0 < rows.kend; n0 += (i64)NWARPS * STEP) {
+    const i64 span = rows.kend > first ? rows.kend - first : 0;
+    const int my_steps = span > (i64)warp * STEP ? (int)((span - (i64)warp * STEP + NWARPS * STEP - 1) / (NWARPS * STEP)) : 0;
+    const Ring ring{ring_mem, tid};
+    u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        u32 b = 0u;
+        if (i < my_steps) b = issue_step(ring, i, first + ((i64)i * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        else asm volatile("cp.async.commit_group;");
+        live_q |= b << (i * LIVE_BITS);
+    }
+    for (int i = 0; i < my_steps; ++i) {
+        const int j = i + STAGES - 1;
+        u32 b = 0u;
+        if (j < my_steps) b = issue_step(ring, j % STAGES, first + ((i64)j * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        else asm volatile("cp.async.commit_group;");
+        live_q |= b << ((STAGES - 1) * LIVE_BITS);
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
         StepWords wds;
+        read_step(ring, i % STAGES, live_q, wds);
+        live_q >>= LIVE_BITS;
         u32 special = 0u;
-#pragma unroll
-        for (int u = 0; u < NSUB; ++u) {
-            const i64 base = n0 + 16 * u;
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                i64 rk, rv;
-                rows.locate(base + g + 8 * r, rk, rv);
-                wds.live[u][r] = rk >= 0;
-                load_words(key_cache, rk < 0 ? rk : rk + c * (D / 4), wds.k[u][r]);
-            }
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                i64 rk, rv;
-                rows.locate(base + 2 * c + (r & 1) + 8 * (r >> 1), rk, rv);
-                load_words(value_cache, rv < 0 ? rv : rv + g * (D / 8), wds.v[u][r]);
-            }
-        }
 #pragma unroll
         for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
-                for (int i = 0; i < KW; ++i) special |= has_special<KEXP>(wds.k[u][r][i]);
+                for (int e = 0; e < KW; ++e) special |= has_special<KEXP>(wds.k[u][r][e]);
 #pragma unroll
             for (int r = 0; r < 4; ++r)
 #pragma unroll
-                for (int i = 0; i < VW; ++i) special |= has_special<5>(wds.v[u][r][i]);
+                for (int e = 0; e < VW; ++e) special |= has_special<5>(wds.v[u][r][e]);
         }
         if (__any_sync(0xFFFFFFFFu, special != 0u)) {
             attend_step<true>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
@@ -409,6 +512,8 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
             attend_step<false>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
         }
     }
+    asm volatile("cp.async.wait_all;");
+    __syncthreads();  // every warp is done with the ring: the epilogue reuses it
 
     // ---- merge the 4 warps: (m, l) per head, O^T through shared memory
 #pragma unroll
