@@ -98,7 +98,9 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     cp = cupy()
     with cp.cuda.Device(index):
         if shared_mem > _STATIC_SMEM_LIMIT and (id(fn), shared_mem) not in _opted_in:
-            fn.max_dynamic_shared_size_bytes = shared_mem
+            drv = cp.cuda.driver
+            attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+            drv.funcSetAttribute(fn.ptr, attr, shared_mem)
             _opted_in.add((id(fn), shared_mem))
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
 
