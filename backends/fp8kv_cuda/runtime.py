@@ -85,7 +85,7 @@ def _external_stream(ptr: int, index: int):
 
 
 _STATIC_SMEM_LIMIT = 48 << 10
-_opted_in: set[tuple[int, int]] = set()
+_opted_in: set[tuple[Variant, str, int, int]] = set()
 
 
 def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, int, int], block: int,
@@ -97,11 +97,11 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     stream = torch.cuda.current_stream(index)
     cp = cupy()
     with cp.cuda.Device(index):
-        if shared_mem > _STATIC_SMEM_LIMIT and (id(fn), shared_mem) not in _opted_in:
+        if shared_mem > _STATIC_SMEM_LIMIT and (variant, entry, index, shared_mem) not in _opted_in:
             drv = cp.cuda.driver
             attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
             drv.funcSetAttribute(fn.ptr, attr, shared_mem)
-            _opted_in.add((id(fn), shared_mem))
+            _opted_in.add((variant, entry, index, shared_mem))
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
 
 

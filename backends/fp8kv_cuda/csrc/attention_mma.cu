@@ -56,6 +56,12 @@ constexpr int CHUNKS = NSUB * (2 * KCH + 4 * VCH);   // ring slots per thread an
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
 constexpr int KEXP = QT == 1 ? 5 : 8;       // exponent bits of K's 16-bit type (float16 / bfloat16)
 constexpr int FP8_EXP = 7 - MANT;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool NATIVE = !FNUZ;  // cvt.rn.f16x2.{e4m3x2,e5m2x2}: exact for every code, NaN and inf included
+#else
+constexpr bool NATIVE = false;
+#endif
+constexpr bool K_NATIVE = NATIVE && QT == 1;  // K widened by cvt (float16 queries); else by bits
 #ifndef FP8KV_MIN_CTAS
 #define FP8KV_MIN_CTAS 2  // CTAs per SM the registers are budgeted for
 #endif
@@ -104,6 +110,17 @@ __device__ __forceinline__ u32 widen_exact(u32 x) {
     return r;
 }
 
+// Bytes 0, 1 (lo) and 2, 3 (hi) of x as two float16 pairs by the sm89+ conversion (NATIVE only).
+__device__ __forceinline__ void widen_native(u32 x, u32& lo, u32& hi) {
+    if constexpr (HASINF) {
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e5m2x2 %0, l; cvt.rn.f16x2.e5m2x2 %1, h; }"
+            : "=r"(lo), "=r"(hi) : "r"(x));
+    } else {
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+            : "=r"(lo), "=r"(hi) : "r"(x));
+    }
+}
+
 template <int TEXP, bool EXACT>
 __device__ __forceinline__ u32 widen(u32 x) {
     if constexpr (EXACT) return widen_exact<TEXP>(x);
@@ -113,7 +130,9 @@ __device__ __forceinline__ u32 widen(u32 x) {
 // Nonzero when a byte of w is a code that widen_fast<TEXP> gets wrong.
 template <int TEXP>
 __device__ __forceinline__ u32 has_special(u32 w) {
-    if constexpr (FNUZ) {  // 0x80 (NaN) would become -0
+    if constexpr (NATIVE && TEXP == 5) {  // the native conversion is exact
+        return 0u;
+    } else if constexpr (FNUZ) {  // 0x80 (NaN) would become -0
         const u32 v = w ^ 0x80808080u;
         return (v - 0x01010101u) & ~v & 0x80808080u;
     } else if constexpr (!HASINF) {  // e4m3: 0x7F/0xFF (NaN) would become +-480
@@ -332,16 +351,23 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
     float x[NSUB][4];
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[2][4] = {};  // two chains (even, odd k steps): half the dependent mma latency
 #pragma unroll
         for (int ks = 0; ks < KW; ++ks) {
             const u32 w0 = wds.k[u][0][ks], w1 = wds.k[u][1][ks];
-            mma<KEXP>(acc, widen<KEXP, EXACT>(w0 << 8), widen<KEXP, EXACT>(w1 << 8), widen<KEXP, EXACT>(w0),
-                      widen<KEXP, EXACT>(w1), qb[ks][0], qb[ks][1]);
+            if constexpr (K_NATIVE) {  // k index 2c, 2c + 1 <-> bytes 0, 1; 2c + 8, 2c + 9 <-> bytes 2, 3
+                u32 a0, a1, a2, a3;
+                widen_native(w0, a0, a2);
+                widen_native(w1, a1, a3);
+                mma<KEXP>(acc[ks & 1], a0, a1, a2, a3, qb[ks][0], qb[ks][1]);
+            } else {  // k index 2c, 2c + 1 <-> bytes 0, 2; 2c + 8, 2c + 9 <-> bytes 1, 3
+                mma<KEXP>(acc[ks & 1], widen<KEXP, EXACT>(w0 << 8), widen<KEXP, EXACT>(w1 << 8),
+                          widen<KEXP, EXACT>(w0), widen<KEXP, EXACT>(w1), qb[ks][0], qb[ks][1]);
+            }
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float v = (acc[e] * f1) * f2;
+            float v = ((acc[0][e] + acc[1][e]) * f1) * f2;
             if (use_cap) v = soft_cap * tanhf(fdiv(v, soft_cap)) * LOG2E;
             x[u][e] = wds.live[u][e >> 1] ? saturate(v) : NEG_INF;
         }
@@ -385,9 +411,18 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
             const u32 va = wds.v[u][0][w], vb = wds.v[u][1][w], vc = wds.v[u][2][w], vd = wds.v[u][3][w];
 #pragma unroll
             for (int tt = 0; tt < 2; ++tt) {  // m-tile 2w + tt: rows g, g + 8 <-> dims 4w + 2tt, + 1
-                constexpr u32 S[4] = {pair_selector(0), pair_selector(1), pair_selector(2), pair_selector(3)};
-                const u32 a0 = widen<5, EXACT>(prmt(va, vb, S[2 * tt])), a1 = widen<5, EXACT>(prmt(va, vb, S[2 * tt + 1]));
-                const u32 a2 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt])), a3 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt + 1]));
+                u32 a0, a1, a2, a3;
+                if constexpr (NATIVE) {  // [A d, B d, A d+1, B d+1]: the pairs of rows g and g + 8
+                    const u32 sel = tt == 0 ? 0x5140u : 0x7362u;
+                    widen_native(prmt(va, vb, sel), a0, a1);
+                    widen_native(prmt(vc, vd, sel), a2, a3);
+                } else {
+                    constexpr u32 S[4] = {pair_selector(0), pair_selector(1), pair_selector(2), pair_selector(3)};
+                    a0 = widen<5, EXACT>(prmt(va, vb, S[2 * tt]));
+                    a1 = widen<5, EXACT>(prmt(va, vb, S[2 * tt + 1]));
+                    a2 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt]));
+                    a3 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt + 1]));
+                }
                 mma<5>(o[2 * w + tt], a0, a1, a2, a3, bh0, bh1);
                 mma<5>(o[2 * w + tt], a0, a1, a2, a3, bl0, bl1);
             }
@@ -458,8 +493,9 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
         const i64 q0 = qrow + c * (D / 4) + 4 * ks;
         const u32 e0 = query_bits(query, q0, head_live, qshift), e1 = query_bits(query, q0 + 1, head_live, qshift);
         const u32 e2 = query_bits(query, q0 + 2, head_live, qshift), e3 = query_bits(query, q0 + 3, head_live, qshift);
-        qb[ks][0] = e0 | (e2 << 16);  // k index 2c, 2c + 1 <-> dims +0, +2 (bytes 0, 2 of a K word)
-        qb[ks][1] = e1 | (e3 << 16);  // k index 2c + 8, 2c + 9 <-> dims +1, +3
+        // the k index order of the K fragment (see attend_step)
+        qb[ks][0] = K_NATIVE ? e0 | (e1 << 16) : e0 | (e2 << 16);
+        qb[ks][1] = K_NATIVE ? e2 | (e3 << 16) : e1 | (e3 << 16);
     }
     float f1, f2;
     scale_factors(k_scale[h * ks_sh], g_mant, g_exp + qshift, f1, f2);
