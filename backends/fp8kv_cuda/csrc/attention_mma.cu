@@ -3,9 +3,10 @@
 //
 // Grid (T, H * head_chunks, num_splits), NT = 128 threads (4 warps). A CTA owns one query token,
 // one KV head, up to 8 of its query heads (GQA packing) and the keys of split z. Each warp walks
-// its own steps of 16 * NSUB keys (warp w takes steps w, w + 4, ...) with its own online softmax,
-// straight from global memory into registers (no shared memory, no block-wide barrier in the
-// loop); the 4 warps' states are merged once at the end.
+// its own steps of 16 * NSUB keys (warp w takes steps w, w + 4, ...) with its own online softmax.
+// Each thread copies the bytes it will use into its own slots of a shared-memory ring with
+// cp.async (STAGES - 1 steps in flight; no barrier in the loop, a thread reads only what it
+// copied); the 4 warps' states are merged once at the end.
 //
 // Per 16-key sub-tile, in the transposed orientation (keys and dims are rows, heads columns):
 //   S^T[16 keys x 8 heads] = K[16 x D] . Q^T[D x 8]:  A = K (converted FP8), B = Q (registers);
@@ -19,9 +20,11 @@
 //   * FP8 -> 16-bit by bit operations: the code's sign and magnitude bits placed under the 16-bit
 //     format's exponent (exact: every FP8 value of every format is a float16 and a bfloat16), then
 //     one multiplication by the power of two 2^(bias16 - bias8), so that no subnormal operand
-//     reaches a tensor core. Codes this mishandles (NaN in every format but e5m2 -> float16, and
-//     e5m2's inf -> bfloat16) are detected per word; a step that holds one takes the software
-//     decoder of codec.cuh instead (never for a cache written by fp8kv from finite values).
+//     reaches a tensor core; on sm89+ the OCP formats go through cvt.rn.f16x2.{e4m3x2,e5m2x2}
+//     (exact for every code) where the operand is float16. Codes the bit path mishandles (NaN in
+//     every format but e5m2 -> float16, e5m2's inf -> bfloat16, e5m2fnuz's top binade -> float16)
+//     are detected per word; a step that holds one takes the software decoder of codec.cuh
+//     instead (for the OCP formats never with a cache written by fp8kv from finite values).
 //   * K is converted to the query's dtype (products exact, float32 accumulation); V to float16;
 //     the weights P (float32, <= 1) enter p @ v as two float16 halves, hi + lo, so the product
 //     keeps 22 bits (within the float32 accumulation term of the bound).
@@ -134,7 +137,11 @@ __device__ __forceinline__ u32 has_special(u32 w) {
         return 0u;
     } else if constexpr (FNUZ) {  // 0x80 (NaN) would become -0
         const u32 v = w ^ 0x80808080u;
-        return (v - 0x01010101u) & ~v & 0x80808080u;
+        const u32 nan = (v - 0x01010101u) & ~v & 0x80808080u;
+        if constexpr (MANT == 2 && TEXP == 5) {  // e5m2fnuz's top binade (exponent 31) is inf/NaN in float16
+            return nan | (((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u);
+        }
+        return nan;
     } else if constexpr (!HASINF) {  // e4m3: 0x7F/0xFF (NaN) would become +-480
         return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
     } else if constexpr (TEXP == 5) {  // e5m2 -> float16: the same bits, inf and NaN included
