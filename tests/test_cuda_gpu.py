@@ -318,6 +318,12 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials):
     assert_attention_close(out, ref, **bounds)
     if not specials:
         assert_lse_close(lse, ref_lse, **bounds)
+    if dtype == torch.bfloat16 and not specials:  # a range beyond 2^31: the exact bfloat16-K path
+        wide = query.clone()
+        wide[..., ::2] *= 2.0**-40
+        out = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="cuda")
+        ref = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="reference")
+        assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl))
 
 
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16])

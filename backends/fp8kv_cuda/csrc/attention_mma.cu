@@ -57,14 +57,12 @@ constexpr int VBYTES = D / 8;               // V bytes per thread and key
 constexpr int VCH = VBYTES >= 16 ? VBYTES / 16 : 1;  // V chunks per thread and key (8 bytes at D = 64)
 constexpr int CHUNKS = NSUB * (2 * KCH + 4 * VCH);   // ring slots per thread and stage
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
-constexpr int KEXP = QT == 1 ? 5 : 8;       // exponent bits of K's 16-bit type (float16 / bfloat16)
 constexpr int FP8_EXP = 7 - MANT;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 constexpr bool NATIVE = !FNUZ;  // cvt.rn.f16x2.{e4m3x2,e5m2x2}: exact for every code, NaN and inf included
 #else
 constexpr bool NATIVE = false;
 #endif
-constexpr bool K_NATIVE = NATIVE && QT == 1;  // K widened by cvt (float16 queries); else by bits
 #ifndef FP8KV_MIN_CTAS
 #define FP8KV_MIN_CTAS 2  // CTAs per SM the registers are budgeted for
 #endif
@@ -199,13 +197,14 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 
-// The 16-bit bits of a query value scaled by 2^-shift (exact unless it leaves the format's range).
+// The query value i scaled by 2^-shift as the bits of K's 16-bit type KE (5: float16, 8: bfloat16);
+// the caller picks shift so that this is exact (see the kernel).
+template <int KE>
 __device__ __forceinline__ u32 query_bits(const q_t* q, i64 i, bool live, i32 shift) {
     if (!live) return 0u;
-    const u32 raw = q[i];
-    if (shift == 0) return raw;
+    if ((KE == 5) == (QT == 1) && shift == 0) return q[i];
     const float x = load_q(q, i) * pow2i(-shift);
-    return QT == 1 ? (u32)f32_to_f16_bits(x) : (u32)f32_to_bf16_bits(x);
+    return KE == 5 ? (u32)f32_to_f16_bits(x) : (u32)f32_to_bf16_bits(x);
 }
 
 struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
@@ -215,37 +214,25 @@ struct MmaShared {  // the epilogue's view of the ring (the loop is over by then
 constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * NT > (int)sizeof(MmaShared)
                                ? (int)sizeof(uint4) * STAGES * CHUNKS * NT : (int)sizeof(MmaShared);
 
-// Where keys' K and V rows start (byte offsets), or -1 when the key is masked.
+// Where keys' K and V rows start (byte offsets, this thread's part included), or -1 when masked.
+// Key positions are int32 (< seq_len <= INT32_MAX).
 struct KeyRows {
     const int* bt_row;
-    i64 kbeg, kend, k_sb, k_st, v_sb, v_st, hk, hv;
-    int block_size, num_blocks;
+    int kbeg, kend, block_size, num_blocks, bs_shift;  // bs_shift: log2(block_size), or -1
+    i64 k_sb, k_st, v_sb, v_st, k0, v0;                 // k0/v0: head offset + this thread's bytes
     bool page16;  // block_size % 16 == 0: the 16-aligned sub-tile [base, base + 16) lies in one block
 
-    __device__ __forceinline__ void locate(i64 n, i64& rk, i64& rv) const {
+    __device__ __forceinline__ int page_of(int n) const { return bs_shift >= 0 ? n >> bs_shift : n / block_size; }
+
+    __device__ __forceinline__ void locate(int n, i64& rk, i64& rv) const {
         rk = rv = -1;
         if (n < kbeg || n >= kend) return;
-        const int page = (int)n / block_size;  // n < seq_len <= INT32_MAX
+        const int page = page_of(n);
         const int blk = bt_row[page];
         if (blk < 0 || blk >= num_blocks) return;
-        const i64 tib = n - (i64)page * block_size;
-        rk = (i64)blk * k_sb + tib * k_st + hk;
-        rv = (i64)blk * v_sb + tib * v_st + hv;
-    }
-
-    // Key base + j of a 16-aligned sub-tile (j < 16): with page16 one block-table entry serves
-    // the sub-tile (the compiler shares it between the calls of one base).
-    __device__ __forceinline__ void locate16(i64 base, int j, i64& rk, i64& rv) const {
-        if (!page16) return locate(base + j, rk, rv);
-        rk = rv = -1;
-        const i64 n = base + j;
-        if (base >= kend || n < kbeg || n >= kend) return;
-        const int page = (int)base / block_size;
-        const int blk = bt_row[page];
-        if (blk < 0 || blk >= num_blocks) return;
-        const i64 tib = base - (i64)page * block_size + j;
-        rk = (i64)blk * k_sb + tib * k_st + hk;
-        rv = (i64)blk * v_sb + tib * v_st + hv;
+        const i64 tib = n - page * block_size;
+        rk = (i64)blk * k_sb + tib * k_st + k0;
+        rv = (i64)blk * v_sb + tib * v_st + v0;
     }
 };
 
@@ -284,33 +271,50 @@ struct Ring {
 
 // Start the copies of the warp step at n0 into `stage`; one commit group. Returns the step's
 // visible-key bits (bit 2u + r: key g + 8r of sub-tile u).
-__device__ __forceinline__ u32 issue_step(const Ring& ring, int stage, i64 n0, const KeyRows& rows,
+__device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, const KeyRows& rows,
                                           const u8* key_cache, const u8* value_cache, int g, int c) {
     u32 bits = 0u;
     int ch = 0;
+    const u32 stage_addr = ring_addr + (u32)(stage * CHUNKS * NT * 16);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-        const i64 base = n0 + 16 * u;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            i64 rk, rv;
-            rows.locate16(base, g + 8 * r, rk, rv);
-            const bool live = rk >= 0;
-            bits |= (u32)live << (2 * u + r);
-#pragma unroll
-            for (int i = 0; i < KCH; ++i)
-                copy_async<16>(shared_address(ring.slot(stage, ch++)), key_cache + (live ? rk + c * (D / 4) + 16 * i : 0),
-                               live);
+        const int base = n0 + 16 * u;
+        // page16: one block-table entry for the sub-tile, then a row offset per key
+        int blk = -1;
+        i64 kb = 0, vb = 0;
+        if (rows.page16 && base < rows.kend) {
+            const int page = rows.page_of(base);
+            blk = rows.bt_row[page];
+            const i64 tib0 = base - page * rows.block_size;
+            kb = (i64)blk * rows.k_sb + tib0 * rows.k_st + rows.k0;
+            vb = (i64)blk * rows.v_sb + tib0 * rows.v_st + rows.v0;
         }
+        const bool blk_ok = blk >= 0 && blk < rows.num_blocks;
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
+        for (int r = 0; r < 6; ++r) {  // r < 2: K of key g + 8r; else V of key 2c + (r & 1) + 8 ((r - 2) >> 1)
+            const bool is_k = r < 2;
+            const int j = is_k ? g + 8 * r : 2 * c + (r & 1) + 8 * ((r - 2) >> 1);
+            const int n = base + j;
             i64 rk, rv;
-            rows.locate16(base, 2 * c + (r & 1) + 8 * (r >> 1), rk, rv);
-            const bool live = rv >= 0;
+            if (rows.page16) {
+                const bool live = blk_ok && n >= rows.kbeg && n < rows.kend;
+                rk = live ? kb + j * rows.k_st : -1;
+                rv = live ? vb + j * rows.v_st : -1;
+            } else {
+                rows.locate(n, rk, rv);
+            }
+            const bool live = rk >= 0;
+            if (is_k) {
+                bits |= (u32)live << (2 * u + r);
 #pragma unroll
-            for (int i = 0; i < VCH; ++i)
-                copy_async<(VBYTES >= 16 ? 16 : 8)>(shared_address(ring.slot(stage, ch++)),
-                                                    value_cache + (live ? rv + g * VBYTES + 16 * i : 0), live);
+                for (int i = 0; i < KCH; ++i, ++ch)
+                    copy_async<16>(stage_addr + ch * NT * 16, key_cache + (live ? rk + 16 * i : 0), live);
+            } else {
+#pragma unroll
+                for (int i = 0; i < VCH; ++i, ++ch)
+                    copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * NT * 16, value_cache + (live ? rv + 16 * i : 0),
+                                                        live);
+            }
         }
     }
     asm volatile("cp.async.commit_group;");
@@ -350,7 +354,7 @@ __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1,
 
 // One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
 // O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
-template <bool EXACT>
+template <bool EXACT, int KE>
 __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb)[KW][2], float f1, float f2,
                                             float soft_cap, int use_cap, float (&m_run)[2], float (&l_run)[2],
                                             float (&o)[MT][4]) {
@@ -362,14 +366,14 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
 #pragma unroll
         for (int ks = 0; ks < KW; ++ks) {
             const u32 w0 = wds.k[u][0][ks], w1 = wds.k[u][1][ks];
-            if constexpr (K_NATIVE) {  // k index 2c, 2c + 1 <-> bytes 0, 1; 2c + 8, 2c + 9 <-> bytes 2, 3
+            if constexpr (NATIVE && KE == 5) {  // k index 2c, 2c + 1 <-> bytes 0, 1; 2c + 8, 2c + 9 <-> bytes 2, 3
                 u32 a0, a1, a2, a3;
                 widen_native(w0, a0, a2);
                 widen_native(w1, a1, a3);
-                mma<KEXP>(acc[ks & 1], a0, a1, a2, a3, qb[ks][0], qb[ks][1]);
+                mma<KE>(acc[ks & 1], a0, a1, a2, a3, qb[ks][0], qb[ks][1]);
             } else {  // k index 2c, 2c + 1 <-> bytes 0, 2; 2c + 8, 2c + 9 <-> bytes 1, 3
-                mma<KEXP>(acc[ks & 1], widen<KEXP, EXACT>(w0 << 8), widen<KEXP, EXACT>(w1 << 8),
-                          widen<KEXP, EXACT>(w0), widen<KEXP, EXACT>(w1), qb[ks][0], qb[ks][1]);
+                mma<KE>(acc[ks & 1], widen<KE, EXACT>(w0 << 8), widen<KE, EXACT>(w1 << 8), widen<KE, EXACT>(w0),
+                        widen<KE, EXACT>(w1), qb[ks][0], qb[ks][1]);
             }
         }
 #pragma unroll
@@ -437,6 +441,77 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
     }
 }
 
+
+// The warp's steps n0 = first + (i * NWARPS + warp) * STEP with K in the 16-bit type KE (5 float16,
+// 8 bfloat16), STAGES - 1 of them in flight. Queries enter scaled by 2^-qshift (exact, see the
+// kernel), so the logit factor carries 2^qshift.
+template <int KE>
+__device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_live, i32 qshift, const float* k_scale,
+                                         float g_mant, int g_exp, const KeyRows& rows, uint4* ring_mem,
+                                         const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
+                                         float (&m_run)[2], float (&l_run)[2], float (&o)[MT][4]) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    // the query fragment (B of S^T): head g, dims c D/4 + 4 ks + the K fragment's k order
+    u32 qb[KW][2];
+#pragma unroll
+    for (int ks = 0; ks < KW; ++ks) {
+        const i64 q0 = qrow + c * (D / 4) + 4 * ks;
+        const u32 e0 = query_bits<KE>(query, q0, head_live, qshift), e1 = query_bits<KE>(query, q0 + 1, head_live, qshift);
+        const u32 e2 = query_bits<KE>(query, q0 + 2, head_live, qshift), e3 = query_bits<KE>(query, q0 + 3, head_live, qshift);
+        constexpr bool k_native = NATIVE && KE == 5;  // k index 2c.. <-> bytes 0, 1 | 2, 3; else 0, 2 | 1, 3
+        qb[ks][0] = k_native ? e0 | (e1 << 16) : e0 | (e2 << 16);
+        qb[ks][1] = k_native ? e2 | (e3 << 16) : e1 | (e3 << 16);
+    }
+    float f1, f2;
+    scale_factors(k_scale[0], g_mant, g_exp + qshift, f1, f2);
+
+    const int first = rows.kbeg & ~15;
+    const int span = rows.kend > first ? rows.kend - first : 0;
+    const int my_steps = span > warp * STEP ? (span - warp * STEP + NWARPS * STEP - 1) / (NWARPS * STEP) : 0;
+    const Ring ring{ring_mem, tid};
+    const u32 ring_addr = shared_address(ring_mem + tid);
+    u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        u32 b = 0u;
+        if (i < my_steps) b = issue_step(ring_addr, i, first + (i * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        else asm volatile("cp.async.commit_group;");
+        live_q |= b << (i * LIVE_BITS);
+    }
+    int stage = 0, next = STAGES - 1;
+    for (int i = 0; i < my_steps; ++i) {
+        const int j = i + STAGES - 1;
+        u32 b = 0u;
+        if (j < my_steps) b = issue_step(ring_addr, next, first + (j * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        else asm volatile("cp.async.commit_group;");
+        live_q |= b << ((STAGES - 1) * LIVE_BITS);
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
+        StepWords wds;
+        read_step(ring, stage, live_q, wds);
+        live_q >>= LIVE_BITS;
+        stage = stage + 1 == STAGES ? 0 : stage + 1;
+        next = next + 1 == STAGES ? 0 : next + 1;
+        u32 special = 0u;
+#pragma unroll
+        for (int u = 0; u < NSUB; ++u) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int e = 0; e < KW; ++e) special |= has_special<KE>(wds.k[u][r][e]);
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int e = 0; e < VW; ++e) special |= has_special<5>(wds.v[u][r][e]);
+        }
+        if (__any_sync(0xFFFFFFFFu, special != 0u)) {
+            attend_step<true, KE>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        } else {
+            attend_step<false, KE>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        }
+    }
+    asm volatile("cp.async.wait_all;");
+}
+
 }  // namespace fp8kv
 
 extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(
@@ -475,37 +550,50 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
     KeyRows rows;
     rows.bt_row = block_tables + (i64)s * bt_stride;
-    rows.kbeg = k_lo_vis > z_lo ? k_lo_vis : z_lo;
-    rows.kend = k_hi_vis < z_hi ? k_hi_vis : z_hi;
-    rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
-    rows.hk = (i64)h * k_sh; rows.hv = (i64)h * v_sh;
-    rows.block_size = block_size; rows.num_blocks = num_blocks;
+    rows.kbeg = (int)(k_lo_vis > z_lo ? k_lo_vis : z_lo);
+    rows.kend = (int)(k_hi_vis < z_hi ? k_hi_vis : z_hi);
+    rows.block_size = block_size;
+    rows.num_blocks = num_blocks;
+    rows.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     rows.page16 = (block_size & 15) == 0;
+    rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
+    rows.k0 = (i64)h * k_sh + c * (D / 4);
+    rows.v0 = (i64)h * v_sh + g * VBYTES;
 
-    // ---- the query fragment (B of S^T): head g, dims c D/4 + 4 ks + {0, 2} and {1, 3}
+    // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
     const bool head_live = g0 + g < group;
     const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
-    u32 qmax = 0u;
+    u32 qmax = 0u, qmin = 0xFFFFFFFFu;
 #pragma unroll 4
     for (int i = 0; i < D / 4; ++i) {
-        if (head_live) qmax = u32_max(qmax, f2u(load_q(query, qrow + c * (D / 4) + i)) & 0x7FFFFFFFu);
+        const u32 a = head_live ? f2u(load_q(query, qrow + c * (D / 4) + i)) & 0x7FFFFFFFu : 0u;
+        qmax = u32_max(qmax, a);
+        if (a != 0u && a < qmin) qmin = a;
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) qmax = u32_max(qmax, __shfl_xor_sync(0xFFFFFFFFu, qmax, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        qmax = u32_max(qmax, __shfl_xor_sync(0xFFFFFFFFu, qmax, o));
+        const u32 m = __shfl_xor_sync(0xFFFFFFFFu, qmin, o);
+        qmin = m < qmin ? m : qmin;
+    }
     const i32 qexp = (i32)(qmax >> 23) - 127;
-    const i32 qshift = (qmax < 0x7F800000u && qexp > 100) ? qexp - 100 : 0;
-    u32 qb[KW][2];
-#pragma unroll
-    for (int ks = 0; ks < KW; ++ks) {
-        const i64 q0 = qrow + c * (D / 4) + 4 * ks;
-        const u32 e0 = query_bits(query, q0, head_live, qshift), e1 = query_bits(query, q0 + 1, head_live, qshift);
-        const u32 e2 = query_bits(query, q0 + 2, head_live, qshift), e3 = query_bits(query, q0 + 3, head_live, qshift);
-        // the k index order of the K fragment (see attend_step)
-        qb[ks][0] = K_NATIVE ? e0 | (e1 << 16) : e0 | (e2 << 16);
-        qb[ks][1] = K_NATIVE ? e2 | (e3 << 16) : e1 | (e3 << 16);
+    // float16 K (native conversion on sm89+) whenever the queries are exact float16 after a power
+    // of two: always for float16; for bfloat16 (8 significant bits) when scaled by 2^(14 - qexp) the
+    // largest is below 2^15 and the smallest nonzero at least 2^-17 (range <= 2^31, no subnormal).
+    bool k16 = QT == 1;
+    i32 qshift = 0;  // queries enter as q * 2^-qshift
+    if constexpr (QT == 2) {
+        const i32 qexp_min = (i32)(qmin >> 23) - 127;
+        const bool finite = qmax < 0x7F800000u;
+        if (finite && qmax == 0u) {
+            k16 = true;
+        } else if (finite && (qmin >> 23) != 0u && qexp - qexp_min <= 31 && qexp - 14 >= -126 && qexp - 14 <= 126) {
+            k16 = true;
+            qshift = qexp - 14;
+        } else {
+            qshift = (finite && qexp > 100) ? qexp - 100 : 0;  // bfloat16 K: |q| < 2^101 keeps logits finite
+        }
     }
-    float f1, f2;
-    scale_factors(k_scale[h * ks_sh], g_mant, g_exp + qshift, f1, f2);
     const float vs_static = v_scale[h * vs_sh];
 
     // ---- per-warp state: heads 2c, 2c + 1 (same in the 8 lanes of a c), O^T fragments
@@ -513,49 +601,15 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     float o[MT][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
-
-    // ---- the warp's steps n0 = first + (i * NWARPS + warp) * STEP, STAGES - 1 of them in flight
-    const i64 first = rows.kbeg & ~(i64)15;
-    const i64 span = rows.kend > first ? rows.kend - first : 0;
-    const int my_steps = span > (i64)warp * STEP ? (int)((span - (i64)warp * STEP + NWARPS * STEP - 1) / (NWARPS * STEP)) : 0;
-    const Ring ring{ring_mem, tid};
-    u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        u32 b = 0u;
-        if (i < my_steps) b = issue_step(ring, i, first + ((i64)i * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
-        else asm volatile("cp.async.commit_group;");
-        live_q |= b << (i * LIVE_BITS);
-    }
-    for (int i = 0; i < my_steps; ++i) {
-        const int j = i + STAGES - 1;
-        u32 b = 0u;
-        if (j < my_steps) b = issue_step(ring, j % STAGES, first + ((i64)j * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
-        else asm volatile("cp.async.commit_group;");
-        live_q |= b << ((STAGES - 1) * LIVE_BITS);
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
-        StepWords wds;
-        read_step(ring, i % STAGES, live_q, wds);
-        live_q >>= LIVE_BITS;
-        u32 special = 0u;
-#pragma unroll
-        for (int u = 0; u < NSUB; ++u) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r)
-#pragma unroll
-                for (int e = 0; e < KW; ++e) special |= has_special<KEXP>(wds.k[u][r][e]);
-#pragma unroll
-            for (int r = 0; r < 4; ++r)
-#pragma unroll
-                for (int e = 0; e < VW; ++e) special |= has_special<5>(wds.v[u][r][e]);
-        }
-        if (__any_sync(0xFFFFFFFFu, special != 0u)) {
-            attend_step<true>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
-        } else {
-            attend_step<false>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+    if (k16) {  // uniform over the CTA
+        key_loop<5>(query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
+                    value_cache, soft_cap, use_cap, m_run, l_run, o);
+    } else {
+        if constexpr (QT == 2) {
+            key_loop<8>(query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
+                        key_cache, value_cache, soft_cap, use_cap, m_run, l_run, o);
         }
     }
-    asm volatile("cp.async.wait_all;");
     __syncthreads();  // every warp is done with the ring: the epilogue reuses it
 
     // ---- merge the 4 warps: (m, l) per head, O^T through shared memory
