@@ -33,8 +33,8 @@ def test_every_kernel_compiles_for_every_architecture_without_spills(tmp_path):
     assert report["failures"] == [] and all(x["ok"] for x in results)
     for arch in cc.ARCHES:
         mine = [x for x in results if x["arch"] == arch]
-        assert {x["kernel"] for x in mine} == set(cc.HOT_KERNELS), arch
-        for kernel in cc.HOT_KERNELS:
+        assert {x["kernel"] for x in mine} == set(cc.hot_kernels(arch)), arch
+        for kernel in cc.hot_kernels(arch):
             fmts = {x["fmt"] for x in mine if x["kernel"] == kernel}
             assert fmts & {"fp8_e4m3", "fp8_e5m2"} and fmts & {"fp8_e4m3fnuz", "fp8_e5m2fnuz"}, (arch, kernel)
         for x in mine:
@@ -76,8 +76,15 @@ ptxas info    : Used 168 registers, used 1 barriers, 21328 bytes smem
 def test_the_variant_sets():
     from fp8kv_cuda import compile as cc
 
-    rep = cc.variants("representative")
-    assert {v.kernel for v in rep} == {"write", "attention"}
-    full = cc.variants("full")
+    assert {v.kernel for v in cc.variants("representative", "sm75")} == {"write", "attention"}
+    rep = cc.variants("representative", "sm80")
+    assert {v.kernel for v in rep} == {"write", "attention", "attention_mma"}
+    assert {v.fmt for v in rep if v.kernel == "attention_mma"} == {"fp8_e4m3", "fp8_e5m2fnuz", "fp8_e4m3fnuz"}
+    assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 4
+    full = [v for v in cc.variants("full", "sm75") if v.kernel != "attention_mma"]
+    assert full == cc.variants("full", "sm75")
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
     assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
+    # tensor-core kernel: 4 formats x 2 query dtypes x (D 64, 128; D 256 only for OCP formats on sm89+)
+    assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2
+    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == 4 * 2 * 2 + 2 * 2

@@ -17,7 +17,14 @@ import torch
 from fp8kv.cache import KVCache
 
 from . import runtime
-from .variants import ATTN_THREADS, attention_mma_variant, attention_tile, attention_variant
+from .variants import (
+    ATTN_THREADS,
+    MMA_TILES,
+    attention_mma_variant,
+    attention_tile,
+    attention_variant,
+    mma_arch_serves,
+)
 from .write import cache_strides, scale_strides
 
 LOG2E = 1.4426950408889634
@@ -48,18 +55,12 @@ def _num_sms(index: int) -> int:
 
 MMA_HEADS = 8
 """Query heads per CTA of the tensor-core kernel (the mma's n)."""
-MMA_HEAD_SIZES = (64, 128, 256)
-MMA_CTAS_PER_SM = 2
-"""CTAs of the tensor-core kernel resident per SM (its register budget FP8KV_MIN_CTAS; its ring)."""
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
-MMA_STAGES = 3
-"""Depth of the tensor-core kernel's cp.async ring (``FP8KV_STAGES``)."""
-
-
-def mma_smem_bytes(head_size: int, stages: int = MMA_STAGES) -> int:
+def mma_smem_bytes(head_size: int) -> int:
     """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
     launched with less): the larger of the cp.async ring and the epilogue's per-warp outputs."""
+    stages = MMA_TILES[head_size][0]
     nsub = 1 if head_size > 128 else 2
     v_chunks = max(1, head_size // 8 // 16)
     chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks)
@@ -68,11 +69,14 @@ def mma_smem_bytes(head_size: int, stages: int = MMA_STAGES) -> int:
     return max(ring, epilogue)
 
 
-def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool) -> bool:
-    """Whether the tensor-core kernel serves this step (before the launch's alignment check): sm80+,
-    float16/bfloat16 queries, static scales, head size 64, 128 or 256."""
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-            and query_dtype in (torch.float16, torch.bfloat16) and not token_scales and head_size in MMA_HEAD_SIZES)
+def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
+               fmt: str) -> bool:
+    """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
+    bfloat16 queries, static scales, and :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU."""
+    if device.type != "cuda" or query_dtype not in (torch.float16, torch.bfloat16) or token_scales:
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    return mma_arch_serves(major * 10 + minor, fmt, head_size)
 
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
@@ -84,7 +88,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     ctas = max(1, num_tokens) * num_kv_heads * chunks
     if num_splits is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        target = 2 * MMA_CTAS_PER_SM * _num_sms(index)
+        target = 2 * MMA_TILES[head_size][1] * _num_sms(index)
         num_splits = 1
         if ctas < target:
             num_splits = min(_cdiv(target, ctas), max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
@@ -94,12 +98,13 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
 
 
 def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
-         max_keys: int, query_dtype: torch.dtype | None = None, token_scales: bool = False) -> AttnPlan:
+         max_keys: int, query_dtype: torch.dtype | None = None, token_scales: bool = False,
+         fmt: str = "fp8_e4m3") -> AttnPlan:
     """Tile and split from host-known sizes (``max_keys = block_tables.shape[1] * block_size``, an
     upper bound of every sequence): the tensor-core kernel where :func:`mma_serves` (see
     :func:`plan_mma`), else the CUDA-core kernel, whose keys are split when the CTAs would not
     fill the GPU 4 times over and each split keeps at least 4 tiles."""
-    if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales):
+    if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales, fmt):
         return plan_mma(device, num_tokens=num_tokens, num_kv_heads=num_kv_heads, group=group,
                         head_size=head_size, max_keys=max_keys)
     d_pad, gpad, block_n = attention_tile(head_size, group)
@@ -151,9 +156,10 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     max_keys = block_tables.shape[1] * cache.block_size
     token_scales = cache.scale_granularity == "token_head"
     vec = _vec(cache, D)
+    fmt = cache.fmt.name
     p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
-                      query_dtype=query.dtype, token_scales=token_scales)
-    if p.mma and not (vec == 16 and mma_serves(query.device, query.dtype, D, token_scales)):
+                      query_dtype=query.dtype, token_scales=token_scales, fmt=fmt)
+    if p.mma and not (vec == 16 and mma_serves(query.device, query.dtype, D, token_scales, fmt)):
         p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32

@@ -29,9 +29,12 @@ from dataclasses import asdict, dataclass
 
 from .variants import (
     FORMAT_NAMES,
+    MMA_TILES,
     Variant,
+    attention_mma_variant,
     attention_tile,
     attention_variant,
+    mma_arch_serves,
     options,
     source,
     write_d_pad,
@@ -39,8 +42,13 @@ from .variants import (
 )
 
 ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
-HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_merge")
+HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_paged_attention_mma", "fp8kv_merge")
 """Kernels in which any spill fails the compile cell (all of them, today)."""
+
+
+def hot_kernels(arch: str) -> tuple[str, ...]:
+    """The hot kernels compiled for ``arch`` (the tensor-core kernel is sm80+)."""
+    return tuple(k for k in HOT_KERNELS if k != "fp8kv_paged_attention_mma" or int(arch[2:]) >= 80)
 
 
 @dataclass
@@ -130,8 +138,9 @@ def parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def variants(set_name: str = "representative") -> list[Variant]:
-    """The variants of a set (see the module docstring)."""
+def variants(set_name: str = "representative", arch: str = "sm90") -> list[Variant]:
+    """The variants of a set (see the module docstring) that ``arch`` launches."""
+    sm = int(arch[2:])
     if set_name == "representative":
         out = []
         for fmt, io in (("fp8_e4m3", "bfloat16"), ("fp8_e5m2fnuz", "float32")):  # OCP and fnuz classes
@@ -143,6 +152,10 @@ def variants(set_name: str = "representative") -> list[Variant]:
                                         ("fp8_e4m3fnuz", "float32", True, 256, 16, 16),
                                         ("fp8_e5m2fnuz", "bfloat16", False, 40, 8, 8)):
             out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=vec))
+        for fmt, io, d in (("fp8_e4m3", "bfloat16", 128), ("fp8_e5m2", "float16", 256),
+                           ("fp8_e5m2fnuz", "bfloat16", 128), ("fp8_e4m3fnuz", "float16", 64)):
+            if mma_arch_serves(sm, fmt, d):
+                out.append(attention_mma_variant(fmt, io, d))
         return out
     if set_name == "full":
         out = []
@@ -151,6 +164,8 @@ def variants(set_name: str = "representative") -> list[Variant]:
                 out.append(write_variant(fmt, io, tok, write_d_pad(d), vec=True, slot64=True))
                 for g in (1, 4, 8, 16):
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
+                if io != "float32" and not tok and d in MMA_TILES and mma_arch_serves(sm, fmt, d):
+                    out.append(attention_mma_variant(fmt, io, d))
         return out
     raise ValueError(f"set: got {set_name!r}, expected 'representative' or 'full'")
 
@@ -178,7 +193,7 @@ def compile_one(variant: Variant, arch: str) -> list[Result]:
 
 def run(arches: tuple[str, ...] = ARCHES, set_name: str = "representative", jobs: int = 2) -> list[Result]:
     """Compile every variant of ``set_name`` for every arch (``jobs`` NVRTC compiles at a time)."""
-    work = [(v, a) for a in arches for v in variants(set_name)]
+    work = [(v, a) for a in arches for v in variants(set_name, a)]
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         return [r for rs in pool.map(lambda va: compile_one(*va), work) for r in rs]
 

@@ -56,7 +56,7 @@ class CudaBackend:
         return plan(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
                     group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
                     max_keys=metadata.block_tables.shape[1] * spec.block_size, query_dtype=metadata.query_dtype,
-                    token_scales=spec.scale_granularity == "token_head")
+                    token_scales=spec.scale_granularity == "token_head", fmt=spec.kv_dtype)
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:

@@ -76,11 +76,30 @@ def attention_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, g
                                       ("FP8KV_VEC", vec)))
 
 
+MMA_TILES = {64: (3, 3, 3), 128: (2, 3, 2), 256: (3, 2, 1)}
+"""Tensor-core kernel per head size: (cp.async ring stages, CTAs per SM its registers are
+budgeted for with the sm89+ conversion of the OCP formats, the same with the bit-level
+conversion (sm80/86, fnuz formats), which needs more registers). Shared memory per CTA is
+``fp8kv_cuda.attention.mma_smem_bytes``."""
+
+
+def mma_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
+    """Whether the tensor-core kernel serves a format and head size on GPU architecture ``sm`` (80
+    for sm80): sm80+ (mma.sync bfloat16, movmatrix) for head sizes 64 and 128; head size 256 only
+    where FP8 converts natively (sm89+, OCP formats): the bit-level conversion does not fit its
+    registers there."""
+    if sm < 80 or head_size not in MMA_TILES:
+        return False
+    return head_size != 256 or (sm >= 89 and "fnuz" not in fmt)
+
+
 def attention_mma_variant(fmt: str, io_dtype: str, head_size: int) -> Variant:
     """The tensor-core attention kernels (sm80+; decode + merge) for one format, float16/bfloat16
     queries, static scales and a head size of 64, 128 or 256."""
+    stages, ctas_native, ctas_bits = MMA_TILES[head_size]
     return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
-                                          ("FP8KV_D", head_size)))
+                                          ("FP8KV_D", head_size), ("FP8KV_STAGES", stages),
+                                          ("FP8KV_MIN_CTAS_NATIVE", ctas_native), ("FP8KV_MIN_CTAS_BITS", ctas_bits)))
 
 
 def codec_variant(fmt: str) -> Variant:

@@ -11,10 +11,10 @@
 // Per 16-key sub-tile, in the transposed orientation (keys and dims are rows, heads columns):
 //   S^T[16 keys x 8 heads] = K[16 x D] . Q^T[D x 8]:  A = K (converted FP8), B = Q (registers);
 //   O^T[D x 8 heads]     += V^T[D x 16 keys] . P^T:   A = V^T (converted FP8), B = P^T (movmatrix).
-// The k index of an mma may be permuted freely when both operands agree, so each thread loads
-// contiguous bytes with 16-byte loads: for K, lane (g = lane / 4, c = lane % 4) reads bytes
-// [c D/4, (c + 1) D/4) of keys g and g + 8; for V, bytes [g D/8, (g + 1) D/8) of keys 2c, 2c + 1,
-// 2c + 8, 2c + 9 of the sub-tile, paired byte by byte with one PRMT.
+// The k index of an mma may be permuted freely when both operands agree, so each thread copies
+// whole 16-byte chunks: for K, lane (g = lane / 4, c = lane % 4) those at 64 i + 16 c of keys g
+// and g + 8; for V, those at 128 i + 16 g of keys 2c, 2c + 1, 2c + 8, 2c + 9 of the sub-tile,
+// paired byte by byte with one PRMT (k_dim, v_dim).
 //
 // Exactness (the same numbers as attention.cu, within tolerance.py's bound):
 //   * FP8 -> 16-bit by bit operations: the code's sign and magnitude bits placed under the 16-bit
@@ -55,17 +55,27 @@ constexpr int STAGES = FP8KV_STAGES;
 constexpr int KCH = D / 64;                 // 16-byte K chunks per thread and key row
 constexpr int VBYTES = D / 8;               // V bytes per thread and key
 constexpr int VCH = VBYTES >= 16 ? VBYTES / 16 : 1;  // V chunks per thread and key (8 bytes at D = 64)
+constexpr int VBYTES_PER_CHUNK = VBYTES >= 16 ? 16 : VBYTES;
 constexpr int CHUNKS = NSUB * (2 * KCH + 4 * VCH);   // ring slots per thread and stage
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
+
+// The dims a thread's words hold. K: lane c holds, per key row, the 16-byte chunks at 64 i + 16 c
+// (4 lanes cover whole 32-byte sectors per copy); its word ks (= k step ks of QK) is dims
+// k_dim(c, ks) + {0..3}. V: lane g holds the chunks at 128 i + 16 g (8 bytes at 8 g when D = 64);
+// its word w is dims v_dim(g, w) + {0..3}.
+__device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16 * c + 4 * (ks & 3); }
+__device__ __forceinline__ int v_dim(int g, int w) { return 128 * (w >> 2) + VBYTES_PER_CHUNK * g + 4 * (w & 3); }
 constexpr int FP8_EXP = 7 - MANT;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 constexpr bool NATIVE = !FNUZ;  // cvt.rn.f16x2.{e4m3x2,e5m2x2}: exact for every code, NaN and inf included
 #else
 constexpr bool NATIVE = false;
 #endif
-#ifndef FP8KV_MIN_CTAS
-#define FP8KV_MIN_CTAS 2  // CTAs per SM the registers are budgeted for
+#ifndef FP8KV_MIN_CTAS_NATIVE  // CTAs per SM the registers are budgeted for (fp8kv_cuda.variants.MMA_TILES)
+#define FP8KV_MIN_CTAS_NATIVE 2
+#define FP8KV_MIN_CTAS_BITS 2
 #endif
+#define FP8KV_MIN_CTAS (NATIVE ? FP8KV_MIN_CTAS_NATIVE : FP8KV_MIN_CTAS_BITS)
 
 static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
@@ -236,12 +246,23 @@ struct KeyRows {
     }
 };
 
-// One warp step's FP8 words in registers.
-struct StepWords {
-    u32 k[NSUB][2][KW];   // K: keys g and g + 8 of each sub-tile, bytes [c D/4, (c + 1) D/4)
-    u32 v[NSUB][4][VW];   // V: keys 2c, 2c + 1, 2c + 8, 2c + 9, bytes [g D/8, (g + 1) D/8)
-    bool live[NSUB][2];   // keys g and g + 8 visible
+// One warp step in the ring, read a 16-byte chunk at a time where it is used (the words of a
+// whole step never live in registers at once).
+struct StepView {
+    const uint4* base;  // ring slot (stage, 0) of this thread
+    u32 bits;           // bit 2u + r: key g + 8r of sub-tile u visible
+
+    static constexpr int PER_SUB = 2 * KCH + 4 * VCH;  // chunks per sub-tile, in issue_step's order
+    // K of key g + 8r, words 4i..4i+3 (= k steps 4i..4i+3)
+    __device__ __forceinline__ uint4 k(int u, int r, int i) const { return base[(u * PER_SUB + r * KCH + i) * NT]; }
+    // V of key 2c + (r & 1) + 8 (r >> 1), words 4i..4i+3 (2 words at D = 64)
+    __device__ __forceinline__ uint4 v(int u, int r, int i) const {
+        return base[(u * PER_SUB + 2 * KCH + r * VCH + i) * NT];
+    }
+    __device__ __forceinline__ bool live(int u, int r) const { return (bits >> (2 * u + r)) & 1u; }
 };
+
+__device__ __forceinline__ u32 word(const uint4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
 
 __device__ __forceinline__ u32 shared_address(const void* p) {
     u32 r;
@@ -308,11 +329,11 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                 bits |= (u32)live << (2 * u + r);
 #pragma unroll
                 for (int i = 0; i < KCH; ++i, ++ch)
-                    copy_async<16>(stage_addr + ch * NT * 16, key_cache + (live ? rk + 16 * i : 0), live);
+                    copy_async<16>(stage_addr + ch * NT * 16, key_cache + (live ? rk + 64 * i : 0), live);
             } else {
 #pragma unroll
                 for (int i = 0; i < VCH; ++i, ++ch)
-                    copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * NT * 16, value_cache + (live ? rv + 16 * i : 0),
+                    copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * NT * 16, value_cache + (live ? rv + 128 * i : 0),
                                                         live);
             }
         }
@@ -321,32 +342,6 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
     return bits;
 }
 
-// The step in `stage` (its copies complete) into registers.
-__device__ __forceinline__ void read_step(const Ring& ring, int stage, u32 bits, StepWords& wds) {
-    int ch = 0;
-#pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            wds.live[u][r] = (bits >> (2 * u + r)) & 1u;
-#pragma unroll
-            for (int i = 0; i < KCH; ++i) {
-                const uint4 x = *ring.slot(stage, ch++);
-                wds.k[u][r][4 * i] = x.x; wds.k[u][r][4 * i + 1] = x.y;
-                wds.k[u][r][4 * i + 2] = x.z; wds.k[u][r][4 * i + 3] = x.w;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-#pragma unroll
-            for (int i = 0; i < VCH; ++i) {
-                const uint4 x = *ring.slot(stage, ch++);
-                wds.v[u][r][4 * i] = x.x; wds.v[u][r][4 * i + 1] = x.y;
-                if constexpr (VBYTES >= 16) { wds.v[u][r][4 * i + 2] = x.z; wds.v[u][r][4 * i + 3] = x.w; }
-            }
-        }
-    }
-}
 
 __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1, byte d of b at byte 3
     return ((u32)(4 + d) << 12) | ((u32)(4 + d) << 8) | ((u32)d << 4) | (u32)d;
@@ -355,7 +350,7 @@ __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1,
 // One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
 // O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
 template <bool EXACT, int KE>
-__device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb)[KW][2], float f1, float f2,
+__device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)[KW][2], float f1, float f2,
                                             float soft_cap, int use_cap, float (&m_run)[2], float (&l_run)[2],
                                             float (&o)[MT][4]) {
     // S^T fragments: x[u][0], x[u][1]: key g, heads 2c, 2c + 1; x[u][2], x[u][3]: key g + 8
@@ -365,7 +360,8 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
         float acc[2][4] = {};  // two chains (even, odd k steps): half the dependent mma latency
 #pragma unroll
         for (int ks = 0; ks < KW; ++ks) {
-            const u32 w0 = wds.k[u][0][ks], w1 = wds.k[u][1][ks];
+            const uint4 x0 = wds.k(u, 0, ks >> 2), x1 = wds.k(u, 1, ks >> 2);  // (read once per 4 k steps)
+            const u32 w0 = word(x0, ks & 3), w1 = word(x1, ks & 3);
             if constexpr (NATIVE && KE == 5) {  // k index 2c, 2c + 1 <-> bytes 0, 1; 2c + 8, 2c + 9 <-> bytes 2, 3
                 u32 a0, a1, a2, a3;
                 widen_native(w0, a0, a2);
@@ -380,7 +376,7 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
         for (int e = 0; e < 4; ++e) {
             float v = ((acc[0][e] + acc[1][e]) * f1) * f2;
             if (use_cap) v = soft_cap * tanhf(fdiv(v, soft_cap)) * LOG2E;
-            x[u][e] = wds.live[u][e >> 1] ? saturate(v) : NEG_INF;
+            x[u][e] = wds.live(u, e >> 1) ? saturate(v) : NEG_INF;
         }
     }
     // online softmax (base 2) of heads 2c + j over the step's keys
@@ -419,7 +415,9 @@ __device__ __forceinline__ void attend_step(const StepWords& wds, const u32 (&qb
         const u32 bl0 = transpose8x8(l0), bl1 = transpose8x8(l1);
 #pragma unroll
         for (int w = 0; w < VW; ++w) {
-            const u32 va = wds.v[u][0][w], vb = wds.v[u][1][w], vc = wds.v[u][2][w], vd = wds.v[u][3][w];
+            const int i = w >> 2;  // the chunk (read once per 4 words)
+            const u32 va = word(wds.v(u, 0, i), w & 3), vb = word(wds.v(u, 1, i), w & 3);
+            const u32 vc = word(wds.v(u, 2, i), w & 3), vd = word(wds.v(u, 3, i), w & 3);
 #pragma unroll
             for (int tt = 0; tt < 2; ++tt) {  // m-tile 2w + tt: rows g, g + 8 <-> dims 4w + 2tt, + 1
                 u32 a0, a1, a2, a3;
@@ -455,7 +453,7 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
     u32 qb[KW][2];
 #pragma unroll
     for (int ks = 0; ks < KW; ++ks) {
-        const i64 q0 = qrow + c * (D / 4) + 4 * ks;
+        const i64 q0 = qrow + k_dim(c, ks);
         const u32 e0 = query_bits<KE>(query, q0, head_live, qshift), e1 = query_bits<KE>(query, q0 + 1, head_live, qshift);
         const u32 e2 = query_bits<KE>(query, q0 + 2, head_live, qshift), e3 = query_bits<KE>(query, q0 + 3, head_live, qshift);
         constexpr bool k_native = NATIVE && KE == 5;  // k index 2c.. <-> bytes 0, 1 | 2, 3; else 0, 2 | 1, 3
@@ -486,22 +484,28 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
         else asm volatile("cp.async.commit_group;");
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
-        StepWords wds;
-        read_step(ring, stage, live_q, wds);
+        const StepView wds{ring.slot(stage, 0), live_q};
         live_q >>= LIVE_BITS;
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         next = next + 1 == STAGES ? 0 : next + 1;
-        u32 special = 0u;
+        u32 special = 0u;  // (a pass the compiler drops where has_special is 0: the native conversion)
 #pragma unroll
         for (int u = 0; u < NSUB; ++u) {
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
-                for (int e = 0; e < KW; ++e) special |= has_special<KE>(wds.k[u][r][e]);
+                for (int i = 0; i < KCH; ++i) {
+                    const uint4 x = wds.k(u, r, i);
+                    special |= has_special<KE>(x.x) | has_special<KE>(x.y) | has_special<KE>(x.z) | has_special<KE>(x.w);
+                }
 #pragma unroll
             for (int r = 0; r < 4; ++r)
 #pragma unroll
-                for (int e = 0; e < VW; ++e) special |= has_special<5>(wds.v[u][r][e]);
+                for (int i = 0; i < VCH; ++i) {
+                    const uint4 x = wds.v(u, r, i);
+                    special |= has_special<5>(x.x) | has_special<5>(x.y);
+                    if constexpr (VBYTES >= 16) special |= has_special<5>(x.z) | has_special<5>(x.w);
+                }
         }
         if (__any_sync(0xFFFFFFFFu, special != 0u)) {
             attend_step<true, KE>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
@@ -557,8 +561,8 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     rows.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     rows.page16 = (block_size & 15) == 0;
     rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
-    rows.k0 = (i64)h * k_sh + c * (D / 4);
-    rows.v0 = (i64)h * v_sh + g * VBYTES;
+    rows.k0 = (i64)h * k_sh + k_dim(c, 0);
+    rows.v0 = (i64)h * v_sh + v_dim(g, 0);
 
     // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
     const bool head_live = g0 + g < group;
@@ -566,7 +570,7 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     u32 qmax = 0u, qmin = 0xFFFFFFFFu;
 #pragma unroll 4
     for (int i = 0; i < D / 4; ++i) {
-        const u32 a = head_live ? f2u(load_q(query, qrow + c * (D / 4) + i)) & 0x7FFFFFFFu : 0u;
+        const u32 a = head_live ? f2u(load_q(query, qrow + k_dim(c, i >> 2) + (i & 3))) & 0x7FFFFFFFu : 0u;
         qmax = u32_max(qmax, a);
         if (a != 0u && a < qmin) qmin = a;
     }
@@ -621,7 +625,7 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-        const int d = g * (D / 8) + 4 * (mt >> 1) + 2 * (mt & 1);
+        const int d = v_dim(g, mt >> 1) + 2 * (mt & 1);
         sh.o[warp][2 * c][d] = o[mt][0];
         sh.o[warp][2 * c + 1][d] = o[mt][1];
         sh.o[warp][2 * c][d + 1] = o[mt][2];
