@@ -81,17 +81,16 @@ def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, t
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None) -> AttnPlan:
-    """Head chunks and KV split of the tensor-core kernel. Without ``num_splits``: split the keys
-    until the CTAs fill every SM's resident slots twice over, each split at least 2 x
-    ``MMA_SPLIT_KEYS`` keys."""
+    """Head chunks and KV split of the tensor-core kernel. Without ``num_splits``: about two CTAs
+    per SM (decode is bandwidth-bound and 2-3 CTAs of 4 warps saturate an SM; more splits add
+    partial results to merge and a tail of lone CTAs), each split at least 2 x ``MMA_SPLIT_KEYS``
+    keys. Measured on an H200 (``benchmarks/results/cuda_decode_*``)."""
     chunks = _cdiv(group, MMA_HEADS)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
     if num_splits is None:
         index = device.index if device.index is not None else torch.cuda.current_device()
-        target = 2 * MMA_TILES[head_size][1] * _num_sms(index)
-        num_splits = 1
-        if ctas < target:
-            num_splits = min(_cdiv(target, ctas), max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
+        num_splits = max(1, round(2 * _num_sms(index) / ctas))
+        num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
     kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), MMA_SPLIT_KEYS) * MMA_SPLIT_KEYS
     splits = max(1, _cdiv(max_keys, kps))
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True)
