@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results JSON (runs anywhere)")
     p.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 decode")
     p.add_argument("--splits", default="", help="extra KV splits of the tensor-core kernel to time: 1,2,4")
+    p.add_argument("--warps", default="", help="extra warps per CTA of the tensor-core kernel to time (with each"
+                   " --splits, or the planned split): 4,6,8")
     p.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
     p.add_argument("--kv-dtype", default="fp8_e4m3")
     p.add_argument("--qdtype", default="bfloat16", choices=("bfloat16", "float16"))
@@ -46,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = kb.copy_bandwidth(device)["gbps"]
     shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
     splits = [int(x) for x in args.splits.split(",") if x]
+    args.warp_list = [int(x) for x in args.warps.split(",") if x]
     rows = []
     t0 = time.time()
     for i, (B, L) in enumerate(shapes):
@@ -89,10 +92,13 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
                                  max_keys=max_keys, query_dtype=qdtype),
              "cuda_cores": CA.plan(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV,
                                    head_size=kb.HEAD, max_keys=max_keys)}
-    for n in splits:
-        plans[f"cuda_mma_splits{n}"] = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV,
-                                                   group=kb.HQ // kb.HKV, head_size=kb.HEAD, max_keys=max_keys,
-                                                   num_splits=n)
+    for n in splits or [None]:
+        for w in args.warp_list or [None]:
+            if n is None and w is None:
+                continue
+            p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
+                            max_keys=max_keys, num_splits=n, warps=w)
+            plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}"] = p
     rows = [{"what": "triton", "ms": kb.time_graph(triton_run, reps=args.reps)}]
     for name, plan in plans.items():
         out = torch.empty_like(q)
@@ -100,7 +106,8 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
         fn()
         torch.cuda.synchronize()
         diff = (out.float() - ref.float()).abs().max().item()
-        row = {"what": name, "num_splits": plan.num_splits, "max_abs_diff_vs_triton": diff, "ms": None}
+        row = {"what": name, "num_splits": plan.num_splits, "warps": plan.warps if plan.mma else None,
+               "max_abs_diff_vs_triton": diff, "ms": None}
         if diff < 1e-2:
             row["ms"] = kb.time_graph(fn, reps=args.reps)
         rows.append(row)

@@ -86,5 +86,6 @@ def test_the_variant_sets():
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
     assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
     # tensor-core kernel: 4 formats x 2 query dtypes x (D 64, 128; D 256 only for OCP formats on sm89+)
-    assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2
-    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == 4 * 2 * 2 + 2 * 2
+    w = len(cc.MMA_WARPS)
+    assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2 * w
+    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * w

@@ -46,6 +46,8 @@ class AttnPlan:
     keys_per_split: int
     mma: bool = False
     """The tensor-core kernel (``csrc/attention_mma.cu``) rather than the CUDA-core one."""
+    warps: int = 4
+    """Warps per CTA of the tensor-core kernel."""
 
 
 @functools.cache
@@ -57,15 +59,15 @@ MMA_HEADS = 8
 """Query heads per CTA of the tensor-core kernel (the mma's n)."""
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
-def mma_smem_bytes(head_size: int) -> int:
+def mma_smem_bytes(head_size: int, warps: int) -> int:
     """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
     launched with less): the larger of the cp.async ring and the epilogue's per-warp outputs."""
     stages = MMA_TILES[head_size][0]
     nsub = 1 if head_size > 128 else 2
     v_chunks = max(1, head_size // 8 // 16)
     chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks)
-    ring = 16 * stages * chunks * ATTN_THREADS
-    epilogue = 4 * (4 * MMA_HEADS * head_size + 2 * 4 * MMA_HEADS)
+    ring = 16 * stages * chunks * 32 * warps
+    epilogue = 4 * (warps * MMA_HEADS * head_size + 2 * warps * MMA_HEADS)
     return max(ring, epilogue)
 
 
@@ -80,20 +82,25 @@ def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, t
 
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
-             max_keys: int, num_splits: int | None = None) -> AttnPlan:
-    """Head chunks and KV split of the tensor-core kernel. Without ``num_splits``: about two CTAs
-    per SM (decode is bandwidth-bound and 2-3 CTAs of 4 warps saturate an SM; more splits add
-    partial results to merge and a tail of lone CTAs), each split at least 2 x ``MMA_SPLIT_KEYS``
-    keys. Measured on an H200 (``benchmarks/results/cuda_decode_*``)."""
+             max_keys: int, num_splits: int | None = None, warps: int | None = None) -> AttnPlan:
+    """Head chunks, KV split and warps per CTA of the tensor-core kernel. Decode is bandwidth-bound
+    once an SM runs about 12 warps (the registers allow that many), so without ``num_splits``/
+    ``warps``: CTAs of 4 warps where the grid covers 3 per SM; else 6-warp CTAs, and the keys split
+    for about two CTAs per SM (more splits add partial results to merge and a tail of lone
+    CTAs), each split at least 2 x ``MMA_SPLIT_KEYS`` keys. Measured on an H200
+    (``benchmarks/results/cuda_decode/``)."""
     chunks = _cdiv(group, MMA_HEADS)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sms = _num_sms(index) if device.type == "cuda" else 1
+    if warps is None:
+        warps = 4 if ctas >= 3 * sms else 6
     if num_splits is None:
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        num_splits = max(1, round(2 * _num_sms(index) / ctas))
+        num_splits = max(1, round(2 * sms / ctas)) if ctas < 3 * sms else 1
         num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
     kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), MMA_SPLIT_KEYS) * MMA_SPLIT_KEYS
     splits = max(1, _cdiv(max_keys, kps))
-    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True)
+    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps)
 
 
 def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
@@ -165,7 +172,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
     if p.mma:
-        variant, entry = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D), "fp8kv_paged_attention_mma"
+        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps)
+        entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
         entry = "fp8kv_paged_attention"
@@ -191,7 +199,10 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
             r.i32(p.keys_per_split)]
     grid = (T, H * p.head_chunks, p.num_splits)
-    runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args, shared_mem=mma_smem_bytes(D) if p.mma else 0)
+    if p.mma:
+        runtime.launch(variant, entry, dev, grid, 32 * p.warps, args, shared_mem=mma_smem_bytes(D, p.warps))
+    else:
+        runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:
         margs = [r.ptr(part_acc), r.ptr(part_ml), r.ptr(cache.v_scale), r.ptr(query_start_loc), r.ptr(out),
                  r.ptr(lse_arg), r.i32(int(lse is not None)), r.i64(scale_strides(cache, "value")[2]),

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from .variants import (
     FORMAT_NAMES,
     MMA_TILES,
+    MMA_WARPS,
     Variant,
     attention_mma_variant,
     attention_tile,
@@ -152,10 +153,10 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                                         ("fp8_e4m3fnuz", "float32", True, 256, 16, 16),
                                         ("fp8_e5m2fnuz", "bfloat16", False, 40, 8, 8)):
             out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=vec))
-        for fmt, io, d in (("fp8_e4m3", "bfloat16", 128), ("fp8_e5m2", "float16", 256),
-                           ("fp8_e5m2fnuz", "bfloat16", 128), ("fp8_e4m3fnuz", "float16", 64)):
+        for fmt, io, d, w in (("fp8_e4m3", "bfloat16", 128, 6), ("fp8_e5m2", "float16", 256, 4),
+                              ("fp8_e5m2fnuz", "bfloat16", 128, 8), ("fp8_e4m3fnuz", "float16", 64, 4)):
             if mma_arch_serves(sm, fmt, d):
-                out.append(attention_mma_variant(fmt, io, d))
+                out.append(attention_mma_variant(fmt, io, d, w))
         return out
     if set_name == "full":
         out = []
@@ -165,7 +166,7 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                 for g in (1, 4, 8, 16):
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
                 if io != "float32" and not tok and d in MMA_TILES and mma_arch_serves(sm, fmt, d):
-                    out.append(attention_mma_variant(fmt, io, d))
+                    out += [attention_mma_variant(fmt, io, d, w) for w in MMA_WARPS]
         return out
     raise ValueError(f"set: got {set_name!r}, expected 'representative' or 'full'")
 

@@ -76,11 +76,13 @@ def attention_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, g
                                       ("FP8KV_VEC", vec)))
 
 
-MMA_TILES = {64: (3, 3, 3), 128: (2, 3, 2), 256: (3, 2, 1)}
-"""Tensor-core kernel per head size: (cp.async ring stages, CTAs per SM its registers are
+MMA_TILES = {64: (3, 12, 12), 128: (2, 12, 8), 256: (3, 8, 4)}
+"""Tensor-core kernel per head size: (cp.async ring stages, warps per SM its registers are
 budgeted for with the sm89+ conversion of the OCP formats, the same with the bit-level
 conversion (sm80/86, fnuz formats), which needs more registers). Shared memory per CTA is
 ``fp8kv_cuda.attention.mma_smem_bytes``."""
+MMA_WARPS = (4, 6, 8)
+"""Warps per CTA the tensor-core kernel is compiled for (the plan picks one per step)."""
 
 
 def mma_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
@@ -93,13 +95,14 @@ def mma_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
     return head_size != 256 or (sm >= 89 and "fnuz" not in fmt)
 
 
-def attention_mma_variant(fmt: str, io_dtype: str, head_size: int) -> Variant:
+def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4) -> Variant:
     """The tensor-core attention kernels (sm80+; decode + merge) for one format, float16/bfloat16
-    queries, static scales and a head size of 64, 128 or 256."""
-    stages, ctas_native, ctas_bits = MMA_TILES[head_size]
+    queries, static scales, a head size of 64, 128 or 256 and ``warps`` warps per CTA."""
+    stages, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
     return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages),
-                                          ("FP8KV_MIN_CTAS_NATIVE", ctas_native), ("FP8KV_MIN_CTAS_BITS", ctas_bits)))
+                                          ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
+                                          ("FP8KV_SM_WARPS_BITS", sm_warps_bits)))
 
 
 def codec_variant(fmt: str) -> Variant:

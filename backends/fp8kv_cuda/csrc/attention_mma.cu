@@ -48,6 +48,11 @@ constexpr int KW = D / 16;                  // K words (4 bytes) per thread and 
 constexpr int VW = D / 32;                  // V words per thread and key (two m-tiles of p @ v each)
 constexpr int MT = D / 16;                  // m-tiles of p @ v (16 dims each)
 constexpr int HEADS = 8;                    // query heads per CTA (the mma's n)
+#ifndef FP8KV_MMA_WARPS
+#define FP8KV_MMA_WARPS 4
+#endif
+constexpr int KWARPS = FP8KV_MMA_WARPS;     // warps per CTA, each on its own steps of keys
+constexpr int KNT = 32 * KWARPS;            // threads per CTA (the merge kernel keeps NT)
 #ifndef FP8KV_STAGES
 #define FP8KV_STAGES 3                      // cp.async ring depth per thread (steps in flight + 1)
 #endif
@@ -71,11 +76,12 @@ constexpr bool NATIVE = !FNUZ;  // cvt.rn.f16x2.{e4m3x2,e5m2x2}: exact for every
 #else
 constexpr bool NATIVE = false;
 #endif
-#ifndef FP8KV_MIN_CTAS_NATIVE  // CTAs per SM the registers are budgeted for (fp8kv_cuda.variants.MMA_TILES)
-#define FP8KV_MIN_CTAS_NATIVE 2
-#define FP8KV_MIN_CTAS_BITS 2
+#ifndef FP8KV_SM_WARPS_NATIVE  // warps per SM the registers are budgeted for (fp8kv_cuda.variants.MMA_TILES)
+#define FP8KV_SM_WARPS_NATIVE 8
+#define FP8KV_SM_WARPS_BITS 8
 #endif
-#define FP8KV_MIN_CTAS (NATIVE ? FP8KV_MIN_CTAS_NATIVE : FP8KV_MIN_CTAS_BITS)
+#define FP8KV_MIN_CTAS ((NATIVE ? FP8KV_SM_WARPS_NATIVE : FP8KV_SM_WARPS_BITS) / FP8KV_MMA_WARPS > 0 \
+                        ? (NATIVE ? FP8KV_SM_WARPS_NATIVE : FP8KV_SM_WARPS_BITS) / FP8KV_MMA_WARPS : 1)
 
 static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
@@ -218,11 +224,11 @@ __device__ __forceinline__ u32 query_bits(const q_t* q, i64 i, bool live, i32 sh
 }
 
 struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
-    float o[NWARPS][HEADS][D];  // each warp's unnormalised output
-    float m[NWARPS][HEADS], l[NWARPS][HEADS];
+    float o[KWARPS][HEADS][D];  // each warp's unnormalised output
+    float m[KWARPS][HEADS], l[KWARPS][HEADS];
 };
-constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * NT > (int)sizeof(MmaShared)
-                               ? (int)sizeof(uint4) * STAGES * CHUNKS * NT : (int)sizeof(MmaShared);
+constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * KNT > (int)sizeof(MmaShared)
+                               ? (int)sizeof(uint4) * STAGES * CHUNKS * KNT : (int)sizeof(MmaShared);
 
 // Where keys' K and V rows start (byte offsets, this thread's part included), or -1 when masked.
 // Key positions are int32 (< seq_len <= INT32_MAX).
@@ -254,10 +260,10 @@ struct StepView {
 
     static constexpr int PER_SUB = 2 * KCH + 4 * VCH;  // chunks per sub-tile, in issue_step's order
     // K of key g + 8r, words 4i..4i+3 (= k steps 4i..4i+3)
-    __device__ __forceinline__ uint4 k(int u, int r, int i) const { return base[(u * PER_SUB + r * KCH + i) * NT]; }
+    __device__ __forceinline__ uint4 k(int u, int r, int i) const { return base[(u * PER_SUB + r * KCH + i) * KNT]; }
     // V of key 2c + (r & 1) + 8 (r >> 1), words 4i..4i+3 (2 words at D = 64)
     __device__ __forceinline__ uint4 v(int u, int r, int i) const {
-        return base[(u * PER_SUB + 2 * KCH + r * VCH + i) * NT];
+        return base[(u * PER_SUB + 2 * KCH + r * VCH + i) * KNT];
     }
     __device__ __forceinline__ bool live(int u, int r) const { return (bits >> (2 * u + r)) & 1u; }
 };
@@ -280,13 +286,13 @@ __device__ __forceinline__ void copy_async(u32 dst, const u8* src, bool live) {
     }
 }
 
-// The ring: slot (stage, chunk) of thread tid is ring[(stage * CHUNKS + chunk) * NT + tid] (16 bytes;
+// The ring: slot (stage, chunk) of thread tid is ring[(stage * CHUNKS + chunk) * KNT + tid] (16 bytes;
 // consecutive threads, consecutive slots: conflict-free). Each thread reads back only its own slots.
 struct Ring {
     uint4* base;
     int tid;
     __device__ __forceinline__ uint4* slot(int stage, int chunk) const {
-        return base + (stage * CHUNKS + chunk) * NT + tid;
+        return base + (stage * CHUNKS + chunk) * KNT + tid;
     }
 };
 
@@ -296,7 +302,7 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                                           const u8* key_cache, const u8* value_cache, int g, int c) {
     u32 bits = 0u;
     int ch = 0;
-    const u32 stage_addr = ring_addr + (u32)(stage * CHUNKS * NT * 16);
+    const u32 stage_addr = ring_addr + (u32)(stage * CHUNKS * KNT * 16);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
         const int base = n0 + 16 * u;
@@ -329,11 +335,11 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                 bits |= (u32)live << (2 * u + r);
 #pragma unroll
                 for (int i = 0; i < KCH; ++i, ++ch)
-                    copy_async<16>(stage_addr + ch * NT * 16, key_cache + (live ? rk + 64 * i : 0), live);
+                    copy_async<16>(stage_addr + ch * KNT * 16, key_cache + (live ? rk + 64 * i : 0), live);
             } else {
 #pragma unroll
                 for (int i = 0; i < VCH; ++i, ++ch)
-                    copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * NT * 16, value_cache + (live ? rv + 128 * i : 0),
+                    copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16, value_cache + (live ? rv + 128 * i : 0),
                                                         live);
             }
         }
@@ -440,7 +446,7 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
 }
 
 
-// The warp's steps n0 = first + (i * NWARPS + warp) * STEP with K in the 16-bit type KE (5 float16,
+// The warp's steps n0 = first + (i * KWARPS + warp) * STEP with K in the 16-bit type KE (5 float16,
 // 8 bfloat16), STAGES - 1 of them in flight. Queries enter scaled by 2^-qshift (exact, see the
 // kernel), so the logit factor carries 2^qshift.
 template <int KE>
@@ -465,14 +471,14 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
 
     const int first = rows.kbeg & ~15;
     const int span = rows.kend > first ? rows.kend - first : 0;
-    const int my_steps = span > warp * STEP ? (span - warp * STEP + NWARPS * STEP - 1) / (NWARPS * STEP) : 0;
+    const int my_steps = span > warp * STEP ? (span - warp * STEP + KWARPS * STEP - 1) / (KWARPS * STEP) : 0;
     const Ring ring{ring_mem, tid};
     const u32 ring_addr = shared_address(ring_mem + tid);
     u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         u32 b = 0u;
-        if (i < my_steps) b = issue_step(ring_addr, i, first + (i * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        if (i < my_steps) b = issue_step(ring_addr, i, first + (i * KWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
         else asm volatile("cp.async.commit_group;");
         live_q |= b << (i * LIVE_BITS);
     }
@@ -480,7 +486,7 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
     for (int i = 0; i < my_steps; ++i) {
         const int j = i + STAGES - 1;
         u32 b = 0u;
-        if (j < my_steps) b = issue_step(ring_addr, next, first + (j * NWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        if (j < my_steps) b = issue_step(ring_addr, next, first + (j * KWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
         else asm volatile("cp.async.commit_group;");
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
@@ -518,7 +524,7 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
 
 }  // namespace fp8kv
 
-extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(
+extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(
     const q_t* __restrict__ query, const u8* __restrict__ key_cache, const u8* __restrict__ value_cache,
     const float* __restrict__ k_scale, const float* __restrict__ v_scale,
     const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ qsl,
@@ -632,16 +638,16 @@ extern "C" __global__ void __launch_bounds__(NT, FP8KV_MIN_CTAS) fp8kv_paged_att
         sh.o[warp][2 * c + 1][d + 1] = o[mt][3];
     }
     __syncthreads();
-    for (int idx = tid; idx < HEADS * D; idx += NT) {
+    for (int idx = tid; idx < HEADS * D; idx += KNT) {
         const int hd = idx / D, d = idx - hd * D;
         if (g0 + hd >= group) continue;
         float m = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) m = fmaxf(m, sh.m[w][hd]);
+        for (int w = 0; w < KWARPS; ++w) m = fmaxf(m, sh.m[w][hd]);
         const float m_safe = m == NEG_INF ? 0.0f : m;
         float l = 0.0f, acc = 0.0f;
 #pragma unroll
-        for (int w = 0; w < NWARPS; ++w) {
+        for (int w = 0; w < KWARPS; ++w) {
             const float a = exp2f(sh.m[w][hd] - m_safe);
             l += a * sh.l[w][hd];
             acc += a * sh.o[w][hd][d];
