@@ -85,18 +85,18 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
              max_keys: int, num_splits: int | None = None, warps: int | None = None) -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Decode is bandwidth-bound
     once an SM runs about 12 warps (the registers allow that many), so without ``num_splits``/
-    ``warps``: CTAs of 4 warps where the grid covers 3 per SM; else 6-warp CTAs, and the keys split
-    for about two CTAs per SM (more splits add partial results to merge and a tail of lone
-    CTAs), each split at least 2 x ``MMA_SPLIT_KEYS`` keys. Measured on an H200
-    (``benchmarks/results/cuda_decode/``)."""
+    ``warps``: 6-warp CTAs (two per SM), the keys split for about two CTAs per SM (more splits add
+    partial results to merge and a tail of lone CTAs; 4- and 8-warp CTAs and 1-4 splits were
+    slower at every decode shape measured), each split at least 2 x ``MMA_SPLIT_KEYS`` keys.
+    Measured on an H200 (``benchmarks/results/cuda_decode/``)."""
     chunks = _cdiv(group, MMA_HEADS)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _num_sms(index) if device.type == "cuda" else 1
     if warps is None:
-        warps = 4 if ctas >= 3 * sms else 6
+        warps = 6
     if num_splits is None:
-        num_splits = max(1, round(2 * sms / ctas)) if ctas < 3 * sms else 1
+        num_splits = max(1, round(2 * sms / ctas))
         num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
     kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), MMA_SPLIT_KEYS) * MMA_SPLIT_KEYS
     splits = max(1, _cdiv(max_keys, kps))

@@ -117,10 +117,13 @@ extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;
     const i64 row = (i64)t * HQ + qh;
     const i64 stride = (i64)T * HQ;
+    // (loops unrolled: the splits' loads are independent, a rolled loop waits on each in turn)
     float m_max = NEG_INF;
+#pragma unroll 8
     for (int z = 0; z < num_splits; ++z) m_max = fmaxf(m_max, part_ml[(z * stride + row) * 3]);
     const float m_safe = m_max == NEG_INF ? 0.0f : m_max;
     float den = 0.0f, a_max = 0.0f;
+#pragma unroll 8
     for (int z = 0; z < num_splits; ++z) {
         const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
         den += w * part_ml[(z * stride + row) * 3 + 1];
@@ -132,6 +135,7 @@ extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     const float mul = TOKEN_SCALES ? a_max : v_scale[(qh / group) * vs_sh];
     for (int d = threadIdx.x; d < D; d += NT) {
         float num = 0.0f;
+#pragma unroll 8
         for (int z = 0; z < num_splits; ++z) {
             const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
             const float c = TOKEN_SCALES ? fdiv(w * part_ml[(z * stride + row) * 3 + 2], a_div) : w;
