@@ -174,6 +174,16 @@ class BackendSpec:
         """
 
     @hookspec(firstresult=True)
+    def fp8kv_priority(self, device: DeviceInfo, request: Request) -> int | None:
+        """Optional: this backend's priority for ``request`` on ``device`` where it differs from
+        :attr:`BackendInfo.priority` (a kernel measured faster only for some requests, e.g.
+        decode-only attention on one architecture); ``None`` keeps ``BackendInfo.priority``.
+
+        Asked only for requests this backend serves; like :meth:`fp8kv_supports`, a pure
+        function of its arguments (cached), deciding from the device's fields, not hardware.
+        """
+
+    @hookspec(firstresult=True)
     def fp8kv_write_kv(
         self, cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:

@@ -74,7 +74,7 @@ RESERVED_NAMES = frozenset({"reference", "triton", "cuda", "torch", "hopper"})
 
 _OP_HOOKS = {"write_kv": "fp8kv_write_kv", "paged_attention": "fp8kv_paged_attention"}
 _REQUIRED_HOOKS = ("fp8kv_backend_info", "fp8kv_supports")
-_OPTIONAL_HOOKS = ("fp8kv_plan_attention",)
+_OPTIONAL_HOOKS = ("fp8kv_plan_attention", "fp8kv_priority")
 
 log = logging.getLogger("fp8kv")
 
@@ -185,6 +185,25 @@ class Backend:
             if self.on_fault is not None:
                 self.on_fault(Fault(self.name, self.distribution, error, "fp8kv_supports"))
             return f"fp8kv_supports raised {error}"
+
+    def priority_for(self, device: DeviceInfo, request: Request) -> int:
+        """The plugin's ``fp8kv_priority`` for ``request`` (its ``BackendInfo.priority`` without the
+        hook, on ``None``, or when the hook fails: then a fault is recorded)."""
+        if "fp8kv_priority" not in self.impls:
+            return self.info.priority
+        try:
+            p = self._invoke("fp8kv_priority", {"device": device, "request": request})
+            if p is None:
+                return self.info.priority
+            if not isinstance(p, int) or isinstance(p, bool):
+                raise TypeError(f"fp8kv_priority returned {p!r}, expected an int or None")
+            return p
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken plugin never breaks the others
+            if self.on_fault is not None:
+                self.on_fault(Fault(self.name, self.distribution, _describe_exception(exc), "fp8kv_priority"))
+            return self.info.priority
 
     def write_kv(self, cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Run the plugin's ``fp8kv_write_kv``."""
@@ -439,6 +458,19 @@ class Registry:
                 return self._answers.setdefault(key, reason)
         return reason
 
+    def priority(self, backend: Backend, device: DeviceInfo, request: Request) -> int:
+        """``backend``'s (cached) priority for ``request`` on ``device`` (``fp8kv_priority``)."""
+        key = ("priority", backend.name, device, request)
+        try:
+            return self._answers[key]
+        except KeyError:
+            pass
+        p = backend.priority_for(device, request)
+        with self._lock:
+            if self.backends.get(backend.name) is backend:
+                return self._answers.setdefault(key, p)
+        return p
+
     def snapshot(self) -> tuple[dict[str, Backend], int]:
         """The registered backends and their generation, read consistently."""
         with self._lock:
@@ -518,6 +550,8 @@ class Registry:
             if missing:
                 msg += f" (FP8KV_AUTO_BACKENDS names backends that are not installed: {', '.join(missing)})"
             raise Unsupported(msg)
+        prio = {b.name: self.priority(b, device, request) for b in able}
+        able.sort(key=lambda b: (-prio[b.name], b.name))
         for other in able[1:]:
             reasons[other.name] = f"can serve, lower priority than {able[0].name}"
         return Selection(able[0], reasons, request, device)

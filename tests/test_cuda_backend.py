@@ -87,11 +87,35 @@ def test_probe_notes_explain_toolkit_and_codec():
     v100 = "\n".join(device_notes(simulated("sm70")))
     assert "needs CUDA 12" in v100 and "refuses sm_70" in v100 and "not run on sm70 hardware" in v100
     for fmt in FORMATS:
-        assert f"{fmt}: encode and decode through the software codec" in v100
+        assert f"{fmt}: write encodes through the software codec" in v100
+    assert "decode on CUDA cores" in v100
     h100 = "\n".join(device_notes(simulated("sm90")))
     assert "CUDA 12 or 13" in h100 and "not yet proven bit-exact" in h100 and "no fnuz conversions" in h100
     assert "run on sm90" in h100 and "not run on sm75 hardware" in "\n".join(device_notes(simulated("sm75")))
+    assert "decode on tensor cores" in h100 and "ranked above triton for decode-only steps on sm90" in h100
+    assert "ranked above" not in "\n".join(device_notes(simulated("sm80")))
     assert device_notes(simulated("gfx942")) == [] and device_notes(simulated("cpu")) == []
+
+
+def test_decode_priority_only_where_measured_faster():
+    """cuda ranks above triton (110 > 100) only for decode-only attention its tensor-core kernel
+    serves on sm90; prefill, float32 queries, token_head scales, fnuz at D=256, sm80 keep None."""
+    import torch
+    from fp8kv_cuda.capabilities import DECODE_PRIORITY, priority
+
+    from fp8kv.hookspecs import Request
+
+    def r(fmt="fp8_e4m3", gran="tensor", D=128, io=torch.bfloat16, features=(), op="paged_attention"):
+        return Request(op, fmt, "NHD", gran, D, io, "cuda", frozenset(features))
+
+    h100 = simulated("sm90")
+    assert priority(h100, r()) == DECODE_PRIORITY > 100
+    assert priority(h100, r(io=torch.float16, D=64, features=("sliding_window",))) == DECODE_PRIORITY
+    assert priority(h100, r("fp8_e5m2", D=256)) == DECODE_PRIORITY
+    for no in (r(features=("chunked_prefill",)), r(io=torch.float32), r(gran="token_head"), r(D=40),
+               r("fp8_e4m3fnuz", D=256), r(op="write_kv"), r(features=("fp8_attention",))):
+        assert priority(h100, no) is None, no
+    assert priority(simulated("sm80"), r()) is None and priority(simulated("sm75"), r()) is None
 
 
 def test_probe_command_shows_cuda_serving_on_sm70(capsys):

@@ -113,6 +113,22 @@ def test_device_float16_widening_is_exact():
     assert torch.equal(torch.signbit(got.view(torch.float32)[~finite]), torch.signbit(want[~finite]))
 
 
+@pytest.mark.skipif(SKIP is not None or torch.cuda.get_device_capability() < (8, 9),
+                    reason="the native FP8 widening (cvt.rn.f16x2.e4m3x2/e5m2x2) needs sm89+")
+@pytest.mark.parametrize("fmt", [FORMATS["fp8_e4m3"], FORMATS["fp8_e5m2"]], ids=["fp8_e4m3", "fp8_e5m2"])
+def test_device_native_widening_is_exact(fmt):
+    """Every FP8 byte pair -> the float16 pair torch's conversion gives (NaN for NaN, signs kept)."""
+    from fp8kv_cuda.codec import widen_native
+
+    pairs = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    got = widen_native(pairs.cuda(), fmt).cpu().view(torch.int16).view(-1, 2)
+    want = pairs.view(torch.uint8).view(fmt.torch_dtype).to(torch.float16).view(-1, 2).view(torch.int16)
+    g, w = got.view(torch.float16), want.view(torch.float16)
+    nan = w.isnan()
+    assert torch.equal(g.isnan(), nan)
+    assert torch.equal(got[~nan], want[~nan])
+
+
 # ------------------------------------------------------------------------------------ write
 
 
@@ -427,14 +443,16 @@ def test_per_layer_calls_never_sync_the_host():
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_auto_picks_cuda_only_where_triton_cannot():
+def test_auto_picks_cuda_where_triton_cannot_or_is_slower():
     from fp8kv.hookspecs import Request
     from fp8kv.registry import select_backend
 
-    req = Request("paged_attention", "fp8_e4m3", "NHD", "tensor", 128, torch.bfloat16, "cuda")
-    chosen = select_backend(req, torch.device("cuda")).backend.name
+    decode = Request("paged_attention", "fp8_e4m3", "NHD", "tensor", 128, torch.bfloat16, "cuda")
+    prefill = Request("paged_attention", "fp8_e4m3", "NHD", "tensor", 128, torch.bfloat16, "cuda",
+                      frozenset({"chunked_prefill"}))
+    picks = [select_backend(r, torch.device("cuda")).backend.name for r in (decode, prefill)]
     major, minor = torch.cuda.get_device_capability()
-    if major >= 8 and importlib.util.find_spec("triton") is not None:
-        assert chosen == "triton"
+    if major >= 8 and importlib.util.find_spec("triton") is not None:  # decode on cuda where measured faster
+        assert picks == (["cuda", "triton"] if (major, minor) == (9, 0) else ["triton", "triton"])
     else:
-        assert chosen == "cuda"
+        assert picks == ["cuda", "cuda"]

@@ -498,3 +498,32 @@ def test_a_third_party_backend_winning_auto_is_logged_once(isolated, caplog):
         r"fp8kv: 'auto' picked the third-party backend 'plug' \(distribution 'fp8kv-plug'\) for write_kv fp8_e4m3 "
         r"NHD tensor D=64 bfloat16 features=- on .+; FP8KV_AUTO_BACKENDS restricts which backends 'auto' may pick",
         record.getMessage())
+
+
+def test_a_per_request_priority_reorders_only_its_requests(isolated):
+    """``fp8kv_priority`` lifts a backend above a higher-ranked one for the requests it names (here
+    attention without chunked prefill: decode), and nowhere else; a failing hook is a fault and the
+    static priority stands."""
+
+    class DecodeFirst(Fake):
+        @hookimpl
+        def fp8kv_priority(self, device, request):
+            if request.op == "paged_attention" and "chunked_prefill" not in request.features:
+                return 200
+            return None
+
+    class Broken(Fake):
+        @hookimpl
+        def fp8kv_priority(self, device, request):
+            raise RuntimeError("boom")
+
+    register_backend(Fake("static", priority=100))
+    register_backend(DecodeFirst("decoder", priority=90))
+    dev = torch.device("cpu")
+    assert select_backend(req("paged_attention"), dev).backend.name == "decoder"
+    sel = select_backend(req("paged_attention", features=("chunked_prefill",)), dev)
+    assert sel.backend.name == "static" and sel.reasons["decoder"] == "can serve, lower priority than static"
+    assert select_backend(req("write_kv"), dev).backend.name == "static"
+    register_backend(Broken("broken", priority=95))
+    assert select_backend(req("write_kv"), dev).backend.name == "static"
+    assert any(f.name == "broken" and f.where == "fp8kv_priority" for f in isolated.faults)

@@ -9,10 +9,21 @@ NHD/HND, granularities tensor/head/token_head, head sizes 1..256, float32/float1
 I/O, and the features sliding_window, soft_cap, non_causal and chunked_prefill (a prefill
 step runs the decode kernel once per query token: correct, not yet fast; no tensor cores).
 
-Codec: the software codec (integer bits, ``csrc/codec.cuh``, a mirror of :mod:`fp8kv.codec`)
-on every architecture and for every format, encode and decode. sm70/sm75 have no FP8
-hardware at all; sm89+ have native e4m3/e5m2 conversions, which enter only once a GPU test
-proves them bit-exact (:data:`NATIVE_PROVEN_ARCHES`, empty today).
+Kernels: the write; decode attention on tensor cores (``csrc/attention_mma.cu``: sm80+, float16/
+bfloat16 queries, static scales, head sizes 64/128 (256 on sm89+ for the OCP formats), 16-byte
+aligned K/V rows); everything else (float32 queries, token_head scales, other head sizes, sm70/
+sm75, and chunked prefill, which runs the decode kernels once per query token) on the CUDA-core
+kernel (``csrc/attention.cu``).
+
+Codec: the write encodes through the software codec (integer bits, ``csrc/codec.cuh``, a mirror
+of :mod:`fp8kv.codec`) on every architecture and for every format (a native encode enters only
+once a GPU test proves it bit-exact: :data:`NATIVE_PROVEN_ARCHES`, empty today). Attention
+decodes by bit operations, and on sm89+ the tensor-core kernel widens e4m3/e5m2 to float16 with
+``cvt.rn.f16x2.{e4m3x2,e5m2x2}`` (exact by definition for every code; checked against torch on
+the GPU by tests/test_cuda_gpu.py).
+
+Priority: 90, below Triton (100), except :func:`priority`: decode-only attention on sm90 that the
+tensor-core kernel serves, measured faster than Triton there (``benchmarks/cuda_decode.py``).
 
 Toolkit: CUDA 13's NVRTC refuses ``sm_70`` (and sm72), so Volta needs CuPy for CUDA 12
 (``cupy-cuda12x``); sm75+ works with CUDA 12 or 13.
@@ -23,6 +34,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 from collections.abc import Callable
+
+import torch
 
 from fp8kv.hookspecs import Request
 from fp8kv.probe import DeviceInfo
@@ -120,6 +133,30 @@ def supports(device: DeviceInfo, request: Request) -> str | None:
     return None
 
 
+DECODE_PRIORITY = 110
+"""Priority of decode-only attention the tensor-core kernel serves on :data:`DECODE_FASTER_ARCHES`
+(above Triton's 100)."""
+DECODE_FASTER_ARCHES = frozenset({"sm90"})
+"""Where the tensor-core decode was measured faster than Triton's decode (H200, 2026-11-26,
+``benchmarks/results/cuda_decode/``: 1.25-1.35x at the four decode shapes). Other sm80+
+architectures keep Triton until measured."""
+
+
+def priority(device: DeviceInfo, request: Request) -> int | None:
+    """:data:`DECODE_PRIORITY` for attention without chunked prefill (decode steps) that the
+    tensor-core kernel serves on an architecture where it was measured faster; else None. The
+    kernel's 16-byte row alignment is checked at launch (an unaligned cache falls back to the
+    CUDA-core kernel)."""
+    from .variants import mma_arch_serves
+
+    if (request.op != "paged_attention" or request.features & {"chunked_prefill", "fp8_attention"}
+            or device.arch not in DECODE_FASTER_ARCHES or device.sm is None
+            or request.io_dtype not in (torch.float16, torch.bfloat16) or request.scale_granularity == "token_head"
+            or not mma_arch_serves(device.sm, request.kv_dtype, request.head_size)):
+        return None
+    return DECODE_PRIORITY
+
+
 def toolkit_note(device: DeviceInfo) -> str:
     """Which CUDA toolkit (CuPy build) this device needs."""
     if device.sm is not None and device.sm < CUDA13_MIN_SM:
@@ -129,7 +166,7 @@ def toolkit_note(device: DeviceInfo) -> str:
 
 
 def codec_note(device: DeviceInfo, fmt_name: str) -> str:
-    """Which codec a format gets on this device, and why."""
+    """Which codec a format's write gets on this device, and why (attention: see the module)."""
     sm = device.sm or 0
     if sm < 89:
         why = f"{device.arch} has no FP8 conversion instructions"
@@ -139,7 +176,7 @@ def codec_note(device: DeviceInfo, fmt_name: str) -> str:
         why = f"native cvt exists on {device.arch} but is not yet proven bit-exact by a GPU test"
     else:
         why = "NVIDIA has no fnuz conversions"
-    return f"{fmt_name}: encode and decode through the software codec (bit operations): {why}"
+    return f"{fmt_name}: write encodes through the software codec (bit operations): {why}"
 
 
 def device_notes(device: DeviceInfo) -> list[str]:
@@ -150,7 +187,11 @@ def device_notes(device: DeviceInfo) -> list[str]:
         ran = f"compiled in CPU CI and run on {device.arch} (tests/test_cuda_gpu.py)"
     else:
         ran = f"compiled for {device.arch} in CPU CI (NVRTC 12.9), not run on {device.arch} hardware"
-    lines = [toolkit_note(device), f"kernels: {ran}; chunked prefill runs the decode kernel per query token "
-             "(no tensor cores yet)"]
+    mma = ("decode on tensor cores (sm80+, float16/bfloat16 queries, static scales)" if device.sm >= 80
+           else "decode on CUDA cores")
+    if device.arch in DECODE_FASTER_ARCHES:
+        mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"
+    lines = [toolkit_note(device), f"kernels: {ran}; {mma}; chunked prefill runs the decode kernels per "
+             "query token (no prefill tile yet)"]
     lines += [codec_note(device, f) for f in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")]
     return lines

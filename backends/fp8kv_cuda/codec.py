@@ -43,3 +43,10 @@ def widen_f16(h: torch.Tensor) -> torch.Tensor:
     h = h.contiguous()
     return _launch(FORMATS["fp8_e4m3"], "fp8kv_widen_f16", h, torch.empty(h.shape, dtype=torch.int32, device=h.device))
 
+
+
+def widen_native(pairs: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """float16 pairs (int32: low half from the low byte) of FP8 byte pairs (int16), by the sm89+
+    conversion the tensor-core attention kernel uses (OCP formats on sm89+ only)."""
+    pairs = pairs.contiguous()
+    return _launch(fmt, "fp8kv_widen_native", pairs, torch.empty(pairs.shape, dtype=torch.int32, device=pairs.device))

@@ -1,8 +1,9 @@
 """The CUDA backend as an fp8kv plugin (entry point ``cuda`` in ``fp8kv.backends``).
 
-Priority 90: below Triton (100) wherever both serve (NVIDIA sm80+) until benchmarks say
-otherwise, above the reference (0) everywhere; on sm70/sm75, where Triton does not run, it
-is what ``auto`` picks. CuPy and the kernels are imported only when an op runs.
+Priority 90: below Triton (100) wherever both serve (NVIDIA sm80+), except decode-only steps on
+sm90 that its tensor-core kernel serves (110: measured faster, ``capabilities.priority``); above
+the reference (0) everywhere; on sm70/sm75, where Triton does not run, it is what ``auto``
+picks. CuPy and the kernels are imported only when an op runs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from fp8kv.hookspecs import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo
 
 from . import __version__
-from .capabilities import device_notes, supports
+from .capabilities import device_notes, priority, supports
 
 if TYPE_CHECKING:
     from fp8kv.metadata import AttentionMetadata
@@ -30,13 +31,17 @@ class CudaBackend:
     def fp8kv_backend_info(self) -> BackendInfo:
         return BackendInfo(
             "cuda", __version__, priority=PRIORITY, fast=True,
-            description="CUDA C++ through CuPy/NVRTC: NVIDIA sm70+ (Volta/Turing included), all formats through "
-                        "the software codec; decode kernel (GQA-packed, split-KV), prefill per query token",
+            description="CUDA C++ through CuPy/NVRTC: NVIDIA sm70+ (Volta/Turing included), all formats; "
+                        "decode on tensor cores (sm80+) or CUDA cores (GQA-packed, split-KV), prefill per query token",
         )
 
     @hookimpl
     def fp8kv_supports(self, device: DeviceInfo, request: Request) -> str | None:
         return supports(device, request)
+
+    @hookimpl
+    def fp8kv_priority(self, device: DeviceInfo, request: Request) -> int | None:
+        return priority(device, request)
 
     def device_notes(self, device: DeviceInfo) -> list[str]:
         """What ``fp8kv probe`` prints for this device: toolkit, codec per format."""

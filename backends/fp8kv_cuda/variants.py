@@ -22,7 +22,7 @@ from fp8kv.formats import FORMATS
 KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
            "attention_mma": ("attention_mma.cu", ("fp8kv_paged_attention_mma", "fp8kv_merge")),
-           "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16"))}
+           "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16", "fp8kv_widen_native"))}
 """kernel family -> (source file in csrc/, entry points)."""
 
 FORMAT_NAMES = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")

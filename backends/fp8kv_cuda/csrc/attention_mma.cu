@@ -71,11 +71,7 @@ constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
 __device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16 * c + 4 * (ks & 3); }
 __device__ __forceinline__ int v_dim(int g, int w) { return 128 * (w >> 2) + VBYTES_PER_CHUNK * g + 4 * (w & 3); }
 constexpr int FP8_EXP = 7 - MANT;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-constexpr bool NATIVE = !FNUZ;  // cvt.rn.f16x2.{e4m3x2,e5m2x2}: exact for every code, NaN and inf included
-#else
-constexpr bool NATIVE = false;
-#endif
+constexpr bool NATIVE = NATIVE_WIDEN;  // codec.cuh: cvt.rn.f16x2.{e4m3x2,e5m2x2} on sm89+ (OCP formats)
 #ifndef FP8KV_SM_WARPS_NATIVE  // warps per SM the registers are budgeted for (fp8kv_cuda.variants.MMA_TILES)
 #define FP8KV_SM_WARPS_NATIVE 8
 #define FP8KV_SM_WARPS_BITS 8
@@ -125,17 +121,6 @@ __device__ __forceinline__ u32 widen_exact(u32 x) {
         asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     }
     return r;
-}
-
-// Bytes 0, 1 (lo) and 2, 3 (hi) of x as two float16 pairs by the sm89+ conversion (NATIVE only).
-__device__ __forceinline__ void widen_native(u32 x, u32& lo, u32& hi) {
-    if constexpr (HASINF) {
-        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e5m2x2 %0, l; cvt.rn.f16x2.e5m2x2 %1, h; }"
-            : "=r"(lo), "=r"(hi) : "r"(x));
-    } else {
-        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
-            : "=r"(lo), "=r"(hi) : "r"(x));
-    }
 }
 
 template <int TEXP, bool EXACT>

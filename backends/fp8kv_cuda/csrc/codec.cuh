@@ -213,4 +213,32 @@ FP8KV_HD u16 f32_to_bf16_bits(float x) {
     return (u16)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// ------------------------------------------------------------------ native widening (sm89+)
+// FP8 pairs -> float16 pairs by cvt.rn.f16x2.{e4m3x2,e5m2x2}: exact for every code of the OCP
+// formats (NaN and inf included; no fnuz conversions exist). The attention kernel's fast path;
+// tests/test_cuda_gpu.py checks it against torch on every code pair.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+constexpr bool NATIVE_WIDEN = !FNUZ;
+#else
+constexpr bool NATIVE_WIDEN = false;
+#endif
+
+#ifdef FP8KV_DEVICE
+// Bytes 0, 1 (lo) and 2, 3 (hi) of x as two float16 pairs (NATIVE_WIDEN only).
+__device__ __forceinline__ void widen_native(u32 x, u32& lo, u32& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    if constexpr (HASINF) {
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e5m2x2 %0, l; cvt.rn.f16x2.e5m2x2 %1, h; }"
+            : "=r"(lo), "=r"(hi) : "r"(x));
+    } else {
+        asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; cvt.rn.f16x2.e4m3x2 %1, h; }"
+            : "=r"(lo), "=r"(hi) : "r"(x));
+    }
+#else
+    lo = hi = x;
+    __trap();  // unreachable: callers test NATIVE_WIDEN
+#endif
+}
+#endif
+
 }  // namespace fp8kv

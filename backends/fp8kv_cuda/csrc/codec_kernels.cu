@@ -21,3 +21,17 @@ extern "C" __global__ void fp8kv_widen_f16(const u16* __restrict__ h, u32* __res
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f16_to_f32_bits(h[i]);
 }
+
+// FP8 byte pairs (u16) -> float16 pairs (u32) by the native widening of sm89+ (OCP formats; traps
+// where NATIVE_WIDEN is false, which the launcher never asks for).
+extern "C" __global__ void fp8kv_widen_native(const u16* __restrict__ pairs, u32* __restrict__ out, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    if constexpr (NATIVE_WIDEN) {
+        u32 lo, hi;
+        widen_native(pairs[i], lo, hi);
+        out[i] = lo;
+    } else {
+        __trap();
+    }
+}
