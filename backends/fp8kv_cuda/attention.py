@@ -74,18 +74,44 @@ def mma_smem_bytes(head_size: int, warps: int) -> int:
 def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
                fmt: str) -> bool:
     """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
-    bfloat16 queries, static scales, and :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU."""
+    bfloat16 queries, static scales, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU, and a
+    CTA that fits its shared memory (:func:`mma_warps`)."""
     if device.type != "cuda" or query_dtype not in (torch.float16, torch.bfloat16) or token_scales:
         return False
     major, minor = torch.cuda.get_device_capability(device)
-    return mma_arch_serves(major * 10 + minor, fmt, head_size)
+    return mma_arch_serves(major * 10 + minor, fmt, head_size) and mma_warps(device, head_size) is not None
+
+
+@functools.cache
+def _smem_limits(index: int) -> tuple[int, int]:
+    """(opt-in shared memory per block, shared memory per SM) of CUDA device ``index``: 227/228 KiB
+    on sm90, 163/164 KiB on sm80, 99/100 KiB on sm86/sm89 (48 KiB when torch does not say)."""
+    props = torch.cuda.get_device_properties(index)
+    per_block = int(getattr(props, "shared_memory_per_block_optin", 48 << 10))
+    per_sm = int(getattr(props, "shared_memory_per_multiprocessor", per_block))
+    return per_block, per_sm
+
+
+def mma_warps(device: torch.device, head_size: int) -> int | None:
+    """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
+    shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
+    CTA; None when none fits (the CUDA-core kernel serves)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    per_block, per_sm = _smem_limits(index)
+    for need in (2, 1):
+        for warps in (6, 4):
+            smem = mma_smem_bytes(head_size, warps)
+            if smem <= per_block and need * smem <= per_sm:
+                return warps
+    return None
 
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None, warps: int | None = None) -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Decode is bandwidth-bound
     once an SM runs about 12 warps (the registers allow that many), so without ``num_splits``/
-    ``warps``: 6-warp CTAs (two per SM), the keys split for about two CTAs per SM (more splits add
+    ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`), the
+    keys split for about two CTAs per SM (more splits add
     partial results to merge and a tail of lone CTAs; 4- and 8-warp CTAs and 1-4 splits were
     slower at every decode shape measured), each split at least 2 x ``MMA_SPLIT_KEYS`` keys.
     Measured on an H200 (``benchmarks/results/cuda_decode/``)."""
@@ -94,7 +120,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _num_sms(index) if device.type == "cuda" else 1
     if warps is None:
-        warps = 6
+        warps = mma_warps(device, head_size) or 4
     if num_splits is None:
         num_splits = max(1, round(2 * sms / ctas))
         num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
