@@ -334,15 +334,6 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
 }
 
 
-// 2^x by one MUFU.EX2 (relative error < 2^-22, within tolerance.py's 4u for exp2): results below
-// 2^-126 flush to 0, i.e. weights under 2^-126 of the row's running maximum, which the bound's
-// accumulation term covers; exp2(-inf) = 0 and NaN stays NaN.
-__device__ __forceinline__ float exp2_fast(float x) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-
 __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1, byte d of b at byte 3
     return ((u32)(4 + d) << 12) | ((u32)(4 + d) << 8) | ((u32)d << 4) | (u32)d;
 }
@@ -390,12 +381,12 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
         for (int off = 4; off < 32; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, off));
         const float m_new = fmaxf(m_run[j], tmax);
         const float m_safe = m_new == NEG_INF ? 0.0f : m_new;
-        alpha[j] = m_new == m_run[j] ? 1.0f : exp2_fast(m_run[j] - m_safe);
+        alpha[j] = m_new == m_run[j] ? 1.0f : exp2f(m_run[j] - m_safe);
         float psum = 0.0f;
 #pragma unroll
         for (int u = 0; u < NSUB; ++u) {
-            x[u][j] = exp2_fast(x[u][j] - m_safe);  // masked keys: exp2(-inf) = 0
-            x[u][2 + j] = exp2_fast(x[u][2 + j] - m_safe);
+            x[u][j] = exp2f(x[u][j] - m_safe);  // masked keys: exp2(-inf) = 0
+            x[u][2 + j] = exp2f(x[u][2 + j] - m_safe);
             psum += x[u][j] + x[u][2 + j];
         }
         l_run[j] = l_run[j] * alpha[j] + psum;
