@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                    " --splits, or the planned split): 4,6,8")
     p.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
     p.add_argument("--kv-dtype", default="fp8_e4m3")
+    p.add_argument("--granularity", default="tensor", choices=("tensor", "head", "token_head"))
     p.add_argument("--qdtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--reps", type=int, default=15)
     args = p.parse_args(argv)
@@ -69,8 +70,10 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
     qdtype = getattr(torch, args.qdtype)
     gen = torch.Generator().manual_seed(1)
     tables, nblocks = kb._paged_tables(B, L, device, gen)
-    cache = fp8kv.KVCache.allocate(nblocks, kb.PAGE, kb.HKV, kb.HEAD, kv_dtype=args.kv_dtype, k_scale=0.05,
-                                   v_scale=0.05, device=device)
+    token = args.granularity == "token_head"
+    scales = {} if token else {"k_scale": 0.05, "v_scale": 0.05}
+    cache = fp8kv.KVCache.allocate(nblocks, kb.PAGE, kb.HKV, kb.HEAD, kv_dtype=args.kv_dtype,
+                                   scale_granularity=args.granularity, device=device, **scales)
     kb._fill_cache(cache, kb._backend("cuda", "write_kv", cache, torch.bfloat16, device), nblocks * kb.PAGE,
                    device, gen)
     q = torch.randn(B, kb.HQ, kb.HEAD, generator=gen).to(device=device, dtype=qdtype)
@@ -89,15 +92,15 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
     triton_run = lambda: meta.attention.backend.paged_attention(q, cache, meta, ref, None)  # noqa: E731
     triton_run()
     plans = {"cuda_mma": CA.plan(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
-                                 max_keys=max_keys, query_dtype=qdtype),
+                                 max_keys=max_keys, query_dtype=qdtype, token_scales=token, fmt=args.kv_dtype),
              "cuda_cores": CA.plan(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV,
-                                   head_size=kb.HEAD, max_keys=max_keys)}
+                                   head_size=kb.HEAD, max_keys=max_keys, token_scales=token)}
     for n in splits or [None]:
         for w in args.warp_list or [None]:
             if n is None and w is None:
                 continue
             p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
-                            max_keys=max_keys, num_splits=n, warps=w)
+                            max_keys=max_keys, num_splits=n, warps=w, token_scales=token)
             plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}"] = p
     rows = [{"what": "triton", "ms": kb.time_graph(triton_run, reps=args.reps)}]
     for name, plan in plans.items():
@@ -115,7 +118,7 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
     q4 = q.view(B, kb.HQ, 1, kb.HEAD)
     sdpa = kb.time_graph(lambda: kb._sdpa(q4, kv4[0], kv4[1], enable_gqa=True), reps=args.reps)
     rows.append({"what": "sdpa_bf16", "ms": sdpa})
-    if args.flashinfer and qdtype == torch.bfloat16:
+    if args.flashinfer and qdtype == torch.bfloat16 and args.granularity == "tensor":
         fi = kb.flashinfer_decode(cache, tables, L, q)
         if fi is not None:
             fn, fo = fi
@@ -126,7 +129,8 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
                          "ms": kb.time_graph(fn, reps=args.reps)})
     fi_ms = next((r["ms"] for r in rows if r["what"] == "flashinfer_fp8_tc"), None)
     for r in rows:
-        r.update(B=B, L=L, kv_dtype=args.kv_dtype, qdtype=args.qdtype, roofline_ms=roof_ms)
+        r.update(B=B, L=L, kv_dtype=args.kv_dtype, qdtype=args.qdtype, granularity=args.granularity,
+                 roofline_ms=roof_ms)
         if r.get("ms"):
             r["frac_roofline"] = roof_ms / r["ms"]
             r["speedup_vs_sdpa"] = sdpa / r["ms"]

@@ -99,7 +99,7 @@ def test_probe_notes_explain_toolkit_and_codec():
 
 def test_decode_priority_only_where_measured_faster():
     """cuda ranks above triton (110 > 100) only for decode-only attention its tensor-core kernel
-    serves on sm90; prefill, float32 queries, token_head scales, fnuz at D=256, sm80 keep None."""
+    serves on sm90; prefill, float32 queries, fnuz at D=256, sm80 keep None."""
     import torch
     from fp8kv_cuda.capabilities import DECODE_PRIORITY, priority
 
@@ -112,7 +112,8 @@ def test_decode_priority_only_where_measured_faster():
     assert priority(h100, r()) == DECODE_PRIORITY > 100
     assert priority(h100, r(io=torch.float16, D=64, features=("sliding_window",))) == DECODE_PRIORITY
     assert priority(h100, r("fp8_e5m2", D=256)) == DECODE_PRIORITY
-    for no in (r(features=("chunked_prefill",)), r(io=torch.float32), r(gran="token_head"), r(D=40),
+    assert priority(h100, r(gran="token_head")) == DECODE_PRIORITY
+    for no in (r(features=("chunked_prefill",)), r(io=torch.float32), r(D=40),
                r("fp8_e4m3fnuz", D=256), r(op="write_kv"), r(features=("fp8_attention",))):
         assert priority(h100, no) is None, no
     assert priority(simulated("sm80"), r()) is None and priority(simulated("sm75"), r()) is None

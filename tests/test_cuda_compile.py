@@ -80,12 +80,13 @@ def test_the_variant_sets():
     rep = cc.variants("representative", "sm80")
     assert {v.kernel for v in rep} == {"write", "attention", "attention_mma"}
     assert {v.fmt for v in rep if v.kernel == "attention_mma"} == {"fp8_e4m3", "fp8_e5m2fnuz", "fp8_e4m3fnuz"}
-    assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 4
+    assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 5
     full = [v for v in cc.variants("full", "sm75") if v.kernel != "attention_mma"]
     assert full == cc.variants("full", "sm75")
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
     assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
-    # tensor-core kernel: 4 formats x 2 query dtypes x (D 64, 128; D 256 only for OCP formats on sm89+)
+    # tensor-core kernel: 4 formats x 2 query dtypes x 2 granularities x (D 64, 128; D 256 only for OCP
+    # formats on sm89+) x warps per CTA
     w = len(cc.MMA_WARPS)
-    assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2 * w
-    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * w
+    assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2 * 2 * w
+    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * 2 * w

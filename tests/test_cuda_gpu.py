@@ -289,23 +289,33 @@ def _mma_capable() -> bool:
 
 
 @pytest.mark.skipif(not _mma_capable(), reason="the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
+@pytest.mark.parametrize("gran", ["head", "token_head"])
 @pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-inf-codes"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
-def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials):
+def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
     """The tensor-core kernel (``csrc/attention_mma.cu``) on caches of raw random bytes: every finite
     code (subnormals included) through its bit-level FP8 -> 16-bit conversion, and, with
-    ``specials``, NaN/inf codes in chosen keys (NaN must reach exactly the reference's outputs)."""
+    ``specials``, NaN/inf codes in chosen keys (NaN must reach exactly the reference's outputs);
+    token_head scales drawn over 2^-40..2^40 (the weights' power-of-two running maximum)."""
     from fp8kv_cuda.attention import plan
+    from fp8kv_cuda.variants import mma_arch_serves
+
+    major, minor = torch.cuda.get_device_capability()
+    if not mma_arch_serves(major * 10 + minor, fmt.name, D):
+        pytest.skip(f"the tensor-core kernel does not serve {fmt.name} D={D} on sm{major}{minor}")
 
     g = torch.Generator().manual_seed(D + 7 * int(specials))
     B, H, Hq, bs = 4, 2, 12, 16
     lens = [37, 300, 1, 129]
     nblocks = 96
     tables = torch.randperm(nblocks, generator=g)[: B * 19].view(B, 19).int()
-    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt.name, scale_granularity="head", device="cuda",
-                                   k_scale=torch.tensor([0.004, 0.02]), v_scale=torch.tensor([0.03, 0.0007]))
+    kw = dict(k_scale=torch.tensor([0.004, 0.02]), v_scale=torch.tensor([0.03, 0.0007])) if gran == "head" else {}
+    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt.name, scale_granularity=gran, device="cuda", **kw)
+    if gran == "token_head":
+        for sc in (cache.k_scale, cache.v_scale):
+            sc.copy_(torch.exp2(torch.rand(sc.shape, generator=g) * 80 - 40).cuda())
     bad = torch.tensor(fmt.nan_encodings + fmt.inf_encodings, dtype=torch.uint8)
     for c in (cache.key_cache, cache.value_cache):
         b = torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8)
@@ -321,7 +331,7 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials):
     tables = tables.cuda()
     query = (torch.randn(B, Hq, D, generator=g) * 2).to(dtype).cuda()
     p = plan(query.device, num_tokens=B, num_kv_heads=H, group=Hq // H, head_size=D, max_keys=19 * bs,
-             query_dtype=dtype)
+             query_dtype=dtype, token_scales=gran == "token_head", fmt=fmt.name)
     assert p.mma
     out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
                                      backend="cuda", return_lse=True)

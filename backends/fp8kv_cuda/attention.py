@@ -59,27 +59,28 @@ MMA_HEADS = 8
 """Query heads per CTA of the tensor-core kernel (the mma's n)."""
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
-def mma_smem_bytes(head_size: int, warps: int) -> int:
+def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False) -> int:
     """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
     launched with less): the larger of the cp.async ring and the epilogue's per-warp outputs."""
     stages = MMA_TILES[head_size][0]
     nsub = 1 if head_size > 128 else 2
     v_chunks = max(1, head_size // 8 // 16)
-    chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks)
+    chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks + int(token_scales))
     ring = 16 * stages * chunks * 32 * warps
-    epilogue = 4 * (warps * MMA_HEADS * head_size + 2 * warps * MMA_HEADS)
+    epilogue = 4 * (warps * MMA_HEADS * head_size + 3 * warps * MMA_HEADS)
     return max(ring, epilogue)
 
 
 def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
                fmt: str) -> bool:
     """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
-    bfloat16 queries, static scales, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU, and a
+    bfloat16 queries, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU, and a
     CTA that fits its shared memory (:func:`mma_warps`)."""
-    if device.type != "cuda" or query_dtype not in (torch.float16, torch.bfloat16) or token_scales:
+    if device.type != "cuda" or query_dtype not in (torch.float16, torch.bfloat16):
         return False
     major, minor = torch.cuda.get_device_capability(device)
-    return mma_arch_serves(major * 10 + minor, fmt, head_size) and mma_warps(device, head_size) is not None
+    sm = major * 10 + minor
+    return mma_arch_serves(sm, fmt, head_size) and mma_warps(device, head_size, token_scales) is not None
 
 
 @functools.cache
@@ -92,7 +93,7 @@ def _smem_limits(index: int) -> tuple[int, int]:
     return per_block, per_sm
 
 
-def mma_warps(device: torch.device, head_size: int) -> int | None:
+def mma_warps(device: torch.device, head_size: int, token_scales: bool = False) -> int | None:
     """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
     shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
     CTA; None when none fits (the CUDA-core kernel serves)."""
@@ -100,14 +101,15 @@ def mma_warps(device: torch.device, head_size: int) -> int | None:
     per_block, per_sm = _smem_limits(index)
     for need in (2, 1):
         for warps in (6, 4):
-            smem = mma_smem_bytes(head_size, warps)
+            smem = mma_smem_bytes(head_size, warps, token_scales)
             if smem <= per_block and need * smem <= per_sm:
                 return warps
     return None
 
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
-             max_keys: int, num_splits: int | None = None, warps: int | None = None) -> AttnPlan:
+             max_keys: int, num_splits: int | None = None, warps: int | None = None,
+             token_scales: bool = False) -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Decode is bandwidth-bound
     once an SM runs about 12 warps (the registers allow that many), so without ``num_splits``/
     ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`), the
@@ -120,7 +122,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     index = device.index if device.index is not None else torch.cuda.current_device()
     sms = _num_sms(index) if device.type == "cuda" else 1
     if warps is None:
-        warps = mma_warps(device, head_size) or 4
+        warps = mma_warps(device, head_size, token_scales) or 4
     if num_splits is None:
         num_splits = max(1, round(2 * sms / ctas))
         num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
@@ -138,7 +140,7 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
     fill the GPU 4 times over and each split keeps at least 4 tiles."""
     if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales, fmt):
         return plan_mma(device, num_tokens=num_tokens, num_kv_heads=num_kv_heads, group=group,
-                        head_size=head_size, max_keys=max_keys)
+                        head_size=head_size, max_keys=max_keys, token_scales=token_scales)
     d_pad, gpad, block_n = attention_tile(head_size, group)
     chunks = _cdiv(group, gpad)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
@@ -198,7 +200,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
     if p.mma:
-        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps)
+        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -226,7 +228,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(p.keys_per_split)]
     grid = (T, H * p.head_chunks, p.num_splits)
     if p.mma:
-        runtime.launch(variant, entry, dev, grid, 32 * p.warps, args, shared_mem=mma_smem_bytes(D, p.warps))
+        runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
+                       shared_mem=mma_smem_bytes(D, p.warps, token_scales))
     else:
         runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:

@@ -10,8 +10,8 @@ I/O, and the features sliding_window, soft_cap, non_causal and chunked_prefill (
 step runs the decode kernel once per query token: correct, not yet fast; no tensor cores).
 
 Kernels: the write; decode attention on tensor cores (``csrc/attention_mma.cu``: sm80+, float16/
-bfloat16 queries, static scales, head sizes 64/128 (256 on sm89+ for the OCP formats), 16-byte
-aligned K/V rows); everything else (float32 queries, token_head scales, other head sizes, sm70/
+bfloat16 queries, any granularity, head sizes 64/128 (256 on sm89+ for the OCP formats), 16-byte
+aligned K/V rows); everything else (float32 queries, other head sizes, sm70/
 sm75, and chunked prefill, which runs the decode kernels once per query token) on the CUDA-core
 kernel (``csrc/attention.cu``).
 
@@ -151,7 +151,7 @@ def priority(device: DeviceInfo, request: Request) -> int | None:
 
     if (request.op != "paged_attention" or request.features & {"chunked_prefill", "fp8_attention"}
             or device.arch not in DECODE_FASTER_ARCHES or device.sm is None
-            or request.io_dtype not in (torch.float16, torch.bfloat16) or request.scale_granularity == "token_head"
+            or request.io_dtype not in (torch.float16, torch.bfloat16)
             or not mma_arch_serves(device.sm, request.kv_dtype, request.head_size)):
         return None
     return DECODE_PRIORITY
@@ -187,7 +187,7 @@ def device_notes(device: DeviceInfo) -> list[str]:
         ran = f"compiled in CPU CI and run on {device.arch} (tests/test_cuda_gpu.py)"
     else:
         ran = f"compiled for {device.arch} in CPU CI (NVRTC 12.9), not run on {device.arch} hardware"
-    mma = ("decode on tensor cores (sm80+, float16/bfloat16 queries, static scales)" if device.sm >= 80
+    mma = ("decode on tensor cores (sm80+, float16/bfloat16 queries)" if device.sm >= 80
            else "decode on CUDA cores")
     if device.arch in DECODE_FASTER_ARCHES:
         mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"

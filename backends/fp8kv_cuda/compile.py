@@ -153,10 +153,13 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                                         ("fp8_e4m3fnuz", "float32", True, 256, 16, 16),
                                         ("fp8_e5m2fnuz", "bfloat16", False, 40, 8, 8)):
             out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=vec))
-        for fmt, io, d, w in (("fp8_e4m3", "bfloat16", 128, 6), ("fp8_e5m2", "float16", 256, 4),
-                              ("fp8_e5m2fnuz", "bfloat16", 128, 8), ("fp8_e4m3fnuz", "float16", 64, 4)):
+        for fmt, io, d, w, tok in (("fp8_e4m3", "bfloat16", 128, 6, False),
+                                   ("fp8_e5m2", "float16", 256, 4, True),
+                                   ("fp8_e5m2fnuz", "bfloat16", 128, 8, True),
+                                   ("fp8_e4m3fnuz", "float16", 64, 4, False),
+                                   ("fp8_e4m3", "float16", 128, 6, True)):
             if mma_arch_serves(sm, fmt, d):
-                out.append(attention_mma_variant(fmt, io, d, w))
+                out.append(attention_mma_variant(fmt, io, d, w, tok))
         return out
     if set_name == "full":
         out = []
@@ -165,8 +168,8 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                 out.append(write_variant(fmt, io, tok, write_d_pad(d), vec=True, slot64=True))
                 for g in (1, 4, 8, 16):
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
-                if io != "float32" and not tok and d in MMA_TILES and mma_arch_serves(sm, fmt, d):
-                    out += [attention_mma_variant(fmt, io, d, w) for w in MMA_WARPS]
+                if io != "float32" and d in MMA_TILES and mma_arch_serves(sm, fmt, d):
+                    out += [attention_mma_variant(fmt, io, d, w, tok) for w in MMA_WARPS]
         return out
     raise ValueError(f"set: got {set_name!r}, expected 'representative' or 'full'")
 

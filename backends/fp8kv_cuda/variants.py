@@ -95,11 +95,13 @@ def mma_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
     return head_size != 256 or (sm >= 89 and "fnuz" not in fmt)
 
 
-def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4) -> Variant:
+def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4,
+                          token_scales: bool = False) -> Variant:
     """The tensor-core attention kernels (sm80+; decode + merge) for one format, float16/bfloat16
-    queries, static scales, a head size of 64, 128 or 256 and ``warps`` warps per CTA."""
+    queries, a head size of 64, 128 or 256, ``warps`` warps per CTA and static or per-token-head
+    scales."""
     stages, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
-    return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
+    return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
                                           ("FP8KV_SM_WARPS_BITS", sm_warps_bits)))

@@ -1,5 +1,5 @@
 // fp8kv_cuda: paged attention on tensor cores (sm80+: mma.sync m16n8k16, movmatrix), for float16
-// and bfloat16 queries, static (per-tensor or per-head) scales, head sizes 64, 128 and 256.
+// and bfloat16 queries, any scale granularity, head sizes 64, 128 and 256.
 //
 // Grid (T, H * head_chunks, num_splits), NT = 128 threads (4 warps). A CTA owns one query token,
 // one KV head, up to 8 of its query heads (GQA packing) and the keys of split z. Each warp walks
@@ -36,7 +36,8 @@
 // to the block table's row, block ids outside [0, num_blocks) never loaded, tokens outside every
 // sequence left alone). The launcher requires 16-byte aligned K/V rows (VEC 16).
 //
-// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), and the format's.
+// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), FP8KV_TOKEN_SCALES, FP8KV_STAGES,
+// FP8KV_MMA_WARPS, FP8KV_SM_WARPS_NATIVE/BITS (fp8kv_cuda.variants), and the format's.
 #include "attention_common.cuh"
 
 namespace fp8kv {
@@ -61,7 +62,9 @@ constexpr int KCH = D / 64;                 // 16-byte K chunks per thread and k
 constexpr int VBYTES = D / 8;               // V bytes per thread and key
 constexpr int VCH = VBYTES >= 16 ? VBYTES / 16 : 1;  // V chunks per thread and key (8 bytes at D = 64)
 constexpr int VBYTES_PER_CHUNK = VBYTES >= 16 ? 16 : VBYTES;
-constexpr int CHUNKS = NSUB * (2 * KCH + 4 * VCH);   // ring slots per thread and stage
+constexpr int TSC = TOKEN_SCALES ? 1 : 0;   // token_head: one slot per sub-tile for the keys' scales
+constexpr int PER_SUB = 2 * KCH + 4 * VCH + TSC;    // ring slots per thread and sub-tile
+constexpr int CHUNKS = NSUB * PER_SUB;              // ring slots per thread and stage
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
 
 // The dims a thread's words hold. K: lane c holds, per key row, the 16-byte chunks at 64 i + 16 c
@@ -81,7 +84,6 @@ constexpr bool NATIVE = NATIVE_WIDEN;  // codec.cuh: cvt.rn.f16x2.{e4m3x2,e5m2x2
 
 static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
-static_assert(!TOKEN_SCALES, "attention_mma.cu: static scales only");
 
 // ------------------------------------------------------------------ FP8 -> 16-bit pairs
 
@@ -210,7 +212,7 @@ __device__ __forceinline__ u32 query_bits(const q_t* q, i64 i, bool live, i32 sh
 
 struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
     float o[KWARPS][HEADS][D];  // each warp's unnormalised output
-    float m[KWARPS][HEADS], l[KWARPS][HEADS];
+    float m[KWARPS][HEADS], l[KWARPS][HEADS], r[KWARPS][HEADS];
 };
 constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * KNT > (int)sizeof(MmaShared)
                                ? (int)sizeof(uint4) * STAGES * CHUNKS * KNT : (int)sizeof(MmaShared);
@@ -221,17 +223,24 @@ struct KeyRows {
     const int* bt_row;
     int kbeg, kend, block_size, num_blocks, bs_shift;  // bs_shift: log2(block_size), or -1
     i64 k_sb, k_st, v_sb, v_st, k0, v0;                 // k0/v0: head offset + this thread's bytes
+    i64 ks_sb, ks_st, ks0, vs_sb, vs_st, vs0;           // token_head scales: strides, head offset
+    const float* k_scale;
+    const float* v_scale;
     bool page16;  // block_size % 16 == 0: the 16-aligned sub-tile [base, base + 16) lies in one block
 
     __device__ __forceinline__ int page_of(int n) const { return bs_shift >= 0 ? n >> bs_shift : n / block_size; }
 
-    __device__ __forceinline__ void locate(int n, i64& rk, i64& rv) const {
+    // Key n's row offsets, and its block and slot in the block (blk -1 when masked).
+    __device__ __forceinline__ void locate(int n, i64& rk, i64& rv, int& blk, i64& tib) const {
         rk = rv = -1;
+        blk = -1;
+        tib = 0;
         if (n < kbeg || n >= kend) return;
         const int page = page_of(n);
-        const int blk = bt_row[page];
-        if (blk < 0 || blk >= num_blocks) return;
-        const i64 tib = n - page * block_size;
+        const int b = bt_row[page];
+        if (b < 0 || b >= num_blocks) return;
+        blk = b;
+        tib = n - page * block_size;
         rk = (i64)blk * k_sb + tib * k_st + k0;
         rv = (i64)blk * v_sb + tib * v_st + v0;
     }
@@ -243,7 +252,7 @@ struct StepView {
     const uint4* base;  // ring slot (stage, 0) of this thread
     u32 bits;           // bit 2u + r: key g + 8r of sub-tile u visible
 
-    static constexpr int PER_SUB = 2 * KCH + 4 * VCH;  // chunks per sub-tile, in issue_step's order
+    // (PER_SUB chunks per sub-tile, in issue_step's order: K rows, V rows, token_head scales)
     // K of key g + 8r, words 4i..4i+3 (= k steps 4i..4i+3)
     __device__ __forceinline__ uint4 k(int u, int r, int i) const { return base[(u * PER_SUB + r * KCH + i) * KNT]; }
     // V of key 2c + (r & 1) + 8 (r >> 1), words 4i..4i+3 (2 words at D = 64)
@@ -251,6 +260,8 @@ struct StepView {
         return base[(u * PER_SUB + 2 * KCH + r * VCH + i) * KNT];
     }
     __device__ __forceinline__ bool live(int u, int r) const { return (bits >> (2 * u + r)) & 1u; }
+    // token_head: [k_scale, k_scale, v_scale, v_scale] of keys g and g + 8 (as float bits)
+    __device__ __forceinline__ uint4 scales(int u) const { return base[(u * PER_SUB + 2 * KCH + 4 * VCH) * KNT]; }
 };
 
 __device__ __forceinline__ u32 word(const uint4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
@@ -261,13 +272,16 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
     return r;
 }
 
-// cp.async of `bytes` (16 or 8) from src, or zeros without a read when !live.
+// cp.async of BYTES (16, 8 or 4) from src, or zeros without a read when !live.
 template <int BYTES>
 __device__ __forceinline__ void copy_async(u32 dst, const u8* src, bool live) {
     if constexpr (BYTES == 16) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
-    } else {
+    } else if constexpr (BYTES == 8) {
         asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(live ? 8 : 0));
+    } else {
+        static_assert(BYTES == 4, "copy_async: 16, 8 or 4 bytes");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(live ? 4 : 0));
     }
 }
 
@@ -302,21 +316,29 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
             vb = (i64)blk * rows.v_sb + tib0 * rows.v_st + rows.v0;
         }
         const bool blk_ok = blk >= 0 && blk < rows.num_blocks;
+        const i64 tib0 = rows.page16 && base < rows.kend ? base - rows.page_of(base) * rows.block_size : 0;
+        int kblk[2];
+        i64 ktib[2];
 #pragma unroll
         for (int r = 0; r < 6; ++r) {  // r < 2: K of key g + 8r; else V of key 2c + (r & 1) + 8 ((r - 2) >> 1)
             const bool is_k = r < 2;
             const int j = is_k ? g + 8 * r : 2 * c + (r & 1) + 8 * ((r - 2) >> 1);
             const int n = base + j;
-            i64 rk, rv;
+            i64 rk, rv, tib;
+            int b;
             if (rows.page16) {
                 const bool live = blk_ok && n >= rows.kbeg && n < rows.kend;
                 rk = live ? kb + j * rows.k_st : -1;
                 rv = live ? vb + j * rows.v_st : -1;
+                b = live ? blk : -1;
+                tib = tib0 + j;
             } else {
-                rows.locate(n, rk, rv);
+                rows.locate(n, rk, rv, b, tib);
             }
             const bool live = rk >= 0;
             if (is_k) {
+                kblk[r] = b;
+                ktib[r] = tib;
                 bits |= (u32)live << (2 * u + r);
 #pragma unroll
                 for (int i = 0; i < KCH; ++i, ++ch)
@@ -327,6 +349,18 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                     copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16, value_cache + (live ? rv + 128 * i : 0),
                                                         live);
             }
+        }
+        if constexpr (TOKEN_SCALES) {  // [k_scale(g), k_scale(g + 8), v_scale(g), v_scale(g + 8)]
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const bool live = kblk[r] >= 0;
+                const i64 sk = (i64)kblk[r] * rows.ks_sb + ktib[r] * rows.ks_st + rows.ks0;
+                const i64 sv = (i64)kblk[r] * rows.vs_sb + ktib[r] * rows.vs_st + rows.vs0;
+                const u32 dst = stage_addr + ch * KNT * 16;
+                copy_async<4>(dst + 4 * r, reinterpret_cast<const u8*>(rows.k_scale + (live ? sk : 0)), live);
+                copy_async<4>(dst + 8 + 4 * r, reinterpret_cast<const u8*>(rows.v_scale + (live ? sv : 0)), live);
+            }
+            ++ch;
         }
     }
     asm volatile("cp.async.commit_group;");
@@ -340,10 +374,17 @@ __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1,
 
 // One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
 // O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
+// Power of two >= x > 0 (finite), at most 2^127.
+__device__ __forceinline__ float pow2_ceil(float x) {
+    const u32 b = f2u(x);
+    const u32 e = (b >> 23) + ((b & 0x7FFFFFu) != 0u);  // x is normal here (a weight >= 2^-126 or 0)
+    return e >= 254u ? u2f(254u << 23) : u2f(e << 23);
+}
+
 template <bool EXACT, int KE>
 __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)[KW][2], float f1, float f2,
-                                            float soft_cap, int use_cap, float (&m_run)[2], float (&l_run)[2],
-                                            float (&o)[MT][4]) {
+                                            float g_mant, int gexp, float soft_cap, int use_cap, float (&m_run)[2],
+                                            float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
     // S^T fragments: x[u][0], x[u][1]: key g, heads 2c, 2c + 1; x[u][2], x[u][3]: key g + 8
     float x[NSUB][4];
 #pragma unroll
@@ -363,9 +404,15 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
                         widen<KE, EXACT>(w1), qb[ks][0], qb[ks][1]);
             }
         }
+        float kf1[2] = {f1, f1}, kf2[2] = {f2, f2};  // token_head: the logit factors of keys g, g + 8
+        if constexpr (TOKEN_SCALES) {
+            const uint4 sc = wds.scales(u);
+            scale_factors(u2f(sc.x), g_mant, gexp, kf1[0], kf2[0]);
+            scale_factors(u2f(sc.y), g_mant, gexp, kf1[1], kf2[1]);
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float v = ((acc[0][e] + acc[1][e]) * f1) * f2;
+            float v = ((acc[0][e] + acc[1][e]) * kf1[e >> 1]) * kf2[e >> 1];
             if (use_cap) v = soft_cap * tanhf(fdiv(v, soft_cap)) * LOG2E;
             x[u][e] = wds.live(u, e >> 1) ? saturate(v) : NEG_INF;
         }
@@ -391,6 +438,27 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
         }
         l_run[j] = l_run[j] * alpha[j] + psum;
         m_run[j] = m_new;
+        if constexpr (TOKEN_SCALES) {
+            // weights p * v_scale in units of R, a power of two >= the running maximum weight (so
+            // dividing by R is exact and p * v_scale / R <= 1); O^T is kept in units of R
+            float wmax = 0.0f;
+#pragma unroll
+            for (int u = 0; u < NSUB; ++u) {
+                const uint4 sc = wds.scales(u);
+                x[u][j] *= u2f(sc.z);
+                x[u][2 + j] *= u2f(sc.w);
+                wmax = fmaxf(wmax, fmaxf(x[u][j], x[u][2 + j]));
+            }
+#pragma unroll
+            for (int off = 4; off < 32; off <<= 1) wmax = fmaxf(wmax, __shfl_xor_sync(0xFFFFFFFFu, wmax, off));
+            const float r_target = fmaxf(r_run[j] * alpha[j], wmax);
+            const float r_new = r_target > 0.0f ? pow2_ceil(r_target) : 0.0f;
+            alpha[j] = r_new > 0.0f ? alpha[j] * (r_run[j] / r_new) : alpha[j];  // (a power-of-two ratio)
+            const float inv = r_new > 0.0f ? 1.0f / r_new : 0.0f;
+#pragma unroll
+            for (int u = 0; u < NSUB; ++u) { x[u][j] *= inv; x[u][2 + j] *= inv; }
+            r_run[j] = r_new;
+        }
     }
     if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // (the max rarely moves: skip)
 #pragma unroll
@@ -440,7 +508,7 @@ template <int KE>
 __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_live, i32 qshift, const float* k_scale,
                                          float g_mant, int g_exp, const KeyRows& rows, uint4* ring_mem,
                                          const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
-                                         float (&m_run)[2], float (&l_run)[2], float (&o)[MT][4]) {
+                                         float (&m_run)[2], float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     // the query fragment (B of S^T): head g, dims c D/4 + 4 ks + the K fragment's k order
     u32 qb[KW][2];
@@ -453,8 +521,8 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
         qb[ks][0] = k_native ? e0 | (e1 << 16) : e0 | (e2 << 16);
         qb[ks][1] = k_native ? e2 | (e3 << 16) : e1 | (e3 << 16);
     }
-    float f1, f2;
-    scale_factors(k_scale[0], g_mant, g_exp + qshift, f1, f2);
+    float f1 = 1.0f, f2 = 1.0f;  // static scales: the logit factors (token_head: per key, attend_step)
+    if constexpr (!TOKEN_SCALES) scale_factors(k_scale[0], g_mant, g_exp + qshift, f1, f2);
 
     const int first = rows.kbeg & ~15;
     const int span = rows.kend > first ? rows.kend - first : 0;
@@ -501,9 +569,9 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
                 }
         }
         if (__any_sync(0xFFFFFFFFu, special != 0u)) {
-            attend_step<true, KE>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+            attend_step<true, KE>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run, o);
         } else {
-            attend_step<false, KE>(wds, qb, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+            attend_step<false, KE>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run, o);
         }
     }
     asm volatile("cp.async.wait_all;");
@@ -556,6 +624,9 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
     rows.k0 = (i64)h * k_sh + k_dim(c, 0);
     rows.v0 = (i64)h * v_sh + v_dim(g, 0);
+    rows.ks_sb = ks_sb; rows.ks_st = ks_st; rows.ks0 = (i64)h * ks_sh;
+    rows.vs_sb = vs_sb; rows.vs_st = vs_st; rows.vs0 = (i64)h * vs_sh;
+    rows.k_scale = k_scale; rows.v_scale = v_scale;
 
     // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
     const bool head_live = g0 + g < group;
@@ -591,30 +662,35 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
             qshift = (finite && qexp > 100) ? qexp - 100 : 0;  // bfloat16 K: |q| < 2^101 keeps logits finite
         }
     }
-    const float vs_static = v_scale[h * vs_sh];
+    const float vs_static = TOKEN_SCALES ? 1.0f : v_scale[h * vs_sh];
 
     // ---- per-warp state: heads 2c, 2c + 1 (same in the 8 lanes of a c), O^T fragments
-    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f};
+    float m_run[2] = {NEG_INF, NEG_INF}, l_run[2] = {0.0f, 0.0f}, r_run[2] = {0.0f, 0.0f};
     float o[MT][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     if (k16) {  // uniform over the CTA
         key_loop<5>(query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
-                    value_cache, soft_cap, use_cap, m_run, l_run, o);
+                    value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
     } else {
         if constexpr (QT == 2) {
             key_loop<8>(query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
-                        key_cache, value_cache, soft_cap, use_cap, m_run, l_run, o);
+                        key_cache, value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
         }
     }
     __syncthreads();  // every warp is done with the ring: the epilogue reuses it
 
-    // ---- merge the 4 warps: (m, l) per head, O^T through shared memory
+    // ---- merge the warps: (m, l, r) per head, O^T through shared memory (as the split merge does:
+    // with w = 2^(m_w - max m), out = sum w r_w O_w / sum w l_w, times v_scale for static scales)
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) l_run[j] += __shfl_xor_sync(0xFFFFFFFFu, l_run[j], off);
-        if (g == 0) { sh.m[warp][2 * c + j] = m_run[j]; sh.l[warp][2 * c + j] = l_run[j]; }
+        if (g == 0) {
+            sh.m[warp][2 * c + j] = m_run[j];
+            sh.l[warp][2 * c + j] = l_run[j];
+            sh.r[warp][2 * c + j] = r_run[j];
+        }
     }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -632,20 +708,25 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #pragma unroll
         for (int w = 0; w < KWARPS; ++w) m = fmaxf(m, sh.m[w][hd]);
         const float m_safe = m == NEG_INF ? 0.0f : m;
-        float l = 0.0f, acc = 0.0f;
+        float l = 0.0f, acc = 0.0f, a_max = 0.0f;  // token_head: A = max_w w r_w (O in units of A)
+        if constexpr (TOKEN_SCALES) {
+#pragma unroll
+            for (int w = 0; w < KWARPS; ++w) a_max = fmaxf(a_max, exp2f(sh.m[w][hd] - m_safe) * sh.r[w][hd]);
+        }
+        const float a_div = a_max > 0.0f ? a_max : 1.0f;
 #pragma unroll
         for (int w = 0; w < KWARPS; ++w) {
             const float a = exp2f(sh.m[w][hd] - m_safe);
             l += a * sh.l[w][hd];
-            acc += a * sh.o[w][hd][d];
+            acc += (TOKEN_SCALES ? fdiv(a * sh.r[w][hd], a_div) : a) * sh.o[w][hd][d];
         }
         const i64 row = (i64)t * HQ + (i64)h * group + g0 + hd;
         if (split) {
             const i64 prow = (i64)z * T * HQ + row;
             part_acc[prow * D + d] = acc;
-            if (d == 0) { part_ml[prow * 3] = m; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = 0.0f; }
+            if (d == 0) { part_ml[prow * 3] = m; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = a_max; }
         } else {
-            store_out(out, row * D + d, (acc * fdiv(1.0f, l > 0.0f ? l : 1.0f)) * vs_static);
+            store_out(out, row * D + d, (acc * fdiv(1.0f, l > 0.0f ? l : 1.0f)) * (TOKEN_SCALES ? a_max : vs_static));
             if (d == 0 && write_lse) lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : NEG_INF;
         }
     }
