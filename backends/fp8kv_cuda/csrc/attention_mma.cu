@@ -297,25 +297,8 @@ struct Ring {
 
 // Start the copies of the warp step at n0 into `stage`; one commit group. Returns the step's
 // visible-key bits (bit 2u + r: key g + 8r of sub-tile u).
-// page16: the block-table entries of the step at n0's sub-tiles (-1 past the keys), read one
-// iteration before issue_step needs them (a read there would stall the copies on its latency).
-struct StepBlocks {
-    int blk[NSUB];
-};
-
-__device__ __forceinline__ StepBlocks fetch_blocks(int n0, const KeyRows& rows) {
-    StepBlocks b;
-#pragma unroll
-    for (int u = 0; u < NSUB; ++u) {
-        const int base = n0 + 16 * u;
-        b.blk[u] = rows.page16 && base < rows.kend ? rows.bt_row[rows.page_of(base)] : -1;
-    }
-    return b;
-}
-
-__device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, const StepBlocks& blocks,
-                                          const KeyRows& rows, const u8* key_cache, const u8* value_cache,
-                                          int g, int c) {
+__device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, const KeyRows& rows,
+                                          const u8* key_cache, const u8* value_cache, int g, int c) {
     u32 bits = 0u;
     int ch = 0;
     const u32 stage_addr = ring_addr + (u32)(stage * CHUNKS * KNT * 16);
@@ -323,10 +306,11 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
     for (int u = 0; u < NSUB; ++u) {
         const int base = n0 + 16 * u;
         // page16: one block-table entry for the sub-tile, then a row offset per key
-        const int blk = blocks.blk[u];
+        int blk = -1;
         i64 kb = 0, vb = 0;
         if (rows.page16 && base < rows.kend) {
             const int page = rows.page_of(base);
+            blk = rows.bt_row[page];
             const i64 tib0 = base - page * rows.block_size;
             kb = (i64)blk * rows.k_sb + tib0 * rows.k_st + rows.k0;
             vb = (i64)blk * rows.v_sb + tib0 * rows.v_st + rows.v0;
@@ -546,25 +530,19 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
     const Ring ring{ring_mem, tid};
     const u32 ring_addr = shared_address(ring_mem + tid);
     u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
-    auto step_n0 = [&](int i) { return first + (i * KWARPS + warp) * STEP; };
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         u32 b = 0u;
-        if (i < my_steps) {
-            b = issue_step(ring_addr, i, step_n0(i), fetch_blocks(step_n0(i), rows), rows, key_cache, value_cache, g, c);
-        } else {
-            asm volatile("cp.async.commit_group;");
-        }
+        if (i < my_steps) b = issue_step(ring_addr, i, first + (i * KWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        else asm volatile("cp.async.commit_group;");
         live_q |= b << (i * LIVE_BITS);
     }
-    StepBlocks blocks = fetch_blocks(step_n0(STAGES - 1), rows);  // (past the keys: -1, never read)
     int stage = 0, next = STAGES - 1;
     for (int i = 0; i < my_steps; ++i) {
         const int j = i + STAGES - 1;
         u32 b = 0u;
-        if (j < my_steps) b = issue_step(ring_addr, next, step_n0(j), blocks, rows, key_cache, value_cache, g, c);
+        if (j < my_steps) b = issue_step(ring_addr, next, first + (j * KWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
         else asm volatile("cp.async.commit_group;");
-        blocks = fetch_blocks(step_n0(j + 1), rows);  // the next issue's entries, a step ahead
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
         const StepView wds{ring.slot(stage, 0), live_q};
