@@ -447,29 +447,25 @@ class Registry:
     # -- matching --------------------------------------------------------------------
     def answer(self, backend: Backend, device: DeviceInfo, request: Request) -> str | None:
         """``backend``'s (cached) answer to ``fp8kv_supports``, asked outside the lock."""
-        key = (backend.name, device, request)
-        try:
-            return self._answers[key]
-        except KeyError:
-            pass
-        reason = backend.supports(device, request)
-        with self._lock:
-            if self.backends.get(backend.name) is backend:  # not removed or replaced meanwhile
-                return self._answers.setdefault(key, reason)
-        return reason
+        return self._cached("supports", backend, device, request, backend.supports)
 
     def priority(self, backend: Backend, device: DeviceInfo, request: Request) -> int:
         """``backend``'s (cached) priority for ``request`` on ``device`` (``fp8kv_priority``)."""
-        key = ("priority", backend.name, device, request)
+        return self._cached("priority", backend, device, request, backend.priority_for)
+
+    def _cached(self, what: str, backend: Backend, device: DeviceInfo, request: Request, ask: Any) -> Any:
+        """``ask(device, request)``, computed outside the lock and cached per (what, backend, device,
+        request) while ``backend`` stays registered."""
+        key = (what, backend.name, device, request)
         try:
             return self._answers[key]
         except KeyError:
             pass
-        p = backend.priority_for(device, request)
+        value = ask(device, request)
         with self._lock:
-            if self.backends.get(backend.name) is backend:
-                return self._answers.setdefault(key, p)
-        return p
+            if self.backends.get(backend.name) is backend:  # not removed or replaced meanwhile
+                return self._answers.setdefault(key, value)
+        return value
 
     def snapshot(self) -> tuple[dict[str, Backend], int]:
         """The registered backends and their generation, read consistently."""

@@ -74,16 +74,7 @@ struct Shared {
 
 using namespace fp8kv;
 
-extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
-    const q_t* __restrict__ query, const u8* __restrict__ key_cache, const u8* __restrict__ value_cache,
-    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-    q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    float g_mant, int g_exp, float soft_cap, int use_cap, int window, int causal, int split, int write_lse,
-    i64 bt_stride, i64 k_sb, i64 k_st, i64 k_sh, i64 v_sb, i64 v_st, i64 v_sh,
-    i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,
-    int T, int HQ, int D, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,
-    int num_blocks, int keys_per_split) {
+extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(FP8KV_ATTENTION_PARAMS(D)) {
     __shared__ Shared sh;
     const int tid = threadIdx.x;
     const int lane = tid & 31;
@@ -98,14 +89,8 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(
     if (s < 0) return;  // a token outside every sequence: left alone (uniform over the CTA)
 
     // ---- the keys this row sees, and this split's part of them
-    const i64 max_keys = (i64)max_blocks * block_size;
-    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
-    const i64 pos = seq_len - (q_hi - q_lo) + (t - q_lo);
-    const i64 k_hi_vis = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
-    const i64 k_lo_vis = pos - window + 1 > 0 ? pos - window + 1 : 0;
-    const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
-    const i64 kbeg = k_lo_vis > z_lo ? k_lo_vis : z_lo;
-    const i64 kend = k_hi_vis < z_hi ? k_hi_vis : z_hi;
+    i64 kbeg, kend;
+    key_span(seq_lens, s, q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
 
     // ---- queries: float32 in shared memory, scaled by 2^-qshift so that |q| < 2^101
     u32 qmax = 0u;

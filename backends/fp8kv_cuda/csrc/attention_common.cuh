@@ -100,6 +100,21 @@ __device__ __forceinline__ int find_seq(const int* qsl, int num_seqs, int T, int
     return (q_lo <= t && t < q_hi) ? lo : -1;
 }
 
+// The keys [kbeg, kend) query token t of sequence s (queries [q_lo, q_hi)) sees in split z:
+// seq_lens clamped to the block table's row, the causal end, the window's start, the split.
+__device__ __forceinline__ void key_span(const int* seq_lens, int s, int q_lo, int q_hi, int t, int causal,
+                                         int window, int z, int keys_per_split, int max_blocks, int block_size,
+                                         i64& kbeg, i64& kend) {
+    const i64 max_keys = (i64)max_blocks * block_size;
+    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
+    const i64 pos = seq_len - (q_hi - q_lo) + (t - q_lo);
+    const i64 k_hi_vis = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
+    const i64 k_lo_vis = pos - window + 1 > 0 ? pos - window + 1 : 0;
+    const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
+    kbeg = k_lo_vis > z_lo ? k_lo_vis : z_lo;
+    kend = k_hi_vis < z_hi ? k_hi_vis : z_hi;
+}
+
 }  // namespace fp8kv
 
 using namespace fp8kv;
@@ -144,3 +159,16 @@ extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
         store_out(out, row * D + d, fdiv(num, den_safe) * mul);
     }
 }
+
+// The attention kernels' parameters (one launcher argument list, fp8kv_cuda.attention): DIM names the
+// head-size argument (the tensor-core kernel's head size is a compile-time constant instead).
+#define FP8KV_ATTENTION_PARAMS(DIM)                                                                         \
+    const q_t* __restrict__ query, const u8* __restrict__ key_cache, const u8* __restrict__ value_cache,    \
+    const float* __restrict__ k_scale, const float* __restrict__ v_scale,                                   \
+    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ qsl,    \
+    q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml, \
+    float g_mant, int g_exp, float soft_cap, int use_cap, int window, int causal, int split, int write_lse,  \
+    i64 bt_stride, i64 k_sb, i64 k_st, i64 k_sh, i64 v_sb, i64 v_st, i64 v_sh,                             \
+    i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,                                     \
+    int T, int HQ, int DIM, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,        \
+    int num_blocks, int keys_per_split

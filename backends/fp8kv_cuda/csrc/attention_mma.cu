@@ -579,16 +579,7 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
 
 }  // namespace fp8kv
 
-extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(
-    const q_t* __restrict__ query, const u8* __restrict__ key_cache, const u8* __restrict__ value_cache,
-    const float* __restrict__ k_scale, const float* __restrict__ v_scale,
-    const int* __restrict__ block_tables, const int* __restrict__ seq_lens, const int* __restrict__ qsl,
-    q_t* __restrict__ out, float* __restrict__ lse, float* __restrict__ part_acc, float* __restrict__ part_ml,
-    float g_mant, int g_exp, float soft_cap, int use_cap, int window, int causal, int split, int write_lse,
-    i64 bt_stride, i64 k_sb, i64 k_st, i64 k_sh, i64 v_sb, i64 v_st, i64 v_sh,
-    i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,
-    int T, int HQ, int D_arg, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,
-    int num_blocks, int keys_per_split) {
+extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(FP8KV_ATTENTION_PARAMS(D_arg)) {
     extern __shared__ uint4 ring_mem[];  // SMEM_BYTES (the launcher passes fp8kv_cuda.attention.mma_smem_bytes)
     MmaShared& sh = *reinterpret_cast<MmaShared*>(ring_mem);
     const int tid = threadIdx.x;
@@ -607,16 +598,12 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     if (s < 0) return;  // uniform over the CTA
 
     // ---- the keys this row sees, and this split's part of them
-    const i64 max_keys = (i64)max_blocks * block_size;
-    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
-    const i64 pos = seq_len - (q_hi - q_lo) + (t - q_lo);
-    const i64 k_hi_vis = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
-    const i64 k_lo_vis = pos - window + 1 > 0 ? pos - window + 1 : 0;
-    const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
+    i64 kbeg, kend;
+    key_span(seq_lens, s, q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
     KeyRows rows;
     rows.bt_row = block_tables + (i64)s * bt_stride;
-    rows.kbeg = (int)(k_lo_vis > z_lo ? k_lo_vis : z_lo);
-    rows.kend = (int)(k_hi_vis < z_hi ? k_hi_vis : z_hi);
+    rows.kbeg = (int)kbeg;  // positions < seq_len <= INT32_MAX
+    rows.kend = (int)kend;
     rows.block_size = block_size;
     rows.num_blocks = num_blocks;
     rows.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
