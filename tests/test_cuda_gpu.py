@@ -114,7 +114,7 @@ def test_device_float16_widening_is_exact():
 
 
 @pytest.mark.skipif(SKIP is not None or torch.cuda.get_device_capability() < (8, 9),
-                    reason="the native FP8 widening (cvt.rn.f16x2.e4m3x2/e5m2x2) needs sm89+")
+                    reason=SKIP or "the native FP8 widening (cvt.rn.f16x2.e4m3x2/e5m2x2) needs sm89+")
 @pytest.mark.parametrize("fmt", [FORMATS["fp8_e4m3"], FORMATS["fp8_e5m2"]], ids=["fp8_e4m3", "fp8_e5m2"])
 def test_device_native_widening_is_exact(fmt):
     """Every FP8 byte pair -> the float16 pair torch's conversion gives (NaN for NaN, signs kept)."""
@@ -288,7 +288,7 @@ def _mma_capable() -> bool:
     return SKIP is None and torch.cuda.get_device_capability() >= (8, 0)
 
 
-@pytest.mark.skipif(not _mma_capable(), reason="the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
 @pytest.mark.parametrize("gran", ["head", "token_head"])
 @pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-inf-codes"])
 @pytest.mark.parametrize("D", [64, 128, 256])

@@ -59,6 +59,9 @@ MMA_HEADS = 8
 """Query heads per CTA of the tensor-core kernel (the mma's n)."""
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
+MMA_QUERY_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False) -> int:
     """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
     launched with less): the larger of the cp.async ring and the epilogue's per-warp outputs."""
@@ -76,7 +79,7 @@ def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, t
     """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
     bfloat16 queries, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU, and a
     CTA that fits its shared memory (:func:`mma_warps`)."""
-    if device.type != "cuda" or query_dtype not in (torch.float16, torch.bfloat16):
+    if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES:
         return False
     major, minor = torch.cuda.get_device_capability(device)
     sm = major * 10 + minor
@@ -97,8 +100,7 @@ def mma_warps(device: torch.device, head_size: int, token_scales: bool = False) 
     """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
     shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
     CTA; None when none fits (the CUDA-core kernel serves)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    per_block, per_sm = _smem_limits(index)
+    per_block, per_sm = _smem_limits(runtime.device_index(device))
     for need in (2, 1):
         for warps in (6, 4):
             smem = mma_smem_bytes(head_size, warps, token_scales)
@@ -119,8 +121,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     Measured on an H200 (``benchmarks/results/cuda_decode/``)."""
     chunks = _cdiv(group, MMA_HEADS)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    sms = _num_sms(index) if device.type == "cuda" else 1
+    sms = _num_sms(runtime.device_index(device))
     if warps is None:
         warps = mma_warps(device, head_size, token_scales) or 4
     if num_splits is None:
@@ -146,7 +147,7 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
     ctas = max(1, num_tokens) * num_kv_heads * chunks
     target = 1
     if device.type == "cuda":
-        target = 4 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        target = 4 * _num_sms(runtime.device_index(device))
     splits = 1
     if ctas < target and max_keys > 4 * block_n:
         splits = min(_cdiv(target, ctas), _cdiv(max_keys, 4 * block_n), MAX_SPLITS)
@@ -193,7 +194,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     fmt = cache.fmt.name
     p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
                       query_dtype=query.dtype, token_scales=token_scales, fmt=fmt)
-    if p.mma and not (vec == 16 and mma_serves(query.device, query.dtype, D, token_scales, fmt)):
+    if p.mma and not (vec == 16 and query.dtype in MMA_QUERY_DTYPES):  # (the plan checked the rest)
         p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32

@@ -40,6 +40,8 @@ import torch
 from fp8kv.hookspecs import Request
 from fp8kv.probe import DeviceInfo
 
+from .variants import mma_arch_serves
+
 MIN_SM = 70
 CUDA13_MIN_SM = 75
 MAX_HEAD_SIZE = 256
@@ -137,9 +139,9 @@ DECODE_PRIORITY = 110
 """Priority of decode-only attention the tensor-core kernel serves on :data:`DECODE_FASTER_ARCHES`
 (above Triton's 100)."""
 DECODE_FASTER_ARCHES = frozenset({"sm90"})
-"""Where the tensor-core decode was measured faster than Triton's decode (H200, 2026-11-26,
-``benchmarks/results/cuda_decode/``: 1.25-1.35x at the four decode shapes). Other sm80+
-architectures keep Triton until measured."""
+"""Where the tensor-core decode was measured faster than Triton's decode (2026-11-26,
+``benchmarks/results/cuda_decode/``, same runs: 1.03-1.15x on the H100, 1.18-1.34x on the H200 at
+the four decode shapes). Other sm80+ architectures keep Triton until measured."""
 
 
 def priority(device: DeviceInfo, request: Request) -> int | None:
@@ -147,8 +149,6 @@ def priority(device: DeviceInfo, request: Request) -> int | None:
     tensor-core kernel serves on an architecture where it was measured faster; else None. The
     kernel's 16-byte row alignment is checked at launch (an unaligned cache falls back to the
     CUDA-core kernel)."""
-    from .variants import mma_arch_serves
-
     if (request.op != "paged_attention" or request.features & {"chunked_prefill", "fp8_attention"}
             or device.arch not in DECODE_FASTER_ARCHES or device.sm is None
             or request.io_dtype not in (torch.float16, torch.bfloat16)

@@ -48,8 +48,9 @@ HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_paged_attention
 
 
 def hot_kernels(arch: str) -> tuple[str, ...]:
-    """The hot kernels compiled for ``arch`` (the tensor-core kernel is sm80+)."""
-    return tuple(k for k in HOT_KERNELS if k != "fp8kv_paged_attention_mma" or int(arch[2:]) >= 80)
+    """The hot kernels compiled for ``arch`` (the tensor-core kernel only where it serves at all)."""
+    mma = mma_arch_serves(int(arch[2:]), "fp8_e4m3", 128)
+    return tuple(k for k in HOT_KERNELS if k != "fp8kv_paged_attention_mma" or mma)
 
 
 @dataclass

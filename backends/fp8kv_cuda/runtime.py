@@ -40,9 +40,14 @@ def cupy():
     return cp
 
 
+def device_index(device: torch.device) -> int:
+    """The CUDA device index of ``device`` (the current device for a bare ``"cuda"``)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def function(variant: Variant, entry: str, device: torch.device):
     """The compiled kernel ``entry`` of ``variant`` on ``device`` (compiled on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     key = (variant, index)
     mod = _modules.get(key)
     if mod is None:
@@ -93,7 +98,7 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     """Launch ``entry`` of ``variant`` on torch's current stream of ``device`` with ``shared_mem``
     bytes of dynamic shared memory (above 48 KiB the kernel is opted in once)."""
     fn = function(variant, entry, device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device_index(device)
     stream = torch.cuda.current_stream(index)
     cp = cupy()
     with cp.cuda.Device(index):

@@ -1,12 +1,13 @@
 // fp8kv_cuda: paged attention on tensor cores (sm80+: mma.sync m16n8k16, movmatrix), for float16
 // and bfloat16 queries, any scale granularity, head sizes 64, 128 and 256.
 //
-// Grid (T, H * head_chunks, num_splits), NT = 128 threads (4 warps). A CTA owns one query token,
-// one KV head, up to 8 of its query heads (GQA packing) and the keys of split z. Each warp walks
-// its own steps of 16 * NSUB keys (warp w takes steps w, w + 4, ...) with its own online softmax.
+// Grid (T, H * head_chunks, num_splits), KNT = 32 * KWARPS threads (FP8KV_MMA_WARPS warps). A CTA
+// owns one query token, one KV head, up to 8 of its query heads (GQA packing) and the keys of
+// split z. Each warp walks its own steps of 16 * NSUB keys (warp w takes steps w, w + KWARPS, ...)
+// with its own online softmax.
 // Each thread copies the bytes it will use into its own slots of a shared-memory ring with
 // cp.async (STAGES - 1 steps in flight; no barrier in the loop, a thread reads only what it
-// copied); the 4 warps' states are merged once at the end.
+// copied); the warps' states are merged once at the end.
 //
 // Per 16-key sub-tile, in the transposed orientation (keys and dims are rows, heads columns):
 //   S^T[16 keys x 8 heads] = K[16 x D] . Q^T[D x 8]:  A = K (converted FP8), B = Q (registers);
@@ -372,8 +373,6 @@ __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1,
     return ((u32)(4 + d) << 12) | ((u32)(4 + d) << 8) | ((u32)d << 4) | (u32)d;
 }
 
-// One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
-// O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
 // Power of two >= x > 0 (finite), at most 2^127.
 __device__ __forceinline__ float pow2_ceil(float x) {
     const u32 b = f2u(x);
@@ -381,6 +380,8 @@ __device__ __forceinline__ float pow2_ceil(float x) {
     return e >= 254u ? u2f(254u << 23) : u2f(e << 23);
 }
 
+// One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
+// O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
 template <bool EXACT, int KE>
 __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)[KW][2], float f1, float f2,
                                             float g_mant, int gexp, float soft_cap, int use_cap, float (&m_run)[2],
@@ -510,7 +511,7 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
                                          const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
                                          float (&m_run)[2], float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-    // the query fragment (B of S^T): head g, dims c D/4 + 4 ks + the K fragment's k order
+    // the query fragment (B of S^T): head g, dims k_dim(c, ks) + 0..3 in the K fragment's k order
     u32 qb[KW][2];
 #pragma unroll
     for (int ks = 0; ks < KW; ++ks) {
