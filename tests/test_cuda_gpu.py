@@ -466,3 +466,85 @@ def test_auto_picks_cuda_where_triton_cannot_or_is_slower():
         assert picks == (["cuda", "triton"] if (major, minor) == (9, 0) else ["triton", "triton"])
     else:
         assert picks == ["cuda", "cuda"]
+
+
+PREFILL_CASES = {
+    # (lens, q_lens, Hq, H, causal, window, cap, hole): seq s has q_lens[s] new tokens at its end
+    "short-rows-hi-lo-p": ([700, 1500, 64], [300, 129, 64], 16, 2, True, None, None, False),
+    "long-rows-one-p-hole": ([3000, 2500], [200, 131], 16, 4, True, None, None, True),
+    "window-cap": ([2600, 1800], [170, 300], 8, 2, True, 1100, 30.0, False),
+    "non-causal-split": ([20000], [64], 8, 2, False, None, None, False),
+}
+
+
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core prefill kernel needs sm80+ (mma.sync)")
+@pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-codes"])
+@pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
+def test_tensor_core_prefill(fmt, dtype, case, specials):
+    """The tensor-core prefill kernel (``csrc/prefill_mma.cu``) on caches of raw random bytes (every
+    finite code), GQA rows packed, causal/non-causal, window, soft-cap, a block-table hole, a split
+    plan; with ``specials``, a NaN code in K (the rows that see it are NaN) and NaN/inf codes in V
+    (those dims of the rows that see it), which send the CTAs on the bit-level path to the exact
+    kernel. bfloat16 queries beyond a 2^31 range take the exact kernel's bfloat16-K path."""
+    from fp8kv_cuda.attention import plan
+
+    lens, q_lens, Hq, H, causal, window, cap, hole = PREFILL_CASES[case]
+    D, bs, B = 128, 16, len(lens)
+    g = torch.Generator().manual_seed(sum(lens) + int(specials))
+    need = [-(-n // bs) for n in lens]
+    nblocks = sum(need) + 5
+    perm = torch.randperm(nblocks, generator=g).int()
+    tables = torch.full((B, max(need) + 2), 10**6, dtype=torch.int32)  # (past the lengths: never read)
+    at = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[at:at + k]
+        at += k
+    if hole:  # keys 32..47 of sequence 0 sit in an invalid block: masked out
+        tables[0, 2] = -1
+    kw = dict(k_scale=torch.linspace(0.004, 0.02, H), v_scale=torch.linspace(0.03, 0.001, H))
+    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt.name, scale_granularity="head", device="cuda", **kw)
+    bad = torch.tensor(fmt.nan_encodings + fmt.inf_encodings, dtype=torch.uint8)
+    for c in (cache.key_cache, cache.value_cache):
+        b = torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8)
+        b = torch.where(torch.isin(b, bad), b & 0x0F, b)
+        c.view(torch.uint8).copy_(b.cuda())
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    T = int(qsl[-1])
+    if specials:  # seq 0: K NaN at the last cached key; V NaN/inf at key 5 (seen by every row)
+        kpos = lens[0] - q_lens[0] - 1
+        blk = int(tables[0, kpos // bs])
+        cache.key_cache[blk, kpos % bs, 0, 3].view(torch.uint8).fill_(fmt.nan_encodings[0])
+        blk = int(tables[0, 5 // bs])
+        for d, code in zip((1, D - 1), (fmt.nan_encodings + fmt.inf_encodings) * 2, strict=False):
+            cache.value_cache[blk, 5 % bs, H - 1, d].view(torch.uint8).fill_(code)
+    tables = tables.cuda()
+    query = (torch.randn(T, Hq, D, generator=g) * 2).to(dtype).cuda()
+    p = plan(query.device, num_tokens=T, num_kv_heads=H, group=Hq // H, head_size=D,
+             max_keys=tables.shape[1] * bs, query_dtype=dtype, fmt=fmt.name, max_query_len=max(q_lens), num_seqs=B)
+    assert p.prefill
+    if case == "non-causal-split":
+        assert p.num_splits > 1
+    # (host checks off: the table holds an invalid block and ids past the lengths)
+    kw = dict(query_start_loc=qsl, causal=causal, sliding_window=window, logits_soft_cap=cap, validate=False,
+              max_query_len=max(q_lens))
+    out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
+                                     backend="cuda", return_lse=True, **kw)
+    ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="reference", return_lse=True, **kw)
+    assert torch.equal(out.isnan(), ref.isnan())
+    if specials:
+        assert ref[: q_lens[0], : Hq // H].isnan().all()  # every row of seq 0 sees the K NaN (head group 0)
+    bounds = paged_attention_bounds(query, cache, tables, lens_t, qsl, causal=causal, sliding_window=window,
+                                    logits_soft_cap=cap)
+    assert_attention_close(out, ref, **bounds)
+    if not specials:
+        assert_lse_close(lse, ref_lse, **bounds)
+    if dtype == torch.bfloat16 and not specials:  # a range beyond 2^31: the exact kernel's bfloat16-K path
+        wide = query.clone()
+        wide[..., ::2] *= 2.0**-40
+        out = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="cuda", **kw)
+        ref = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="reference", **kw)
+        assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl, causal=causal,
+                                                                   sliding_window=window, logits_soft_cap=cap))

@@ -20,10 +20,13 @@ from . import runtime
 from .variants import (
     ATTN_THREADS,
     MMA_TILES,
+    PREFILL_STAGES,
     attention_mma_variant,
     attention_tile,
     attention_variant,
     mma_arch_serves,
+    prefill_arch_serves,
+    prefill_mma_variant,
 )
 from .write import cache_strides, scale_strides
 
@@ -48,6 +51,11 @@ class AttnPlan:
     """The tensor-core kernel (``csrc/attention_mma.cu``) rather than the CUDA-core one."""
     warps: int = 4
     """Warps per CTA of the tensor-core kernel."""
+    prefill: bool = False
+    """The tensor-core chunked-prefill kernel (``csrc/prefill_mma.cu``)."""
+    row_tiles: int = 0
+    """Prefill: CTAs per (sequence, KV head, split) along the query rows (``max_query_len * group``
+    rows in tiles of :data:`PREFILL_ROWS`)."""
 
 
 @functools.cache
@@ -132,13 +140,66 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps)
 
 
+PREFILL_WARPS = 4
+PREFILL_ROWS = 32 * PREFILL_WARPS
+"""Query rows per CTA of the tensor-core prefill kernel (32 per warp: two m16 tiles)."""
+PREFILL_BLOCK_N = 32
+PREFILL_SPLIT_KEYS = 256
+"""A split of the prefill kernel is a multiple of this many keys."""
+
+
+def prefill_smem_bytes(head_size: int = 128, warps: int = PREFILL_WARPS) -> int:
+    """At least the prefill kernel's ``sizeof(PrefillShared)`` (it traps if launched with less): Q
+    fragments, the K/V ring, the per-stage key bits, the key addressing and the query range."""
+    q = 16 * warps * 2 * (head_size // 16) * 32
+    ring = 2 * 16 * PREFILL_STAGES * PREFILL_BLOCK_N * (head_size // 16)
+    return q + ring + 16 * PREFILL_STAGES + 80 + 8 * warps + 16
+
+
+def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
+                   fmt: str) -> bool:
+    """Whether the tensor-core prefill kernel serves this step (before the launch's alignment check):
+    float16/bfloat16 queries, static scales, :func:`fp8kv_cuda.variants.prefill_arch_serves`, and a
+    CTA that fits the device's shared memory."""
+    if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES or token_scales:
+        return False
+    major, minor = torch.cuda.get_device_capability(device)
+    per_block, _ = _smem_limits(runtime.device_index(device))
+    return prefill_arch_serves(major * 10 + minor, fmt, head_size) and prefill_smem_bytes(head_size) <= per_block
+
+
+def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, group: int, head_size: int,
+                 max_keys: int, max_query_len: int, num_splits: int | None = None) -> AttnPlan:
+    """Row tiles and KV split of the prefill kernel: ``max_query_len * group`` rows per (sequence, KV
+    head) in tiles of :data:`PREFILL_ROWS`; the keys are split only when the CTAs would not fill
+    the GPU twice (long contexts under short query chunks), each split at least 2 x
+    :data:`PREFILL_SPLIT_KEYS` keys."""
+    row_tiles = _cdiv(max(1, max_query_len) * group, PREFILL_ROWS)
+    ctas = row_tiles * num_kv_heads * max(1, num_seqs)
+    if num_splits is None:
+        sms = _num_sms(runtime.device_index(device))
+        num_splits = 1
+        if ctas < 2 * sms:
+            num_splits = min(_cdiv(2 * sms, ctas), max(1, max_keys // (2 * PREFILL_SPLIT_KEYS)), MAX_SPLITS)
+    kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), PREFILL_SPLIT_KEYS) * PREFILL_SPLIT_KEYS
+    splits = max(1, _cdiv(max_keys, kps))
+    return AttnPlan(head_size, group, PREFILL_BLOCK_N, 1, splits, kps, mma=True, warps=PREFILL_WARPS,
+                    prefill=True, row_tiles=row_tiles)
+
+
 def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
          max_keys: int, query_dtype: torch.dtype | None = None, token_scales: bool = False,
-         fmt: str = "fp8_e4m3") -> AttnPlan:
+         fmt: str = "fp8_e4m3", max_query_len: int = 1, num_seqs: int = 1) -> AttnPlan:
     """Tile and split from host-known sizes (``max_keys = block_tables.shape[1] * block_size``, an
-    upper bound of every sequence): the tensor-core kernel where :func:`mma_serves` (see
-    :func:`plan_mma`), else the CUDA-core kernel, whose keys are split when the CTAs would not
-    fill the GPU 4 times over and each split keeps at least 4 tiles."""
+    upper bound of every sequence): chunked prefill (``max_query_len > 1``) on the tensor-core
+    prefill kernel where :func:`prefill_serves` (see :func:`plan_prefill`); otherwise the tensor-core
+    decode kernel where :func:`mma_serves` (see :func:`plan_mma`), else the CUDA-core kernel, whose
+    keys are split when the CTAs would not fill the GPU 4 times over and each split keeps at least
+    4 tiles. Decode and the other kernels run one CTA row per query token."""
+    if (max_query_len > 1 and query_dtype is not None
+            and prefill_serves(device, query_dtype, head_size, token_scales, fmt)):
+        return plan_prefill(device, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=group,
+                            head_size=head_size, max_keys=max_keys, max_query_len=max_query_len)
     if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales, fmt):
         return plan_mma(device, num_tokens=num_tokens, num_kv_heads=num_kv_heads, group=group,
                         head_size=head_size, max_keys=max_keys, token_scales=token_scales)
@@ -192,15 +253,20 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     token_scales = cache.scale_granularity == "token_head"
     vec = _vec(cache, D)
     fmt = cache.fmt.name
+    # without a plan: T bounds every query's length; T == S is taken for decode
     p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
-                      query_dtype=query.dtype, token_scales=token_scales, fmt=fmt)
+                      query_dtype=query.dtype, token_scales=token_scales, fmt=fmt,
+                      max_query_len=1 if T == S else T, num_seqs=S)
     if p.mma and not (vec == 16 and query.dtype in MMA_QUERY_DTYPES):  # (the plan checked the rest)
         p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
-    if p.mma:
+    if p.prefill:
+        variant = prefill_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps)
+        entry = "fp8kv_prefill_mma"
+    elif p.mma:
         variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales)
         entry = "fp8kv_paged_attention_mma"
     else:
@@ -228,7 +294,14 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
             r.i32(p.keys_per_split)]
     grid = (T, H * p.head_chunks, p.num_splits)
-    if p.mma:
+    if p.prefill:
+        # the fast kernel, then the exact one over the CTAs it handed back (redo[cta] = 1)
+        grid = (p.row_tiles, H, S * p.num_splits)
+        redo = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=dev)
+        smem = prefill_smem_bytes(D, p.warps)
+        for name in (entry, "fp8kv_prefill_mma_exact"):
+            runtime.launch(variant, name, dev, grid, 32 * p.warps, [*args, r.ptr(redo)], shared_mem=smem)
+    elif p.mma:
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales))
     else:

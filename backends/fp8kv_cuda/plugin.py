@@ -32,7 +32,7 @@ class CudaBackend:
         return BackendInfo(
             "cuda", __version__, priority=PRIORITY, fast=True,
             description="CUDA C++ through CuPy/NVRTC: NVIDIA sm70+ (Volta/Turing included), all formats; "
-                        "decode on tensor cores (sm80+) or CUDA cores (GQA-packed, split-KV), prefill per query token",
+                        "decode and chunked prefill on tensor cores (sm80+) or CUDA cores (GQA-packed, split-KV)",
         )
 
     @hookimpl
@@ -61,7 +61,8 @@ class CudaBackend:
         return plan(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
                     group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
                     max_keys=metadata.block_tables.shape[1] * spec.block_size, query_dtype=metadata.query_dtype,
-                    token_scales=spec.scale_granularity == "token_head", fmt=spec.kv_dtype)
+                    token_scales=spec.scale_granularity == "token_head", fmt=spec.kv_dtype,
+                    max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0])
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:

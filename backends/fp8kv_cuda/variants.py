@@ -22,6 +22,7 @@ from fp8kv.formats import FORMATS
 KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
            "attention_mma": ("attention_mma.cu", ("fp8kv_paged_attention_mma", "fp8kv_merge")),
+           "prefill_mma": ("prefill_mma.cu", ("fp8kv_prefill_mma", "fp8kv_prefill_mma_exact", "fp8kv_merge")),
            "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16", "fp8kv_widen_native"))}
 """kernel family -> (source file in csrc/, entry points)."""
 
@@ -105,6 +106,29 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
                                           ("FP8KV_SM_WARPS_BITS", sm_warps_bits)))
+
+
+PREFILL_HEAD_SIZES = (128,)
+"""Head sizes of the tensor-core prefill kernel (``csrc/prefill_mma.cu``)."""
+PREFILL_STAGES = 3
+"""cp.async ring depth of the tensor-core prefill kernel (K and V tiles of 32 keys)."""
+FULL_P_KEYS = 1024
+"""Rows that all see at least this many keys take P in one float16 (else hi + lo): its 2^-12
+relative error is then within ``fp8kv.testing.tolerance``'s float32 accumulation term."""
+
+
+def prefill_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
+    """Whether the tensor-core prefill kernel serves a format and head size on ``sm``: sm80+ (mma.sync),
+    head size 128, every format."""
+    return sm >= 80 and head_size in PREFILL_HEAD_SIZES
+
+
+def prefill_mma_variant(fmt: str, io_dtype: str, head_size: int = 128, warps: int = 4) -> Variant:
+    """The tensor-core chunked-prefill kernel (sm80+; + the split merge) for one format, float16/bfloat16
+    queries, static (tensor or head) scales, head size 128."""
+    return Variant("prefill_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
+                                        ("FP8KV_D", head_size), ("FP8KV_STAGES", PREFILL_STAGES),
+                                        ("FP8KV_PREFILL_WARPS", warps), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS)))
 
 
 def codec_variant(fmt: str) -> Variant:

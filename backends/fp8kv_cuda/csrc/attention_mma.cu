@@ -39,7 +39,7 @@
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), FP8KV_TOKEN_SCALES, FP8KV_STAGES,
 // FP8KV_MMA_WARPS, FP8KV_SM_WARPS_NATIVE/BITS (fp8kv_cuda.variants), and the format's.
-#include "attention_common.cuh"
+#include "mma_common.cuh"
 
 namespace fp8kv {
 
@@ -74,8 +74,6 @@ constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
 // its word w is dims v_dim(g, w) + {0..3}.
 __device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16 * c + 4 * (ks & 3); }
 __device__ __forceinline__ int v_dim(int g, int w) { return 128 * (w >> 2) + VBYTES_PER_CHUNK * g + 4 * (w & 3); }
-constexpr int FP8_EXP = 7 - MANT;
-constexpr bool NATIVE = NATIVE_WIDEN;  // codec.cuh: cvt.rn.f16x2.{e4m3x2,e5m2x2} on sm89+ (OCP formats)
 #ifndef FP8KV_SM_WARPS_NATIVE  // warps per SM the registers are budgeted for (fp8kv_cuda.variants.MMA_TILES)
 #define FP8KV_SM_WARPS_NATIVE 8
 #define FP8KV_SM_WARPS_BITS 8
@@ -85,131 +83,6 @@ constexpr bool NATIVE = NATIVE_WIDEN;  // codec.cuh: cvt.rn.f16x2.{e4m3x2,e5m2x2
 
 static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
-
-// ------------------------------------------------------------------ FP8 -> 16-bit pairs
-
-// The codes at bytes 1 and 3 of x (bytes 0 and 2 ignored) as a pair of a 16-bit float format with
-// TEXP exponent bits (5: float16, 8: bfloat16), low half from byte 1: exact for every code but
-// the specials (see has_special), both multiplied by 2^(bias16 - BIAS).
-template <int TEXP>
-__device__ __forceinline__ u32 widen_fast(u32 x) {
-    constexpr int SH = TEXP - FP8_EXP;
-    u32 r;
-    if constexpr (SH == 0) {
-        r = x & 0xFF00FF00u;
-    } else {
-        r = (x & 0x80008000u) | ((x & 0x7F007F00u) >> SH);
-    }
-    constexpr int E = (TEXP == 5 ? 15 : 127) - BIAS;  // the power of two to multiply by
-    if constexpr (E != 0) {
-        constexpr u32 F = TEXP == 5 ? (u32)(E + 15) << 10 : (u32)(E + 127) << 7;
-        constexpr u32 F2 = F | (F << 16);
-        if constexpr (TEXP == 5) {
-            asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(r) : "r"(F2));
-        } else {
-            asm("fma.rn.bf16x2 %0, %0, %1, %2;" : "+r"(r) : "r"(F2), "r"(0x80008000u));
-        }
-    }
-    return r;
-}
-
-// The same pair through the software decoder (every code, NaN and inf included).
-template <int TEXP>
-__device__ __forceinline__ u32 widen_exact(u32 x) {
-    const float lo = decode((x >> 8) & 0xFFu), hi = decode(x >> 24);
-    u32 r;
-    if constexpr (TEXP == 5) {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    }
-    return r;
-}
-
-template <int TEXP, bool EXACT>
-__device__ __forceinline__ u32 widen(u32 x) {
-    if constexpr (EXACT) return widen_exact<TEXP>(x);
-    else return widen_fast<TEXP>(x);
-}
-
-// Nonzero when a byte of w is a code that widen_fast<TEXP> gets wrong.
-template <int TEXP>
-__device__ __forceinline__ u32 has_special(u32 w) {
-    if constexpr (NATIVE && TEXP == 5) {  // the native conversion is exact
-        return 0u;
-    } else if constexpr (FNUZ) {  // 0x80 (NaN) would become -0
-        const u32 v = w ^ 0x80808080u;
-        const u32 nan = (v - 0x01010101u) & ~v & 0x80808080u;
-        if constexpr (MANT == 2 && TEXP == 5) {  // e5m2fnuz's top binade (exponent 31) is inf/NaN in float16
-            return nan | (((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u);
-        }
-        return nan;
-    } else if constexpr (!HASINF) {  // e4m3: 0x7F/0xFF (NaN) would become +-480
-        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-    } else if constexpr (TEXP == 5) {  // e5m2 -> float16: the same bits, inf and NaN included
-        return 0u;
-    } else {  // e5m2 -> bfloat16: inf/NaN (exponent all ones) would become finite
-        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
-    }
-}
-
-// ------------------------------------------------------------------ tensor-core primitives
-
-// d += a . b, m16n8k16, float32 accumulation; a/b in float16 (TEXP 5) or bfloat16 (TEXP 8).
-template <int TEXP>
-__device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    if constexpr (TEXP == 5) {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    } else {
-        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-            "{%0,%1,%2,%3};"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-}
-
-__device__ __forceinline__ u32 transpose8x8(u32 x) {
-    u32 r;
-    asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
-    return r;
-}
-
-__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-__device__ __forceinline__ float f16_lo(u32 x) {
-    float r;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }" : "=f"(r) : "r"(x));
-    return r;
-}
-
-__device__ __forceinline__ float f16_hi(u32 x) {
-    float r;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "r"(x));
-    return r;
-}
-
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
-
-// The query value i scaled by 2^-shift as the bits of K's 16-bit type KE (5: float16, 8: bfloat16);
-// the caller picks shift so that this is exact (see the kernel).
-template <int KE>
-__device__ __forceinline__ u32 query_bits(const q_t* q, i64 i, bool live, i32 shift) {
-    if (!live) return 0u;
-    if ((KE == 5) == (QT == 1) && shift == 0) return q[i];
-    const float x = load_q(q, i) * pow2i(-shift);
-    return KE == 5 ? (u32)f32_to_f16_bits(x) : (u32)f32_to_bf16_bits(x);
-}
 
 struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
     float o[KWARPS][HEADS][D];  // each warp's unnormalised output
@@ -264,27 +137,6 @@ struct StepView {
     // token_head: [k_scale, k_scale, v_scale, v_scale] of keys g and g + 8 (as float bits)
     __device__ __forceinline__ uint4 scales(int u) const { return base[(u * PER_SUB + 2 * KCH + 4 * VCH) * KNT]; }
 };
-
-__device__ __forceinline__ u32 word(const uint4& x, int i) { return i == 0 ? x.x : i == 1 ? x.y : i == 2 ? x.z : x.w; }
-
-__device__ __forceinline__ u32 shared_address(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(r) : "l"(p));
-    return r;
-}
-
-// cp.async of BYTES (16, 8 or 4) from src, or zeros without a read when !live.
-template <int BYTES>
-__device__ __forceinline__ void copy_async(u32 dst, const u8* src, bool live) {
-    if constexpr (BYTES == 16) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
-    } else if constexpr (BYTES == 8) {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(live ? 8 : 0));
-    } else {
-        static_assert(BYTES == 4, "copy_async: 16, 8 or 4 bytes");
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(live ? 4 : 0));
-    }
-}
 
 // The ring: slot (stage, chunk) of thread tid is ring[(stage * CHUNKS + chunk) * KNT + tid] (16 bytes;
 // consecutive threads, consecutive slots: conflict-free). Each thread reads back only its own slots.
@@ -368,17 +220,6 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
     return bits;
 }
 
-
-__device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1, byte d of b at byte 3
-    return ((u32)(4 + d) << 12) | ((u32)(4 + d) << 8) | ((u32)d << 4) | (u32)d;
-}
-
-// Power of two >= x > 0 (finite), at most 2^127.
-__device__ __forceinline__ float pow2_ceil(float x) {
-    const u32 b = f2u(x);
-    const u32 e = (b >> 23) + ((b & 0x7FFFFFu) != 0u);  // x is normal here (a weight >= 2^-126 or 0)
-    return e >= 254u ? u2f(254u << 23) : u2f(e << 23);
-}
 
 // One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
 // O^T += V^T P^T. EXACT: every FP8 code through the software decoder.

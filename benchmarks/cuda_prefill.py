@@ -1,0 +1,105 @@
+"""Chunked and long causal prefill with the CUDA backend's tensor-core prefill kernel against the
+same backend's per-token path (its decode kernels, one CTA row per query token), the Triton backend,
+SDPA bf16 and FlashInfer bf16 (its FA3 path), in one process on the same cache bytes.
+
+    python benchmarks/cuda_prefill.py --json benchmarks/results/cuda_prefill/h100.json [--flashinfer]
+
+Shapes (``--shapes``, ``SEQSxNEW+CACHED``): 4 x 2048 new over 2048 cached and 1 x 16384; GQA 32/8,
+D=128, block 16, e4m3 cache with per-head scales, bf16 queries (``hopper_prefill.workload``). Times
+are medians of CUDA-graph replays; useful FLOPs count the visible (query, key) pairs (``4 D`` per
+pair and query head). Before timing, the CUDA output is compared with the Triton backend's (the
+largest difference in units of ``max |v|``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from fp8kv_bench.kernels import causal_sdpa_bf16, environment, time_graph  # noqa: E402
+from hopper_prefill import HKV, HQ, D, bench_flashinfer, plot, table, workload  # noqa: E402
+
+
+def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]) -> None:
+    from fp8kv_cuda.attention import paged_attention, plan
+
+    import fp8kv
+
+    gen = torch.Generator().manual_seed(7)
+    cache, tables, query, seq_lens, qsl, flops = workload(device, seqs, new, cached, gen)
+    L = new + cached
+    tag = f"{seqs}x{new} over {cached}"
+    vmax = (cache.v_scale.max() * 448).item()
+    print(f"== {tag}: {flops / 1e12:.3f} useful TFLOP", flush=True)
+
+    def record(name, ms, **kw):
+        row = {"shape": tag, "seqs": seqs, "new": new, "cached": cached, "impl": name, "ms": ms,
+               "useful_tflops": flops / (ms * 1e-3) / 1e12, **kw}
+        rows.append(row)
+        print(f"  {name:44s} {ms * 1e3:9.1f} us  {row['useful_tflops']:6.1f} TFLOP/s "
+              + " ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
+
+    q4 = query.view(seqs, new, HQ, D).transpose(1, 2).contiguous()
+    kd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
+    vd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
+    record("sdpa bf16", time_graph(lambda: causal_sdpa_bf16(q4, kd, vd), calls=3, reps=args.reps))
+    outs = {}
+    for name in ("triton", "cuda"):
+        meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=torch.bfloat16, block_tables=tables,
+                                    seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
+                                    max_query_len=new, max_seq_len=L, validate=False, backend=name)
+        be, out = meta.attention.backend, torch.empty_like(query)
+        be.paged_attention(query, cache, meta, out, None)
+        torch.cuda.synchronize()
+        outs[name] = out
+        extra = {}
+        if name == "cuda":
+            extra = {"plan": str(meta.backend_plan),
+                     "max_diff_vs_triton_over_vmax": round((out.float() - outs["triton"].float()).abs().max().item()
+                                                           / vmax, 6)}
+        ms = time_graph(lambda be=be, meta=meta, out=out: be.paged_attention(query, cache, meta, out, None),
+                        calls=3, reps=args.reps)
+        record("fp8kv " + ("cuda tensor-core prefill" if name == "cuda" else "triton"), ms, **extra)
+    if args.per_token and seqs * new <= 8192:
+        p = plan(device, num_tokens=query.shape[0], num_kv_heads=HKV, group=HQ // HKV, head_size=D, max_keys=L,
+                 query_dtype=torch.bfloat16, fmt="fp8_e4m3")  # the decode plan: one CTA row per token
+        out = torch.empty_like(query)
+
+        def per_token():
+            paged_attention(query, cache, tables, seq_lens, qsl, D**-0.5, True, None, None, out, None, plan_=p)
+        record("fp8kv cuda per-token (decode kernels)", time_graph(per_token, calls=1, reps=5))
+    if args.flashinfer:
+        bench_flashinfer(device, cache, tables, query, qsl, seqs, args, record)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--flashinfer", action="store_true", help="time FlashInfer bf16 (needs its JIT build)")
+    ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
+    ap.add_argument("--shapes", default="4x2048+2048,1x16384+0")
+    ap.add_argument("--plot", default=None, help="only draw the PNG of a recorded JSON")
+    args = ap.parse_args(argv)
+    if args.plot:
+        return plot(args.plot)
+    device = torch.device("cuda")
+    rows: list[dict] = []
+    for spec in args.shapes.split(","):
+        sn, rest = spec.split("x")
+        new, cached = rest.split("+")
+        bench_shape(device, int(sn), int(new), int(cached), args, rows)
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(device), "results": rows}, f, indent=1)
+        plot(args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
