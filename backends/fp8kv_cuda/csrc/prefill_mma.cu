@@ -107,11 +107,89 @@ struct RowSpans {
     int lo[MT][2], hi[MT][2];  // visible keys [lo, hi) of each row (empty for rows past the queries)
 };
 
+// How raw q . k becomes a base-2 logit.
+struct Logit {
+    float f1, f2;      // (q . k * f1) * f2, saturated (scale_factors)
+    float fs;          // f1 * f2, when simple
+    float soft_cap;
+    int use_cap;
+    bool simple;       // the logit is q . k * fs: fs normal and > 0, no soft-cap, |q . k| * fs <= 2^126
+};
+
+__device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 2 ulp; below 2^-126: 0)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// 0x80 in each byte of w that is a NaN or inf code of the format.
+__device__ __forceinline__ u32 nonfinite_bytes(u32 w) {
+    if constexpr (FNUZ) {
+        const u32 v = w ^ 0x80808080u;
+        return (v - 0x01010101u) & ~v & 0x80808080u;
+    } else if constexpr (HASINF) {
+        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
+    } else {
+        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+    }
+}
+
+__device__ __forceinline__ u32 zero_nonfinite(u32 w) { return w & ~((nonfinite_bytes(w) >> 7) * 0xFFu); }
+
+// O += p v for the NaN/inf V codes of the step (zeroed in p @ v), for the rows that see their key:
+// thread (r, c) holds O's dims 32 c + [0, 32) (n-tile j, columns 2c, 2c + 1) of rows r, r + 8; p of
+// (row, key 8 j + 2 c' + e) comes from lane (r, c').
+__device__ void v_fixup(const PrefillShared& sh, int stage, int n0, u32 valid, const RowSpans& rs,
+                        const float (&p)[MT][NK][4], float (&o)[MT][ND][4]) {
+    const int lane = threadIdx.x & 31, c = lane & 3;
+#pragma unroll 1
+    for (int key = 0; key < BLOCK_N; ++key) {
+        u32 any = 0u;
+        uint4 x[2];
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1) {
+            x[e1] = sh.v[stage][key][v_chunk(key, 2 * c + e1)];
+            any |= nonfinite_bytes(x[e1].x) | nonfinite_bytes(x[e1].y) | nonfinite_bytes(x[e1].z) | nonfinite_bytes(x[e1].w);
+        }
+        if (!__any_sync(0xFFFFFFFFu, any != 0u)) continue;
+        float pr[MT][2];
+        bool vis[MT][2];
+        const int n = n0 + key;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                float t = 0.0f;
+#pragma unroll
+                for (int j = 0; j < NK; ++j)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e) t = (j == key >> 3 && e == (key & 1)) ? p[mt][j][e + 2 * hf] : t;
+                pr[mt][hf] = __shfl_sync(0xFFFFFFFFu, t, (lane & ~3) | ((key & 7) >> 1));
+                vis[mt][hf] = ((valid >> key) & 1u) && n >= rs.lo[mt][hf] && n < rs.hi[mt][hf];
+            }
+#pragma unroll
+        for (int e1 = 0; e1 < 2; ++e1)
+#pragma unroll
+            for (int b = 0; b < 16; ++b) {  // dim 16 (2c + e1) + b: n-tile b, column 2c + e1
+                const u32 code = (word(x[e1], b >> 2) >> (8 * (b & 3))) & 0xFFu;
+                if (!nonfinite_bytes(code)) continue;
+                const float v = decode(code);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                    for (int hf = 0; hf < 2; ++hf)
+                        if (vis[mt][hf]) o[mt][b][e1 + 2 * hf] += pr[mt][hf] * v;
+            }
+    }
+}
+
 // One step: S = Q K^T for the thread's rows, the online softmax, O += P V. Keys n0 + [0, BLOCK_N).
+// fixup (EXACT only): the step is not interior and holds NaN/inf V codes, which enter p @ v as 0 and
+// are added back by v_fixup for the rows that see their key (0 * NaN must not reach the others).
 template <int KE, bool EXACT, bool SPLIT_P>
 __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n0, bool interior, u32 valid,
-                                       const RowSpans& rs, float f1, float f2, float soft_cap, int use_cap,
-                                       float (&m_run)[MT][2], float (&l_run)[MT][2], float (&o)[MT][ND][4]) {
+                                       const RowSpans& rs, const Logit& lg, bool fixup, float (&m_run)[MT][2],
+                                       float (&l_run)[MT][2], float (&o)[MT][ND][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
     float s[MT][NK][4];
 #pragma unroll
@@ -138,23 +216,34 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
             }
         }
     }
-    // logits (base 2), masked where a key is not visible to a row
+    // logits (base 2) as v * fs: simple (lg.fs = the logit factor, > 0, and no logit can overflow:
+    // see the kernel) keeps v = q . k, else v is the saturated (soft-capped) logit and fs = 1;
+    // masked where a key is not visible to a row
+    if (!lg.simple) {
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+        for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int j = 0; j < NK; ++j)
+            for (int j = 0; j < NK; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = (s[mt][j][e] * f1) * f2;
-                if (use_cap) x = soft_cap * tanhf(fdiv(x, soft_cap)) * LOG2E;
-                x = saturate(x);
-                if (!interior) {
+                for (int e = 0; e < 4; ++e) {
+                    float x = (s[mt][j][e] * lg.f1) * lg.f2;
+                    if (lg.use_cap) x = lg.soft_cap * tanhf(fdiv(x, lg.soft_cap)) * LOG2E;
+                    s[mt][j][e] = saturate(x);
+                }
+    }
+    if (!interior) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int j = 0; j < NK; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
                     const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, hf = e >> 1;
                     const bool vis = ((valid >> key) & 1u) && n >= rs.lo[mt][hf] && n < rs.hi[mt][hf];
-                    x = vis ? x : NEG_INF;
+                    s[mt][j][e] = vis ? s[mt][j][e] : NEG_INF;
                 }
-                s[mt][j][e] = x;
-            }
+    }
+    const float fs = lg.simple ? lg.fs : 1.0f;
     // online softmax per row: the maximum is raised only past m_run + TAU
     bool rescale = false;
     float alpha[MT][2];
@@ -167,9 +256,10 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
             for (int j = 0; j < NK; ++j) tmax = fmaxf(tmax, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
             tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
             tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
+            tmax *= fs;  // (fs > 0: the maximum of the products)
             alpha[mt][hf] = 1.0f;
             if (tmax > m_run[mt][hf] + TAU || (m_run[mt][hf] == NEG_INF && tmax != NEG_INF)) {
-                alpha[mt][hf] = exp2f(m_run[mt][hf] - tmax);  // (0 when m_run is -inf)
+                alpha[mt][hf] = exp2_approx(m_run[mt][hf] - tmax);  // (0 when m_run is -inf)
                 m_run[mt][hf] = tmax;
                 rescale = true;
             }
@@ -190,14 +280,17 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            const float m_safe = m_run[mt][hf] == NEG_INF ? 0.0f : m_run[mt][hf];
+            const float neg_m = m_run[mt][hf] == NEG_INF ? 0.0f : -m_run[mt][hf];
 #pragma unroll
-            for (int j = 0; j < NK; ++j) {
-                s[mt][j][2 * hf] = exp2f(s[mt][j][2 * hf] - m_safe);  // masked: exp2(-inf) = 0
-                s[mt][j][2 * hf + 1] = exp2f(s[mt][j][2 * hf + 1] - m_safe);
+            for (int j = 0; j < NK; ++j) {  // masked: exp2(-inf) = 0
+                s[mt][j][2 * hf] = exp2_approx(fmaf(s[mt][j][2 * hf], fs, neg_m));
+                s[mt][j][2 * hf + 1] = exp2_approx(fmaf(s[mt][j][2 * hf + 1], fs, neg_m));
                 l_run[mt][hf] += s[mt][j][2 * hf] + s[mt][j][2 * hf + 1];
             }
         }
+    if constexpr (EXACT) {
+        if (fixup) v_fixup(sh, stage, n0, valid, rs, s, o);
+    }
     // P as A fragments (S dies here), k chunk kk = keys 16 kk + [0, 16): P's k index 2c, 2c + 1 |
     // 2c + 8, 2c + 9 are S's n-tiles 2 kk | 2 kk + 1, columns 2c, 2c + 1
     u32 pa[KC][MT][4], pl[KC][MT][4];
@@ -219,7 +312,10 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
         const uint4 vc = sh.v[stage][k0 + 8][v_chunk(k0 + 8, r)], vd = sh.v[stage][k0 + 9][v_chunk(k0 + 9, r)];
 #pragma unroll
         for (int w = 0; w < 4; ++w) {  // dims 16 r + 4 w + [0, 4): n-tiles 4 w .. 4 w + 3
-            const u32 A = word(va, w), B = word(vb, w), C = word(vc, w), E = word(vd, w);
+            u32 A = word(va, w), B = word(vb, w), C = word(vc, w), E = word(vd, w);
+            if (EXACT && fixup) {
+                A = zero_nonfinite(A); B = zero_nonfinite(B); C = zero_nonfinite(C); E = zero_nonfinite(E);
+            }
             u32 b0[4], b1[4];
             widen4<5, EXACT>(prmt(A, B, 0x5140u), b0[0], b0[1]);
             widen4<5, EXACT>(prmt(A, B, 0x7362u), b0[2], b0[3]);
@@ -240,26 +336,39 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
     }
 }
 
-// Nonzero when a K (as KE) or V (as float16) word this thread reads in the step needs the software decoder.
-template <int KE>
-__device__ __forceinline__ u32 step_special(const PrefillShared& sh, int stage) {
+// The OR of f over the K words (K) or the V words (!K) this thread reads in the step.
+template <bool K, typename F>
+__device__ __forceinline__ u32 or_words(const PrefillShared& sh, int stage, F f) {
     const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
-    u32 sp = 0u;
+    u32 acc = 0u;
+    if constexpr (K) {
 #pragma unroll
-    for (int i = 0; i < KS / 4; ++i)
+        for (int i = 0; i < KS / 4; ++i)
 #pragma unroll
-        for (int j = 0; j < NK; ++j) {
-            const uint4 x = sh.k[stage][8 * j + r][k_chunk(r, 4 * i + c)];
-            sp |= has_special<KE>(x.x) | has_special<KE>(x.y) | has_special<KE>(x.z) | has_special<KE>(x.w);
-        }
+            for (int j = 0; j < NK; ++j) {
+                const uint4 x = sh.k[stage][8 * j + r][k_chunk(r, 4 * i + c)];
+                acc |= f(x.x) | f(x.y) | f(x.z) | f(x.w);
+            }
+    } else {
 #pragma unroll
-    for (int kk = 0; kk < KC; ++kk)
+        for (int kk = 0; kk < KC; ++kk)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int key = 16 * kk + 2 * c + (e & 1) + 8 * (e >> 1);
-            const uint4 x = sh.v[stage][key][v_chunk(key, r)];
-            sp |= has_special<5>(x.x) | has_special<5>(x.y) | has_special<5>(x.z) | has_special<5>(x.w);
-        }
+            for (int e = 0; e < 4; ++e) {
+                const int key = 16 * kk + 2 * c + (e & 1) + 8 * (e >> 1);
+                const uint4 x = sh.v[stage][key][v_chunk(key, r)];
+                acc |= f(x.x) | f(x.y) | f(x.z) | f(x.w);
+            }
+    }
+    return acc;
+}
+
+// Nonzero when the fast kernel cannot do the step: a K code the widening to KE gets wrong or an
+// inf/NaN K code of a format with inf (a logit the simple path would not saturate), a V code the
+// widening to float16 gets wrong, or (not interior) a NaN/inf V code (see v_fixup).
+template <int KE>
+__device__ __forceinline__ u32 step_special(const PrefillShared& sh, int stage, bool interior) {
+    u32 sp = or_words<true>(sh, stage, [](u32 w) { return has_special<KE>(w) | (HASINF ? nonfinite_bytes(w) : 0u); });
+    sp |= or_words<false>(sh, stage, [&](u32 w) { return has_special<5>(w) | (interior ? 0u : nonfinite_bytes(w)); });
     return sp;
 }
 
@@ -302,8 +411,8 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0) {
 // widening gets wrong stops the CTA (returns false: the exact kernel redoes it).
 template <int KE, bool EXACT, bool SPLIT_P>
 __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, const RowSpans& rs, int lo_max, int hi_min,
-                                         float f1, float f2, float soft_cap, int use_cap, float (&m_run)[MT][2],
-                                         float (&l_run)[MT][2], float (&o)[MT][ND][4]) {
+                                         const Logit& lg, float (&m_run)[MT][2], float (&l_run)[MT][2],
+                                         float (&o)[MT][ND][4]) {
     const int first = kb & ~(BLOCK_N - 1);
     const int steps = ke > first ? (ke - first + BLOCK_N - 1) / BLOCK_N : 0;
 #pragma unroll
@@ -320,14 +429,17 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
         if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N);
         else asm volatile("cp.async.commit_group;");
         const int stage = i % STAGES, n0 = first + i * BLOCK_N;
-        if constexpr (!EXACT) {
-            special = __any_sync(0xFFFFFFFFu, step_special<KE>(sh, stage) != 0u);
-            if (special) continue;
-        }
         const uint4 vw = sh.valid[stage];
         const u32 valid = vw.x | vw.y | vw.z | vw.w;
         const bool interior = valid == 0xFFFFFFFFu && n0 >= lo_max && n0 + BLOCK_N <= hi_min;
-        attend<KE, EXACT, SPLIT_P>(sh, stage, n0, interior, valid, rs, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        bool fixup = false;
+        if constexpr (!EXACT) {
+            special = __any_sync(0xFFFFFFFFu, step_special<KE>(sh, stage, interior) != 0u);
+            if (special) continue;
+        } else {
+            fixup = !interior && __any_sync(0xFFFFFFFFu, or_words<false>(sh, stage, nonfinite_bytes) != 0u);
+        }
+        attend<KE, EXACT, SPLIT_P>(sh, stage, n0, interior, valid, rs, lg, fixup, m_run, l_run, o);
     }
     asm volatile("cp.async.wait_all;");
     return !__syncthreads_or(special);
@@ -335,10 +447,10 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
 
 template <int KE, bool EXACT>
 __device__ __forceinline__ bool run_keys(bool split_p, PrefillShared& sh, int kb, int ke, const RowSpans& rs, int lo_max,
-                                         int hi_min, float f1, float f2, float soft_cap, int use_cap,
-                                         float (&m_run)[MT][2], float (&l_run)[MT][2], float (&o)[MT][ND][4]) {
-    if (split_p) return key_loop<KE, EXACT, true>(sh, kb, ke, rs, lo_max, hi_min, f1, f2, soft_cap, use_cap, m_run, l_run, o);
-    return key_loop<KE, EXACT, false>(sh, kb, ke, rs, lo_max, hi_min, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+                                         int hi_min, const Logit& lg, float (&m_run)[MT][2], float (&l_run)[MT][2],
+                                         float (&o)[MT][ND][4]) {
+    if (split_p) return key_loop<KE, EXACT, true>(sh, kb, ke, rs, lo_max, hi_min, lg, m_run, l_run, o);
+    return key_loop<KE, EXACT, false>(sh, kb, ke, rs, lo_max, hi_min, lg, m_run, l_run, o);
 }
 
 }  // namespace fp8kv
@@ -479,8 +591,15 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     }
     __syncwarp();
 
-    float f1, f2;
-    scale_factors(k_scale[(i64)h * ks_sh], g_mant, g_exp + qshift, f1, f2);
+    // the logit factor; simple when q . k * f1 * f2 cannot overflow: |q . k| <= D max|q| max|code|
+    Logit lg;
+    scale_factors(k_scale[(i64)h * ks_sh], g_mant, g_exp + qshift, lg.f1, lg.f2);
+    lg.fs = lg.f1 * lg.f2;
+    lg.soft_cap = soft_cap;
+    lg.use_cap = use_cap;
+    const float qabs = u2f(qmax) * pow2i(i32_max(i32_min(-qshift, 127), -126));
+    const float bound = (float)D * qabs * u2f(MAXBITS) * lg.fs;  // (inf or NaN: not simple)
+    lg.simple = !use_cap && lg.fs >= 1.1754943508222875e-38f && lg.fs < FLOAT32_MAX && bound <= 0x1p126f;
     if (threadIdx.x == 0) {
         Keys& keys = sh.keys;
         keys.bt_row = block_tables + (i64)s * bt_stride;
@@ -504,13 +623,13 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     }
     bool done = false;
     if constexpr (!EXACT) {
-        if (k16) done = run_keys<5, false>(split_p, sh, kb, ke, rs, lo_max, hi_min, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        if (k16) done = run_keys<5, false>(split_p, sh, kb, ke, rs, lo_max, hi_min, lg, m_run, l_run, o);
         if (threadIdx.x == 0) redo[cta] = done ? 0 : 1;
         if (!done) return;  // uniform over the CTA
     } else if (k16) {
-        run_keys<5, true>(split_p, sh, kb, ke, rs, lo_max, hi_min, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        run_keys<5, true>(split_p, sh, kb, ke, rs, lo_max, hi_min, lg, m_run, l_run, o);
     } else {
-        if constexpr (QT == 2) run_keys<8, true>(split_p, sh, kb, ke, rs, lo_max, hi_min, f1, f2, soft_cap, use_cap, m_run, l_run, o);
+        if constexpr (QT == 2) run_keys<8, true>(split_p, sh, kb, ke, rs, lo_max, hi_min, lg, m_run, l_run, o);
     }
 
     // ---- epilogue, one m-tile at a time through shared memory (free once every warp is done):
