@@ -513,13 +513,14 @@ def test_tensor_core_prefill(fmt, dtype, case, specials):
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     T = int(qsl[-1])
-    if specials:  # seq 0: K NaN at the last cached key; V NaN/inf at key 5 (seen by every row)
+    if specials:  # seq 0: K NaN at the last cached key (kv head 0); NaN/inf V at the one before (kv head
+        # H - 1), both seen by every row of the sequence (in a tile that is not interior for the CTA)
         kpos = lens[0] - q_lens[0] - 1
         blk = int(tables[0, kpos // bs])
         cache.key_cache[blk, kpos % bs, 0, 3].view(torch.uint8).fill_(fmt.nan_encodings[0])
-        blk = int(tables[0, 5 // bs])
+        blk = int(tables[0, (kpos - 1) // bs])
         for d, code in zip((1, D - 1), (fmt.nan_encodings + fmt.inf_encodings) * 2, strict=False):
-            cache.value_cache[blk, 5 % bs, H - 1, d].view(torch.uint8).fill_(code)
+            cache.value_cache[blk, (kpos - 1) % bs, H - 1, d].view(torch.uint8).fill_(code)
     tables = tables.cuda()
     query = (torch.randn(T, Hq, D, generator=g) * 2).to(dtype).cuda()
     p = plan(query.device, num_tokens=T, num_kv_heads=H, group=Hq // H, head_size=D,
@@ -536,6 +537,7 @@ def test_tensor_core_prefill(fmt, dtype, case, specials):
     assert torch.equal(out.isnan(), ref.isnan())
     if specials:
         assert ref[: q_lens[0], : Hq // H].isnan().all()  # every row of seq 0 sees the K NaN (head group 0)
+        assert ref[: q_lens[0], -(Hq // H):, [1, D - 1]].isnan().all()
     bounds = paged_attention_bounds(query, cache, tables, lens_t, qsl, causal=causal, sliding_window=window,
                                     logits_soft_cap=cap)
     assert_attention_close(out, ref, **bounds)
