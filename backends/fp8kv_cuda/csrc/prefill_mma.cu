@@ -62,6 +62,7 @@ constexpr int ROW_F = D + 4;            // floats per row of the epilogue's stag
 
 static_assert(QT == 1 || QT == 2, "prefill_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 128, "prefill_mma.cu: head size 128");
+static_assert(NK == 4, "prefill_mma.cu: the row sums add four n-tiles");
 static_assert(PNT * 2 == BLOCK_N * CPR, "prefill_mma.cu: each thread copies two chunks of K and of V");
 
 __device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16 * c + 4 * (ks & 3); }
@@ -251,9 +252,14 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
-            float tmax = NEG_INF;
+            float mx[NK];  // (a tree: the chain of dependent maxima stays short)
 #pragma unroll
-            for (int j = 0; j < NK; ++j) tmax = fmaxf(tmax, fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]));
+            for (int j = 0; j < NK; ++j) mx[j] = fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]);
+#pragma unroll
+            for (int w = NK / 2; w > 0; w >>= 1)
+#pragma unroll
+                for (int j = 0; j < w; ++j) mx[j] = fmaxf(mx[j], mx[j + w]);
+            float tmax = mx[0];
             tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
             tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
             tmax *= fs;  // (fs > 0: the maximum of the products)
@@ -281,12 +287,14 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const float neg_m = m_run[mt][hf] == NEG_INF ? 0.0f : -m_run[mt][hf];
+            float sum[NK];
 #pragma unroll
             for (int j = 0; j < NK; ++j) {  // masked: exp2(-inf) = 0
                 s[mt][j][2 * hf] = exp2_approx(fmaf(s[mt][j][2 * hf], fs, neg_m));
                 s[mt][j][2 * hf + 1] = exp2_approx(fmaf(s[mt][j][2 * hf + 1], fs, neg_m));
-                l_run[mt][hf] += s[mt][j][2 * hf] + s[mt][j][2 * hf + 1];
+                sum[j] = s[mt][j][2 * hf] + s[mt][j][2 * hf + 1];
             }
+            l_run[mt][hf] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
         }
     if constexpr (EXACT) {
         if (fixup) v_fixup(sh, stage, n0, valid, rs, s, o);
@@ -368,7 +376,8 @@ __device__ __forceinline__ u32 or_words(const PrefillShared& sh, int stage, F f)
 template <int KE>
 __device__ __forceinline__ u32 step_special(const PrefillShared& sh, int stage, bool interior) {
     u32 sp = or_words<true>(sh, stage, [](u32 w) { return has_special<KE>(w) | (HASINF ? nonfinite_bytes(w) : 0u); });
-    sp |= or_words<false>(sh, stage, [&](u32 w) { return has_special<5>(w) | (interior ? 0u : nonfinite_bytes(w)); });
+    sp |= or_words<false>(sh, stage, [](u32 w) { return has_special<5>(w); });  // (0 where the widening is native)
+    if (!interior) sp |= or_words<false>(sh, stage, nonfinite_bytes);
     return sp;
 }
 
