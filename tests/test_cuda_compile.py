@@ -4,7 +4,9 @@ NVRTC 12.x from PyPI (``cuda-compile`` extra: ``nvidia-cuda-nvrtc-cu12`` + ``cud
 compiles a representative variant per kernel and format class (OCP and fnuz, each I/O dtype,
 static and per-token-head scales, the largest tiles: head size 256 with 16 query heads per CTA)
 to cubins for sm70, sm75, sm80, sm86, sm89 and sm90 on this CPU, no GPU or driver involved.
-A compile error fails, and so does any spill in a hot kernel (ptxas -v). ~10 s on 2 cores.
+A compile error fails, and so does any spill in a hot kernel (ptxas -v; the tensor-core prefill
+kernels are compiled and their spills reported, not yet hot: see ``fp8kv_cuda.compile.HOT_KERNELS``).
+~60 s on 2 cores.
 The full set is ``python -m fp8kv_cuda.compile --set full`` (the CI matrix's compile cells;
 results in ci/reports/compile/cuda_full.json).
 """
@@ -31,14 +33,18 @@ def test_every_kernel_compiles_for_every_architecture_without_spills(tmp_path):
     report = json.loads(out.read_text())
     results = report["results"]
     assert report["failures"] == [] and all(x["ok"] for x in results)
+    prefill = {"fp8kv_prefill_mma", "fp8kv_prefill_mma_exact"}
     for arch in cc.ARCHES:
         mine = [x for x in results if x["arch"] == arch]
-        assert {x["kernel"] for x in mine} == set(cc.hot_kernels(arch)), arch
-        for kernel in cc.hot_kernels(arch):
+        extra = prefill if int(arch[2:]) >= 80 else set()
+        assert {x["kernel"] for x in mine} == set(cc.hot_kernels(arch)) | extra, arch
+        for kernel in (*cc.hot_kernels(arch), *extra):
             fmts = {x["fmt"] for x in mine if x["kernel"] == kernel}
             assert fmts & {"fp8_e4m3", "fp8_e5m2"} and fmts & {"fp8_e4m3fnuz", "fp8_e5m2fnuz"}, (arch, kernel)
         for x in mine:
-            assert x["regs"] and x["spill_stores"] == 0 and x["spill_loads"] == 0, x
+            assert x["regs"] and x["spill_stores"] is not None, x
+            if x["kernel"] in cc.HOT_KERNELS:
+                assert x["spill_stores"] == 0 and x["spill_loads"] == 0, x
             assert x["smem"] <= 48 << 10, x  # static shared memory limit of every architecture
     assert "| sm70 | fp8kv_paged_attention |" in r.stdout
 
@@ -78,10 +84,10 @@ def test_the_variant_sets():
 
     assert {v.kernel for v in cc.variants("representative", "sm75")} == {"write", "attention"}
     rep = cc.variants("representative", "sm80")
-    assert {v.kernel for v in rep} == {"write", "attention", "attention_mma"}
+    assert {v.kernel for v in rep} == {"write", "attention", "attention_mma", "prefill_mma"}
     assert {v.fmt for v in rep if v.kernel == "attention_mma"} == {"fp8_e4m3", "fp8_e5m2fnuz", "fp8_e4m3fnuz"}
     assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 5
-    full = [v for v in cc.variants("full", "sm75") if v.kernel != "attention_mma"]
+    full = [v for v in cc.variants("full", "sm75") if v.kernel not in ("attention_mma", "prefill_mma")]
     assert full == cc.variants("full", "sm75")
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
     assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
@@ -90,3 +96,5 @@ def test_the_variant_sets():
     w = len(cc.MMA_WARPS)
     assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2 * 2 * w
     assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * 2 * w
+    # tensor-core prefill: 4 formats x 2 query dtypes, head size 128, static scales, sm80+
+    assert len([v for v in cc.variants("full", "sm86") if v.kernel == "prefill_mma"]) == 4 * 2

@@ -37,6 +37,8 @@ from .variants import (
     attention_variant,
     mma_arch_serves,
     options,
+    prefill_arch_serves,
+    prefill_mma_variant,
     source,
     write_d_pad,
     write_variant,
@@ -44,7 +46,9 @@ from .variants import (
 
 ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_paged_attention_mma", "fp8kv_merge")
-"""Kernels in which any spill fails the compile cell (all of them, today)."""
+"""Kernels in which any spill fails the compile cell: every kernel ``auto`` can pick. Not yet the
+tensor-core prefill kernels (``fp8kv_prefill_mma[_exact]``, reported with their spills): slower than
+Triton wherever both run, so only ``backend="cuda"`` reaches them (docs/cuda.md)."""
 
 
 def hot_kernels(arch: str) -> tuple[str, ...]:
@@ -161,6 +165,9 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                                    ("fp8_e4m3", "float16", 128, 6, True)):
             if mma_arch_serves(sm, fmt, d):
                 out.append(attention_mma_variant(fmt, io, d, w, tok))
+        for fmt, io in (("fp8_e4m3", "bfloat16"), ("fp8_e5m2fnuz", "float16")):
+            if prefill_arch_serves(sm, fmt, 128):
+                out.append(prefill_mma_variant(fmt, io))
         return out
     if set_name == "full":
         out = []
@@ -171,6 +178,8 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
                 if io != "float32" and d in MMA_TILES and mma_arch_serves(sm, fmt, d):
                     out += [attention_mma_variant(fmt, io, d, w, tok) for w in MMA_WARPS]
+                if io != "float32" and not tok and prefill_arch_serves(sm, fmt, d):
+                    out.append(prefill_mma_variant(fmt, io, d))
         return out
     raise ValueError(f"set: got {set_name!r}, expected 'representative' or 'full'")
 
