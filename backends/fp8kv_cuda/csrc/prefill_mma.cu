@@ -390,10 +390,29 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int sta
         }
 }
 
+// The block ids of the two keys thread tid copies in the step at n0 (keys tid / CPR and tid / CPR +
+// BLOCK_N / 2), -1 outside [kb, ke). Loaded a step before issue() needs them, so that the copies
+// never wait for the block table.
+struct StepBlocks {
+    int blk[2];
+};
+
+__device__ __forceinline__ StepBlocks lookup(const PrefillShared& sh, int n0) {
+    const Keys& ks = sh.keys;
+    StepBlocks b;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int n = n0 + (int)threadIdx.x / CPR + hf * (BLOCK_N / 2);
+        const int page = ks.bs_shift >= 0 ? n >> ks.bs_shift : n / ks.block_size;
+        b.blk[hf] = n >= ks.kb && n < ks.ke ? ks.bt_row[page] : -1;
+    }
+    return b;
+}
+
 // Start the copies of the step at n0 into `stage` (one commit group): thread tid copies chunk
 // tid % CPR of keys tid / CPR and tid / CPR + BLOCK_N / 2, of K and of V; keys outside [kb, ke) or
 // in an invalid block are zero-filled, never read, and their bits left clear in valid[stage].
-__device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0) {
+__device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, const StepBlocks& sb) {
     const Keys& ks = sh.keys;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ch = tid % CPR;
@@ -401,18 +420,17 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
         const int key = tid / CPR + hf * (BLOCK_N / 2), n = n0 + key;
-        bool live = n >= ks.kb && n < ks.ke;
+        const int blk = sb.blk[hf];
+        const bool live = blk >= 0 && blk < ks.num_blocks;  // (-1 outside [kb, ke))
         i64 ok = 0, ov = 0;
         if (live) {
             const int page = ks.bs_shift >= 0 ? n >> ks.bs_shift : n / ks.block_size;
-            const int blk = ks.bt_row[page];
-            live = blk >= 0 && blk < ks.num_blocks;
             const i64 tib = n - (i64)page * ks.block_size;
             ok = (i64)blk * ks.k_sb + tib * ks.k_st + 16 * ch;
             ov = (i64)blk * ks.v_sb + tib * ks.v_st + 16 * ch;
         }
-        copy_async<16>(shared_address(&sh.k8[stage][key][ch]), ks.kbase + (live ? ok : 0), live);
-        copy_async<16>(shared_address(&sh.v8[stage][key][ch]), ks.vbase + (live ? ov : 0), live);
+        copy_async<16>(shared_address(&sh.k8[stage][key][ch]), ks.kbase + ok, live);
+        copy_async<16>(shared_address(&sh.v8[stage][key][ch]), ks.vbase + ov, live);
         // lanes 0, CPR, 2 CPR, 3 CPR of the warp hold keys 4 warp + [0, 4) (+ BLOCK_N / 2)
         const u32 b = __ballot_sync(0xFFFFFFFFu, live && ch == 0);
         u32 m = 0u;
@@ -436,9 +454,10 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
     if (steps == 0) return true;  // (uniform over the CTA)
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < steps) issue(sh, i, first + i * BLOCK_N);
+        if (i < steps) issue(sh, i, first + i * BLOCK_N, lookup(sh, first + i * BLOCK_N));
         else asm volatile("cp.async.commit_group;");
     }
+    StepBlocks next = lookup(sh, first + (STAGES - 1) * BLOCK_N);  // (the loads complete during a step)
     u32 valid;
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
     __syncthreads();
@@ -449,8 +468,9 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
         // 16-bit buffer are refilled next)
         if (__syncthreads_or(special != 0u)) break;
         const int j = i + STAGES - 1;
-        if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N);
+        if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N, next);
         else asm volatile("cp.async.commit_group;");
+        next = lookup(sh, first + (j + 1) * BLOCK_N);
         const int n1 = first + (i + 1) * BLOCK_N;
         if (i + 1 < steps)
             special = widen_step<KE, EXACT>(sh, (i + 1) % STAGES, (i + 1) & 1,
