@@ -106,6 +106,12 @@ __device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
     }
 }
 
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
@@ -260,23 +266,34 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int sta
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int j = 0; j < NK; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
-    const u32 k_base = shared_address(&sh.k16[buf][0][0]);
-#pragma unroll 2  // (fully unrolled, ptxas hoists the ldmatrix loads and spills)
+    // K: lane row (key) 8 (mi >> 1) + ri of n-tile pair jp (+ 16 jp keys), chunk 2 ks + (mi & 1) swizzled:
+    // (2 ks + (mi & 1)) ^ ri = 2 ks ^ ((mi & 1) ^ ri); each step's operands are loaded one k step ahead
+    const u32 q_addr = shared_address(&sh.q[warp][0][0][lane]);
+    const u32 k_addr = shared_address(&sh.k16[buf][8 * (mi >> 1) + ri][0]);
+    const u32 k_sw = (u32)(((mi & 1) ^ ri) << 4);
+    uint4 qa[2][MT];
+    u32 kb[2][NK / 2][4];
+    auto load_qk = [&](int ks, int slot) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) qa[slot][mt] = lds128(q_addr + (u32)((mt * KS + ks) * 32 * 16));
+#pragma unroll
+        for (int jp = 0; jp < NK / 2; ++jp)
+            ldmatrix_x4(k_addr + (u32)(jp * 16 * CPR16 * 16) + (k_sw ^ (u32)(ks << 5)), kb[slot][jp][0],
+                        kb[slot][jp][1], kb[slot][jp][2], kb[slot][jp][3]);
+    };
+    load_qk(0, 0);
+#pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-        uint4 qa[MT];
+        const int cur = ks & 1;
+        if (ks + 1 < KS) load_qk(ks + 1, cur ^ 1);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) qa[mt] = sh.q[warp][mt][ks][lane];
-#pragma unroll
-        for (int jp = 0; jp < NK / 2; ++jp) {  // n-tiles 2 jp, 2 jp + 1: matrices (keys +0 | +8) x (dims +0 | +8)
-            const int key = 16 * jp + 8 * (mi >> 1) + ri;
-            u32 b[4];
-            ldmatrix_x4(k_base + (u32)((key * CPR16 + sw(key, 2 * ks + (mi & 1))) * 16), b[0], b[1], b[2], b[3]);
+        for (int jp = 0; jp < NK / 2; ++jp)
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
-                mma<KE>(s[mt][2 * jp], qa[mt].x, qa[mt].y, qa[mt].z, qa[mt].w, b[0], b[1]);
-                mma<KE>(s[mt][2 * jp + 1], qa[mt].x, qa[mt].y, qa[mt].z, qa[mt].w, b[2], b[3]);
+                const uint4& q = qa[cur][mt];
+                mma<KE>(s[mt][2 * jp], q.x, q.y, q.z, q.w, kb[cur][jp][0], kb[cur][jp][1]);
+                mma<KE>(s[mt][2 * jp + 1], q.x, q.y, q.z, q.w, kb[cur][jp][2], kb[cur][jp][3]);
             }
-        }
     }
     // logits (base 2) as v * fs: simple (lg.fs = the logit factor, > 0, and no logit can overflow:
     // see the kernel) keeps v = q . k, else v is the saturated (soft-capped) logit and fs = 1;
@@ -367,24 +384,31 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int sta
                 pa[kk][mt][a] = pack_f16(sv[0], sv[1]);
                 if constexpr (SPLIT_P) pl[kk][mt][a] = pack_f16(sv[0] - f16_lo(pa[kk][mt][a]), sv[1] - f16_hi(pa[kk][mt][a]));
             }
-    // O += P V: V^T fragments by ldmatrix.trans, matrices (keys +0 | +8) x (dims +0 | +8)
-    const u32 v_base = shared_address(&sh.v16[buf][0][0]);
+    // O += P V: V^T fragments by ldmatrix.trans, matrices (keys +0 | +8) x (dims +0 | +8): lane row
+    // (key) 16 kk + 8 (mi & 1) + ri, chunk (2 np + (mi >> 1)) ^ ri; loaded one n-tile pair ahead
+    const u32 v_addr = shared_address(&sh.v16[buf][8 * (mi & 1) + ri][0]);
+    const u32 v_sw = (u32)(((mi >> 1) ^ ri) << 4);
+    u32 vb[2][4];
+    auto load_v = [&](int kk, int np, int slot) {
+        ldmatrix_x4_trans(v_addr + (u32)(kk * 16 * CPR16 * 16) + (v_sw ^ (u32)(np << 5)), vb[slot][0], vb[slot][1],
+                          vb[slot][2], vb[slot][3]);
+    };
+    load_v(0, 0, 0);
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk)
 #pragma unroll
         for (int np = 0; np < ND / 2; ++np) {  // n-tiles 2 np, 2 np + 1
-            const int key = 16 * kk + 8 * (mi & 1) + ri;
-            u32 b[4];
-            ldmatrix_x4_trans(v_base + (u32)((key * CPR16 + sw(key, 2 * np + (mi >> 1))) * 16), b[0], b[1], b[2], b[3]);
+            const int it = kk * (ND / 2) + np, cur = it & 1;
+            if (it + 1 < KC * (ND / 2)) load_v((it + 1) / (ND / 2), (it + 1) % (ND / 2), cur ^ 1);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
                 const u32* a = pa[kk][mt];
-                mma<5>(o[mt][2 * np], a[0], a[1], a[2], a[3], b[0], b[1]);
-                mma<5>(o[mt][2 * np + 1], a[0], a[1], a[2], a[3], b[2], b[3]);
+                mma<5>(o[mt][2 * np], a[0], a[1], a[2], a[3], vb[cur][0], vb[cur][1]);
+                mma<5>(o[mt][2 * np + 1], a[0], a[1], a[2], a[3], vb[cur][2], vb[cur][3]);
                 if constexpr (SPLIT_P) {
                     const u32* al = pl[kk][mt];
-                    mma<5>(o[mt][2 * np], al[0], al[1], al[2], al[3], b[0], b[1]);
-                    mma<5>(o[mt][2 * np + 1], al[0], al[1], al[2], al[3], b[2], b[3]);
+                    mma<5>(o[mt][2 * np], al[0], al[1], al[2], al[3], vb[cur][0], vb[cur][1]);
+                    mma<5>(o[mt][2 * np + 1], al[0], al[1], al[2], al[3], vb[cur][2], vb[cur][3]);
                 }
             }
         }
