@@ -79,6 +79,7 @@ struct Keys {
     const u8* vbase;
     i64 k_sb, k_st, v_sb, v_st;
     int kb, ke, block_size, bs_shift, num_blocks;
+    bool small;  // every K/V offset fits 31 bits: 32-bit address arithmetic
 };
 
 struct PrefillShared {
@@ -449,9 +450,14 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
         i64 ok = 0, ov = 0;
         if (live) {
             const int page = ks.bs_shift >= 0 ? n >> ks.bs_shift : n / ks.block_size;
-            const i64 tib = n - (i64)page * ks.block_size;
-            ok = (i64)blk * ks.k_sb + tib * ks.k_st + 16 * ch;
-            ov = (i64)blk * ks.v_sb + tib * ks.v_st + 16 * ch;
+            const int tib = n - page * ks.block_size;
+            if (ks.small) {
+                ok = (u32)blk * (u32)ks.k_sb + (u32)tib * (u32)ks.k_st + (u32)(16 * ch);
+                ov = (u32)blk * (u32)ks.v_sb + (u32)tib * (u32)ks.v_st + (u32)(16 * ch);
+            } else {
+                ok = (i64)blk * ks.k_sb + (i64)tib * ks.k_st + 16 * ch;
+                ov = (i64)blk * ks.v_sb + (i64)tib * ks.v_st + 16 * ch;
+            }
         }
         copy_async<16>(shared_address(&sh.k8[stage][key][ch]), ks.kbase + ok, live);
         copy_async<16>(shared_address(&sh.v8[stage][key][ch]), ks.vbase + ov, live);
@@ -495,13 +501,12 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
         if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N, next);
         else asm volatile("cp.async.commit_group;");
         next = lookup(sh, first + (j + 1) * BLOCK_N);
-        const int n1 = first + (i + 1) * BLOCK_N;
-        if (i + 1 < steps)
-            special = widen_step<KE, EXACT>(sh, (i + 1) % STAGES, (i + 1) & 1,
-                                            step_interior(sh, (i + 1) % STAGES, n1, lo_max, hi_min, valid));
-        const int stage = i % STAGES, n0 = n1 - BLOCK_N;
+        const int stage = i % STAGES, n0 = first + i * BLOCK_N;
         const bool interior = step_interior(sh, stage, n0, lo_max, hi_min, valid);
         attend<KE, SPLIT_P>(sh, i & 1, stage, n0, interior, valid, rs, lg, EXACT && !interior, m_run, l_run, o);
+        if (i + 1 < steps)  // (after this step's mma: their tail overlaps the widening's loads)
+            special = widen_step<KE, EXACT>(sh, (i + 1) % STAGES, (i + 1) & 1,
+                                            step_interior(sh, (i + 1) % STAGES, n0 + BLOCK_N, lo_max, hi_min, valid));
     }
     asm volatile("cp.async.wait_all;");
     return !__syncthreads_or(special != 0u);
@@ -672,6 +677,11 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
         keys.block_size = block_size;
         keys.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
         keys.num_blocks = num_blocks;
+        auto fits = [&](i64 sb, i64 st) {  // (each product < 2^62)
+            return sb >= 0 && st >= 0 && sb < (1ll << 31) && st < (1ll << 31) &&
+                   (i64)num_blocks * sb + (i64)block_size * st + D < (1ll << 31);
+        };
+        keys.small = fits(k_sb, k_st) && fits(v_sb, v_st);
     }
     __syncthreads();
 
