@@ -150,12 +150,10 @@ PREFILL_SPLIT_KEYS = 256
 
 def prefill_smem_bytes(head_size: int = 128, warps: int = PREFILL_WARPS) -> int:
     """At least the prefill kernel's ``sizeof(PrefillShared)`` (it traps if launched with less): Q
-    fragments, the FP8 K/V ring, the 16-bit K/V double buffer, the per-stage key bits, the key
-    addressing and the query range."""
+    fragments, the K/V ring, the per-stage key bits, the key addressing and the query range."""
     q = 16 * warps * 2 * (head_size // 16) * 32
     ring = 2 * 16 * PREFILL_STAGES * PREFILL_BLOCK_N * (head_size // 16)
-    widened = 2 * 2 * 16 * PREFILL_BLOCK_N * (head_size // 8)
-    return q + ring + widened + 16 * PREFILL_STAGES + 80 + 8 * warps + 16
+    return q + ring + 16 * PREFILL_STAGES + 80 + 8 * warps + 16
 
 
 def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,

@@ -111,7 +111,7 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
 PREFILL_HEAD_SIZES = (128,)
 """Head sizes of the tensor-core prefill kernel (``csrc/prefill_mma.cu``)."""
 PREFILL_STAGES = 4
-"""FP8 cp.async ring depth of the tensor-core prefill kernel (K and V tiles of 32 keys; two in flight)."""
+"""cp.async ring depth of the tensor-core prefill kernel (K and V tiles of 32 keys; three in flight)."""
 FULL_P_KEYS = 1024
 """Rows that all see at least this many keys take P in one float16 (else hi + lo): its 2^-12
 relative error is then within ``fp8kv.testing.tolerance``'s float32 accumulation term."""

@@ -1,30 +1,30 @@
-// fp8kv_cuda: chunked prefill on tensor cores (sm80+: mma.sync m16n8k16, ldmatrix), for float16 and
-// bfloat16 queries, per-tensor or per-head scales, head size 128.
+// fp8kv_cuda: chunked prefill on tensor cores (sm80+: mma.sync m16n8k16), for float16 and bfloat16
+// queries, per-tensor or per-head scales, head size 128.
 //
 // Grid (query tiles, H, S * num_splits), PNT = 32 * PWARPS threads. A CTA owns BLOCK_M rows of one
 // sequence and one KV head (row = (token - first token) * group + query head: the GQA group packed
 // into the rows) and the keys of split z; warp w owns rows 32 w .. 32 w + 31 (two m-tiles). The
-// CTA walks steps of BLOCK_N keys. Per step, with one barrier:
-//   * cp.async brings the FP8 K and V rows of a step STAGES - 2 steps ahead into a ring;
-//   * the CTA widens the next step's FP8 tiles once into 16-bit tiles (a double buffer; every warp
-//     reads them: widening per warp would repeat it PWARPS times, and it was the largest part of
-//     the instructions when each warp widened its own operands);
-//   * each warp computes this step: S[32 rows x BLOCK_N] = Q K^T (A = Q fragments staged in shared
-//     memory once, B = K through ldmatrix), the online softmax, O[32 rows x D] += P V (A = P, the S
-//     accumulators repacked as float16; B = V through ldmatrix.trans).
-// The 16-bit tiles are XOR-swizzled by 16-byte chunk (chunk ^ key % 8), so ldmatrix is free of bank
-// conflicts.
+// CTA walks steps of BLOCK_N keys: K and V tiles go through a shared-memory ring (cp.async,
+// STAGES - 1 steps in flight, one barrier per step) that every warp reads.
+//
+// Per step, in the usual orientation (rows are query rows):
+//   S[32 rows x BLOCK_N keys] = Q . K^T:  A = Q (float16/bfloat16 fragments staged in shared memory
+//                                           once), B = K (FP8 widened in registers);
+//   O[32 rows x D]          += P . V:     A = P (the S accumulators repacked, float16),
+//                                           B = V (FP8 widened, key pairs formed with one PRMT).
+// The k index of QK is permuted (both operands agree): lane (r = lane / 4, c = lane % 4) takes the
+// 16-byte chunks at dims 64 i + 16 c of its key rows, word ks & 3 being k step ks (k_dim). The
+// output dims are permuted too: n-tile j, column n of O is dim 16 n + j, so a lane's V operands are
+// the chunk at dims 16 r of its keys 2c, 2c + 1, 2c + 8, 2c + 9. Both tiles are XOR-swizzled by
+// 16-byte chunk, so these reads are free of bank conflicts.
 //
 // Exactness: as attention_mma.cu (K in the query's 16-bit type, exact products, float32
-// accumulation; bfloat16 queries whose range is within 2^31 take float16 K). P enters p @ v in
-// float16 when every row of the CTA sees at least FP8KV_FULL_P_KEYS keys (its 2^-12 relative error
-// is then within tolerance.py's float32 accumulation term), else as hi + lo (22 bits). The running
-// maximum is raised only when a logit exceeds it by more than 2^TAU (so that O is rescaled rarely):
-// the weights stay <= 2^TAU, exact in float16, and the normalisation uses the same maximum (an exact
-// rewrite). Two kernels share this source: fp8kv_prefill_mma widens FP8 by bit operations (natively
-// on sm89+ for the OCP formats) and hands a CTA back (redo[cta] = 1) when it meets what that path
-// cannot do exactly (a bfloat16 query range beyond 2^31, special codes); fp8kv_prefill_mma_exact,
-// launched after it, redoes those CTAs with every code through the software decoder.
+// accumulation; bfloat16 queries whose range is within 2^31 take float16 K; special codes detected
+// per step and decoded by software). P enters p @ v in float16 when every row of the CTA sees at
+// least FP8KV_FULL_P_KEYS keys (its 2^-12 relative error is then within tolerance.py's float32
+// accumulation term), else as hi + lo (22 bits). The running maximum is raised only when a logit
+// exceeds it by more than 2^TAU (so that O is rescaled rarely): the weights stay <= 2^TAU, exact
+// in float16, and the normalisation uses the same maximum (an exact rewrite).
 //
 // Memory safety without host checks: query_start_loc and seq_lens clamped as in attention.cu,
 // block ids outside [0, num_blocks) never loaded (the keys masked), rows past a sequence's
@@ -41,7 +41,7 @@ constexpr int D = FP8KV_D;
 #define FP8KV_PREFILL_WARPS 4
 #endif
 #ifndef FP8KV_STAGES
-#define FP8KV_STAGES 4
+#define FP8KV_STAGES 3
 #endif
 #ifndef FP8KV_FULL_P_KEYS
 #define FP8KV_FULL_P_KEYS 1024
@@ -55,22 +55,21 @@ constexpr int NK = BLOCK_N / 8;         // n-tiles of S per step
 constexpr int KC = BLOCK_N / 16;        // k chunks (16 keys) of p @ v per step
 constexpr int KS = D / 16;              // k steps of QK
 constexpr int ND = D / 8;               // n-tiles of O
-constexpr int CPR = D / 16;             // 16-byte chunks per FP8 row
-constexpr int CPR16 = D / 8;            // 16-byte chunks per 16-bit row
-constexpr int STAGES = FP8KV_STAGES;    // FP8 ring depth (STAGES - 2 steps in flight)
+constexpr int CPR = D / 16;             // 16-byte chunks per K/V row
+constexpr int STAGES = FP8KV_STAGES;
 constexpr float TAU = 8.0f;             // log2 of the largest weight before the maximum is raised
 constexpr int ROW_F = D + 4;            // floats per row of the epilogue's staging
 
 static_assert(QT == 1 || QT == 2, "prefill_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 128, "prefill_mma.cu: head size 128");
 static_assert(NK == 4, "prefill_mma.cu: the row sums add four n-tiles");
-static_assert(STAGES >= 3, "prefill_mma.cu: the ring holds the step in use, the next and one in flight");
 static_assert(PNT * 2 == BLOCK_N * CPR, "prefill_mma.cu: each thread copies two chunks of K and of V");
-static_assert(PNT * 32 == BLOCK_N * D, "prefill_mma.cu: each thread widens 32 bytes of K and of V");
 
-// Swizzled 16-byte chunk of a 16-bit tile row: the 8 rows an ldmatrix reads at one chunk hit 8
-// different bank groups.
-__device__ __forceinline__ int sw(int key, int ch) { return ch ^ (key & 7); }
+__device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16 * c + 4 * (ks & 3); }
+// Swizzled 16-byte chunk of a tile row (reads: K by lanes (key 8j + r, chunk 4i + c), V by lanes
+// (keys 16 kk + 2c + {0, 1, 8, 9}, chunk r)).
+__device__ __forceinline__ int k_chunk(int key, int ch) { return ch ^ ((key & 1) << 2); }
+__device__ __forceinline__ int v_chunk(int key, int ch) { return ch ^ (((key >> 1) & 3) << 1); }
 
 // Where the CTA's keys come from (in shared memory: registers are the kernel's limit).
 struct Keys {
@@ -84,10 +83,8 @@ struct Keys {
 
 struct PrefillShared {
     uint4 q[PWARPS][MT][KS][32];           // A fragments of Q, per warp, m-tile, k step, lane
-    uint4 k8[STAGES][BLOCK_N][CPR];        // FP8 K rows (cp.async ring)
-    uint4 v8[STAGES][BLOCK_N][CPR];        // FP8 V rows
-    uint4 k16[2][BLOCK_N][CPR16];          // widened K (swizzled chunks), double buffer
-    uint4 v16[2][BLOCK_N][CPR16];          // widened V
+    uint4 k[STAGES][BLOCK_N][CPR];         // K tiles (swizzled chunks)
+    uint4 v[STAGES][BLOCK_N][CPR];         // V tiles
     uint4 valid[STAGES];                   // per warp: bits of the keys it copied whose block is valid
     Keys keys;
     u32 qmax[PWARPS], qmin[PWARPS];
@@ -105,22 +102,6 @@ __device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
         lo = widen<TEXP, EXACT>(prmt(w, 0u, 0x1404u));
         hi = widen<TEXP, EXACT>(prmt(w, 0u, 0x3424u));
     }
-}
-
-__device__ __forceinline__ uint4 lds128(u32 addr) {
-    uint4 r;
-    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
-    return r;
-}
-
-__device__ __forceinline__ void ldmatrix_x4(u32 addr, u32& a, u32& b, u32& c, u32& d) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 addr, u32& a, u32& b, u32& c, u32& d) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d) : "r"(addr));
 }
 
 // The rows a thread holds: (m-tile mt, half hf) -> warp row 16 mt + r + 8 hf.
@@ -157,70 +138,20 @@ __device__ __forceinline__ u32 nonfinite_bytes(u32 w) {
 
 __device__ __forceinline__ u32 zero_nonfinite(u32 w) { return w & ~((nonfinite_bytes(w) >> 7) * 0xFFu); }
 
-__device__ __forceinline__ bool step_interior(const PrefillShared& sh, int stage, int n0, int lo_max, int hi_min,
-                                              u32& valid) {
-    const uint4 vw = sh.valid[stage];
-    valid = vw.x | vw.y | vw.z | vw.w;
-    return valid == 0xFFFFFFFFu && n0 >= lo_max && n0 + BLOCK_N <= hi_min;
-}
-
-// Widen the FP8 tiles of `stage` into the 16-bit buffer `buf`: thread tid takes 32 bytes (dims
-// 32 (tid % 4) + [0, 32)) of key tid / 4, of K (as KE) and of V (as float16). Returns nonzero when
-// the fast kernel cannot take the step (EXACT = false): a code the bit-level widening gets wrong,
-// an inf/NaN K code of a format with inf (a logit the simple path would not saturate), or, in a step
-// that is not interior, a NaN/inf V code (0 * NaN must not reach a row that does not see the key).
-// EXACT: every code through the software decoder; NaN/inf V codes of a step that is not interior
-// are widened as 0 (v_fixup adds them back where they are seen).
-template <int KE, bool EXACT>
-__device__ __forceinline__ u32 widen_step(PrefillShared& sh, int stage, int buf, bool interior) {
-    const int key = threadIdx.x >> 2, part = threadIdx.x & 3;
-    u32 special = 0u;
-#pragma unroll
-    for (int t = 0; t < 2; ++t) {  // t = 0: K, 1: V
-        const uint4* src = t == 0 ? &sh.k8[stage][key][2 * part] : &sh.v8[stage][key][2 * part];
-        uint4* dst = t == 0 ? &sh.k16[buf][key][0] : &sh.v16[buf][key][0];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const uint4 x = src[h];
-            u32 w[4] = {x.x, x.y, x.z, x.w};
-            u32 out[8];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                if (t == 0) {
-                    if constexpr (!EXACT) special |= has_special<KE>(w[i]) | (HASINF ? nonfinite_bytes(w[i]) : 0u);
-                    widen4<KE, EXACT>(w[i], out[2 * i], out[2 * i + 1]);
-                } else {
-                    if constexpr (!EXACT) {
-                        special |= has_special<5>(w[i]) | (interior ? 0u : nonfinite_bytes(w[i]));
-                    } else if (!interior) {
-                        w[i] = zero_nonfinite(w[i]);
-                    }
-                    widen4<5, EXACT>(w[i], out[2 * i], out[2 * i + 1]);
-                }
-            }
-            const int ch = 4 * part + 2 * h;  // 16-bit chunks (8 dims each) of dims 32 part + 16 h + [0, 16)
-            dst[sw(key, ch)] = make_uint4(out[0], out[1], out[2], out[3]);
-            dst[sw(key, ch + 1)] = make_uint4(out[4], out[5], out[6], out[7]);
-        }
-    }
-    return special;
-}
-
-// O += p v for the NaN/inf V codes of a step that is not interior (widened as 0), for the rows that
-// see their key: thread (r, c) holds O's dims 8 j + 2c, 8 j + 2c + 1 (n-tile j) of rows r, r + 8; p of
-// (row, key 8 j' + 2 c' + e) comes from lane (r, c').
+// O += p v for the NaN/inf V codes of the step (zeroed in p @ v), for the rows that see their key:
+// thread (r, c) holds O's dims 32 c + [0, 32) (n-tile j, columns 2c, 2c + 1) of rows r, r + 8; p of
+// (row, key 8 j + 2 c' + e) comes from lane (r, c').
 __device__ void v_fixup(const PrefillShared& sh, int stage, int n0, u32 valid, const RowSpans& rs,
                         const float (&p)[MT][NK][4], float (&o)[MT][ND][4]) {
     const int lane = threadIdx.x & 31, c = lane & 3;
 #pragma unroll 1
     for (int key = 0; key < BLOCK_N; ++key) {
-        const u8* row = reinterpret_cast<const u8*>(&sh.v8[stage][key][0]);
-        u32 codes[ND];
         u32 any = 0u;
+        uint4 x[2];
 #pragma unroll
-        for (int j = 0; j < ND; ++j) {
-            codes[j] = row[8 * j + 2 * c] | ((u32)row[8 * j + 2 * c + 1] << 8);
-            any |= nonfinite_bytes(codes[j]);
+        for (int e1 = 0; e1 < 2; ++e1) {
+            x[e1] = sh.v[stage][key][v_chunk(key, 2 * c + e1)];
+            any |= nonfinite_bytes(x[e1].x) | nonfinite_bytes(x[e1].y) | nonfinite_bytes(x[e1].z) | nonfinite_bytes(x[e1].w);
         }
         if (!__any_sync(0xFFFFFFFFu, any != 0u)) continue;
         float pr[MT][2];
@@ -239,62 +170,53 @@ __device__ void v_fixup(const PrefillShared& sh, int stage, int n0, u32 valid, c
                 vis[mt][hf] = ((valid >> key) & 1u) && n >= rs.lo[mt][hf] && n < rs.hi[mt][hf];
             }
 #pragma unroll
-        for (int j = 0; j < ND; ++j)
+        for (int e1 = 0; e1 < 2; ++e1)
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const u32 code = (codes[j] >> (8 * e)) & 0xFFu;
+            for (int b = 0; b < 16; ++b) {  // dim 16 (2c + e1) + b: n-tile b, column 2c + e1
+                const u32 code = (word(x[e1], b >> 2) >> (8 * (b & 3))) & 0xFFu;
                 if (!nonfinite_bytes(code)) continue;
                 const float v = decode(code);
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int hf = 0; hf < 2; ++hf)
-                        if (vis[mt][hf]) o[mt][j][e + 2 * hf] += pr[mt][hf] * v;
+                        if (vis[mt][hf]) o[mt][b][e1 + 2 * hf] += pr[mt][hf] * v;
             }
     }
 }
 
-// One step from the 16-bit buffer `buf`: S = Q K^T for the thread's rows, the online softmax,
-// O += P V. Keys n0 + [0, BLOCK_N). fixup (EXACT): not interior, v_fixup adds the NaN/inf V codes.
-template <int KE, bool SPLIT_P>
-__device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int stage, int n0, bool interior, u32 valid,
+// One step: S = Q K^T for the thread's rows, the online softmax, O += P V. Keys n0 + [0, BLOCK_N).
+// fixup (EXACT only): the step is not interior and holds NaN/inf V codes, which enter p @ v as 0 and
+// are added back by v_fixup for the rows that see their key (0 * NaN must not reach the others).
+template <int KE, bool EXACT, bool SPLIT_P>
+__device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n0, bool interior, u32 valid,
                                        const RowSpans& rs, const Logit& lg, bool fixup, float (&m_run)[MT][2],
                                        float (&l_run)[MT][2], float (&o)[MT][ND][4]) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, c = lane & 3;
-    const int mi = lane >> 3, ri = lane & 7;  // ldmatrix: the lane's matrix and row
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
     float s[MT][NK][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int j = 0; j < NK; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
-    // K: lane row (key) 8 (mi >> 1) + ri of n-tile pair jp (+ 16 jp keys), chunk 2 ks + (mi & 1) swizzled:
-    // (2 ks + (mi & 1)) ^ ri = 2 ks ^ ((mi & 1) ^ ri); each step's operands are loaded one k step ahead
-    const u32 q_addr = shared_address(&sh.q[warp][0][0][lane]);
-    const u32 k_addr = shared_address(&sh.k16[buf][8 * (mi >> 1) + ri][0]);
-    const u32 k_sw = (u32)(((mi & 1) ^ ri) << 4);
-    uint4 qa[2][MT];
-    u32 kb[2][NK / 2][4];
-    auto load_qk = [&](int ks, int slot) {
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) qa[slot][mt] = lds128(q_addr + (u32)((mt * KS + ks) * 32 * 16));
+    for (int i = 0; i < KS / 4; ++i) {
+        uint4 kx[NK];  // key 8j + r, dims 64 i + 16 c + [0, 16)
 #pragma unroll
-        for (int jp = 0; jp < NK / 2; ++jp)
-            ldmatrix_x4(k_addr + (u32)(jp * 16 * CPR16 * 16) + (k_sw ^ (u32)(ks << 5)), kb[slot][jp][0],
-                        kb[slot][jp][1], kb[slot][jp][2], kb[slot][jp][3]);
-    };
-    load_qk(0, 0);
+        for (int j = 0; j < NK; ++j) kx[j] = sh.k[stage][8 * j + r][k_chunk(r, 4 * i + c)];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-        const int cur = ks & 1;
-        if (ks + 1 < KS) load_qk(ks + 1, cur ^ 1);
+        for (int kq = 0; kq < 4; ++kq) {
+            const int ks = 4 * i + kq;
+            uint4 qa[MT];
 #pragma unroll
-        for (int jp = 0; jp < NK / 2; ++jp)
+            for (int mt = 0; mt < MT; ++mt) qa[mt] = sh.q[warp][mt][ks][lane];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const uint4& q = qa[cur][mt];
-                mma<KE>(s[mt][2 * jp], q.x, q.y, q.z, q.w, kb[cur][jp][0], kb[cur][jp][1]);
-                mma<KE>(s[mt][2 * jp + 1], q.x, q.y, q.z, q.w, kb[cur][jp][2], kb[cur][jp][3]);
+            for (int j = 0; j < NK; ++j) {
+                u32 b0, b1;
+                widen4<KE, EXACT>(word(kx[j], kq), b0, b1);
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma<KE>(s[mt][j], qa[mt].x, qa[mt].y, qa[mt].z, qa[mt].w, b0, b1);
             }
+        }
     }
     // logits (base 2) as v * fs: simple (lg.fs = the logit factor, > 0, and no logit can overflow:
     // see the kernel) keeps v = q . k, else v is the saturated (soft-capped) logit and fs = 1;
@@ -334,7 +256,11 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int sta
             float mx[NK];  // (a tree: the chain of dependent maxima stays short)
 #pragma unroll
             for (int j = 0; j < NK; ++j) mx[j] = fmaxf(s[mt][j][2 * hf], s[mt][j][2 * hf + 1]);
-            float tmax = fmaxf(fmaxf(mx[0], mx[1]), fmaxf(mx[2], mx[3]));
+#pragma unroll
+            for (int w = NK / 2; w > 0; w >>= 1)
+#pragma unroll
+                for (int j = 0; j < w; ++j) mx[j] = fmaxf(mx[j], mx[j + w]);
+            float tmax = mx[0];
             tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
             tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
             tmax *= fs;  // (fs > 0: the maximum of the products)
@@ -371,7 +297,9 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int sta
             }
             l_run[mt][hf] += (sum[0] + sum[1]) + (sum[2] + sum[3]);
         }
-    if (fixup) v_fixup(sh, stage, n0, valid, rs, s, o);
+    if constexpr (EXACT) {
+        if (fixup) v_fixup(sh, stage, n0, valid, rs, s, o);
+    }
     // P as A fragments (S dies here), k chunk kk = keys 16 kk + [0, 16): P's k index 2c, 2c + 1 |
     // 2c + 8, 2c + 9 are S's n-tiles 2 kk | 2 kk + 1, columns 2c, 2c + 1
     u32 pa[KC][MT][4], pl[KC][MT][4];
@@ -385,34 +313,73 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int buf, int sta
                 pa[kk][mt][a] = pack_f16(sv[0], sv[1]);
                 if constexpr (SPLIT_P) pl[kk][mt][a] = pack_f16(sv[0] - f16_lo(pa[kk][mt][a]), sv[1] - f16_hi(pa[kk][mt][a]));
             }
-    // O += P V: V^T fragments by ldmatrix.trans, matrices (keys +0 | +8) x (dims +0 | +8): lane row
-    // (key) 16 kk + 8 (mi & 1) + ri, chunk (2 np + (mi >> 1)) ^ ri; loaded one n-tile pair ahead
-    const u32 v_addr = shared_address(&sh.v16[buf][8 * (mi & 1) + ri][0]);
-    const u32 v_sw = (u32)(((mi >> 1) ^ ri) << 4);
-    u32 vb[2][4];
-    auto load_v = [&](int kk, int np, int slot) {
-        ldmatrix_x4_trans(v_addr + (u32)(kk * 16 * CPR16 * 16) + (v_sw ^ (u32)(np << 5)), vb[slot][0], vb[slot][1],
-                          vb[slot][2], vb[slot][3]);
-    };
-    load_v(0, 0, 0);
+    // O += P V
 #pragma unroll
-    for (int kk = 0; kk < KC; ++kk)
+    for (int kk = 0; kk < KC; ++kk) {
+        const int k0 = 16 * kk + 2 * c;
+        const uint4 va = sh.v[stage][k0][v_chunk(k0, r)], vb = sh.v[stage][k0 + 1][v_chunk(k0 + 1, r)];
+        const uint4 vc = sh.v[stage][k0 + 8][v_chunk(k0 + 8, r)], vd = sh.v[stage][k0 + 9][v_chunk(k0 + 9, r)];
 #pragma unroll
-        for (int np = 0; np < ND / 2; ++np) {  // n-tiles 2 np, 2 np + 1
-            const int it = kk * (ND / 2) + np, cur = it & 1;
-            if (it + 1 < KC * (ND / 2)) load_v((it + 1) / (ND / 2), (it + 1) % (ND / 2), cur ^ 1);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const u32* a = pa[kk][mt];
-                mma<5>(o[mt][2 * np], a[0], a[1], a[2], a[3], vb[cur][0], vb[cur][1]);
-                mma<5>(o[mt][2 * np + 1], a[0], a[1], a[2], a[3], vb[cur][2], vb[cur][3]);
-                if constexpr (SPLIT_P) {
-                    const u32* al = pl[kk][mt];
-                    mma<5>(o[mt][2 * np], al[0], al[1], al[2], al[3], vb[cur][0], vb[cur][1]);
-                    mma<5>(o[mt][2 * np + 1], al[0], al[1], al[2], al[3], vb[cur][2], vb[cur][3]);
-                }
+        for (int w = 0; w < 4; ++w) {  // dims 16 r + 4 w + [0, 4): n-tiles 4 w .. 4 w + 3
+            u32 A = word(va, w), B = word(vb, w), C = word(vc, w), E = word(vd, w);
+            if (EXACT && fixup) {
+                A = zero_nonfinite(A); B = zero_nonfinite(B); C = zero_nonfinite(C); E = zero_nonfinite(E);
             }
+            u32 b0[4], b1[4];
+            widen4<5, EXACT>(prmt(A, B, 0x5140u), b0[0], b0[1]);
+            widen4<5, EXACT>(prmt(A, B, 0x7362u), b0[2], b0[3]);
+            widen4<5, EXACT>(prmt(C, E, 0x5140u), b1[0], b1[1]);
+            widen4<5, EXACT>(prmt(C, E, 0x7362u), b1[2], b1[3]);
+#pragma unroll
+            for (int q = 0; q < 4; ++q)
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    const u32* a = pa[kk][mt];
+                    mma<5>(o[mt][4 * w + q], a[0], a[1], a[2], a[3], b0[q], b1[q]);
+                    if constexpr (SPLIT_P) {
+                        const u32* al = pl[kk][mt];
+                        mma<5>(o[mt][4 * w + q], al[0], al[1], al[2], al[3], b0[q], b1[q]);
+                    }
+                }
         }
+    }
+}
+
+// The OR of f over the K words (K) or the V words (!K) this thread reads in the step.
+template <bool K, typename F>
+__device__ __forceinline__ u32 or_words(const PrefillShared& sh, int stage, F f) {
+    const int lane = threadIdx.x & 31, r = lane >> 2, c = lane & 3;
+    u32 acc = 0u;
+    if constexpr (K) {
+#pragma unroll
+        for (int i = 0; i < KS / 4; ++i)
+#pragma unroll
+            for (int j = 0; j < NK; ++j) {
+                const uint4 x = sh.k[stage][8 * j + r][k_chunk(r, 4 * i + c)];
+                acc |= f(x.x) | f(x.y) | f(x.z) | f(x.w);
+            }
+    } else {
+#pragma unroll
+        for (int kk = 0; kk < KC; ++kk)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 16 * kk + 2 * c + (e & 1) + 8 * (e >> 1);
+                const uint4 x = sh.v[stage][key][v_chunk(key, r)];
+                acc |= f(x.x) | f(x.y) | f(x.z) | f(x.w);
+            }
+    }
+    return acc;
+}
+
+// Nonzero when the fast kernel cannot do the step: a K code the widening to KE gets wrong or an
+// inf/NaN K code of a format with inf (a logit the simple path would not saturate), a V code the
+// widening to float16 gets wrong, or (not interior) a NaN/inf V code (see v_fixup).
+template <int KE>
+__device__ __forceinline__ u32 step_special(const PrefillShared& sh, int stage, bool interior) {
+    u32 sp = or_words<true>(sh, stage, [](u32 w) { return has_special<KE>(w) | (HASINF ? nonfinite_bytes(w) : 0u); });
+    sp |= or_words<false>(sh, stage, [](u32 w) { return has_special<5>(w); });  // (0 where the widening is native)
+    if (!interior) sp |= or_words<false>(sh, stage, nonfinite_bytes);
+    return sp;
 }
 
 // The block ids of the two keys thread tid copies in the step at n0 (keys tid / CPR and tid / CPR +
@@ -459,8 +426,8 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
                 ov = (i64)blk * ks.v_sb + (i64)tib * ks.v_st + 16 * ch;
             }
         }
-        copy_async<16>(shared_address(&sh.k8[stage][key][ch]), ks.kbase + ok, live);
-        copy_async<16>(shared_address(&sh.v8[stage][key][ch]), ks.vbase + ov, live);
+        copy_async<16>(shared_address(&sh.k[stage][key][k_chunk(key, ch)]), ks.kbase + ok, live);
+        copy_async<16>(shared_address(&sh.v[stage][key][v_chunk(key, ch)]), ks.vbase + ov, live);
         // lanes 0, CPR, 2 CPR, 3 CPR of the warp hold keys 4 warp + [0, 4) (+ BLOCK_N / 2)
         const u32 b = __ballot_sync(0xFFFFFFFFu, live && ch == 0);
         u32 m = 0u;
@@ -473,43 +440,44 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
 }
 
 // The CTA's key loop with K in the 16-bit type KE; queries already staged as KE fragments. EXACT:
-// every code through the software decoder (the exact kernel); else a step the fast path cannot take
-// (widen_step) stops the CTA (returns false: the exact kernel redoes it).
+// every code through the software decoder (the exact kernel); else a step with a code the bit-level
+// widening gets wrong stops the CTA (returns false: the exact kernel redoes it).
 template <int KE, bool EXACT, bool SPLIT_P>
 __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, const RowSpans& rs, int lo_max, int hi_min,
                                          const Logit& lg, float (&m_run)[MT][2], float (&l_run)[MT][2],
                                          float (&o)[MT][ND][4]) {
     const int first = kb & ~(BLOCK_N - 1);
     const int steps = ke > first ? (ke - first + BLOCK_N - 1) / BLOCK_N : 0;
-    if (steps == 0) return true;  // (uniform over the CTA)
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         if (i < steps) issue(sh, i, first + i * BLOCK_N, lookup(sh, first + i * BLOCK_N));
         else asm volatile("cp.async.commit_group;");
     }
     StepBlocks next = lookup(sh, first + (STAGES - 1) * BLOCK_N);  // (the loads complete during a step)
-    u32 valid;
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
-    __syncthreads();
-    u32 special = widen_step<KE, EXACT>(sh, 0, 0, step_interior(sh, 0, first, lo_max, hi_min, valid));
+    bool special = false;
     for (int i = 0; i < steps; ++i) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 3));
-        // step i + 1 is in and step i widened; every warp is done with step i - 1 (its FP8 stage and
-        // 16-bit buffer are refilled next)
-        if (__syncthreads_or(special != 0u)) break;
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
+        // step i is in; every warp is done with step i - 1 (its stage is refilled next)
+        if (__syncthreads_or(special)) break;
         const int j = i + STAGES - 1;
         if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N, next);
         else asm volatile("cp.async.commit_group;");
         next = lookup(sh, first + (j + 1) * BLOCK_N);
         const int stage = i % STAGES, n0 = first + i * BLOCK_N;
-        const bool interior = step_interior(sh, stage, n0, lo_max, hi_min, valid);
-        attend<KE, SPLIT_P>(sh, i & 1, stage, n0, interior, valid, rs, lg, EXACT && !interior, m_run, l_run, o);
-        if (i + 1 < steps)  // (after this step's mma: their tail overlaps the widening's loads)
-            special = widen_step<KE, EXACT>(sh, (i + 1) % STAGES, (i + 1) & 1,
-                                            step_interior(sh, (i + 1) % STAGES, n0 + BLOCK_N, lo_max, hi_min, valid));
+        const uint4 vw = sh.valid[stage];
+        const u32 valid = vw.x | vw.y | vw.z | vw.w;
+        const bool interior = valid == 0xFFFFFFFFu && n0 >= lo_max && n0 + BLOCK_N <= hi_min;
+        bool fixup = false;
+        if constexpr (!EXACT) {
+            special = __any_sync(0xFFFFFFFFu, step_special<KE>(sh, stage, interior) != 0u);
+            if (special) continue;
+        } else {
+            fixup = !interior && __any_sync(0xFFFFFFFFu, or_words<false>(sh, stage, nonfinite_bytes) != 0u);
+        }
+        attend<KE, EXACT, SPLIT_P>(sh, stage, n0, interior, valid, rs, lg, fixup, m_run, l_run, o);
     }
     asm volatile("cp.async.wait_all;");
-    return !__syncthreads_or(special != 0u);
+    return !__syncthreads_or(special);
 }
 
 template <int KE, bool EXACT>
@@ -594,8 +562,8 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
         for (int ks = 0; ks < KS; ++ks) {
             u32 w[4];
 #pragma unroll
-            for (int a = 0; a < 4; ++a) {  // a0 (row r, d, d + 1), a1 (row r + 8), a2 (row r, d + 8, d + 9), a3
-                const int row = frag_row(mt, a & 1), d = 16 * ks + 2 * c + 8 * (a >> 1);
+            for (int a = 0; a < 4; ++a) {  // a0 (row r, d, d + 1), a1 (row r + 8), a2 (row r, d + 2, d + 3), a3
+                const int row = frag_row(mt, a & 1), d = k_dim(c, ks) + 2 * (a >> 1);
                 u32 lohi[2];
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
@@ -722,8 +690,8 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
 #pragma unroll
         for (int nd = 0; nd < ND; ++nd)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)  // column 2c + (e & 1) of n-tile nd: dim 8 nd + 2c + (e & 1)
-                stage_f[(r + 8 * (e >> 1)) * ROW_F + 8 * nd + 2 * c + (e & 1)] = o[mt][nd][e] * mul[e >> 1];
+            for (int e = 0; e < 4; ++e)  // column 2c + (e & 1) of n-tile nd: dim 16 (2c + (e & 1)) + nd
+                stage_f[(r + 8 * (e >> 1)) * ROW_F + 16 * (2 * c + (e & 1)) + nd] = o[mt][nd][e] * mul[e >> 1];
         __syncwarp();
         for (int i = 0; i < 16; ++i) {
             const int row = row0 + 32 * warp + 16 * mt + i;
