@@ -157,6 +157,26 @@ def test_plan_splits_only_when_the_gpu_would_idle(monkeypatch):
     assert (p.d_pad, p.gpad, p.block_n, p.head_chunks) == (256, 16, 32, 2)
 
 
+def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
+    from fp8kv_cuda import attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    dev = torch.device("cuda", 0)
+    # 4 x 2048 new tokens, GQA 4: 2048 * 4 rows in tiles of 128 per (sequence, KV head); no split
+    p = attention.plan_prefill(dev, num_seqs=4, num_kv_heads=8, group=4, head_size=128, max_keys=4096,
+                               max_query_len=2048)
+    assert p.prefill and p.mma and p.row_tiles == 2048 * 4 // attention.PREFILL_ROWS and p.num_splits == 1
+    # one short chunk over a long context: 2 row tiles x 8 heads would idle the GPU, so the keys split
+    p = attention.plan_prefill(dev, num_seqs=1, num_kv_heads=8, group=4, head_size=128, max_keys=32768,
+                               max_query_len=64)
+    assert p.row_tiles == 2 and p.num_splits > 1
+    assert p.keys_per_split % attention.PREFILL_SPLIT_KEYS == 0
+    assert p.num_splits * p.keys_per_split >= 32768 > (p.num_splits - 1) * p.keys_per_split
+    # the grid's z is num_seqs * num_splits (the kernel divides it back)
+    assert attention.plan_prefill(dev, num_seqs=3, num_kv_heads=2, group=8, head_size=128, max_keys=100,
+                                  max_query_len=5).num_splits == 1
+
+
 def test_variants_take_every_constant_from_the_codec():
     from fp8kv_cuda.variants import attention_variant, options, source, write_variant
 

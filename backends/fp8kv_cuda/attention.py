@@ -1,9 +1,11 @@
-"""Host launcher of paged attention (``csrc/attention.cu``): plan and per-layer launch.
+"""Host launcher of paged attention (``csrc/attention*.cu``, ``csrc/prefill_mma.cu``): plan and
+per-layer launch.
 
-:func:`plan` picks the tile, the query-head chunks and the KV split from host-side sizes only
-(once per step, ``fp8kv_plan_attention``); :func:`paged_attention` launches the kernel (and,
-with a split, the merge) per layer, with no host sync. Decode and chunked prefill share the
-kernel: the grid has one row of CTAs per query token.
+:func:`plan` picks the kernel, the tile, the query-head chunks and the KV split from host-side sizes
+only (once per step, ``fp8kv_plan_attention``); :func:`paged_attention` launches the kernel (and,
+with a split, the merge) per layer, with no host sync. Chunked prefill takes the tensor-core prefill
+kernel where it serves (CTAs of 128 query rows); decode and the rest run one row of CTAs per query
+token.
 """
 
 from __future__ import annotations

@@ -6,14 +6,14 @@ Each predicate takes the (possibly simulated) :class:`~fp8kv.probe.DeviceInfo` a
 
 Served: NVIDIA sm70+ with CuPy, every format (fp8_e4m3, fp8_e5m2 and the fnuz pair), layouts
 NHD/HND, granularities tensor/head/token_head, head sizes 1..256, float32/float16/bfloat16
-I/O, and the features sliding_window, soft_cap, non_causal and chunked_prefill (a prefill
-step runs the decode kernel once per query token: correct, not yet fast; no tensor cores).
+I/O, and the features sliding_window, soft_cap, non_causal and chunked_prefill.
 
 Kernels: the write; decode attention on tensor cores (``csrc/attention_mma.cu``: sm80+, float16/
 bfloat16 queries, any granularity, head sizes 64/128 (256 on sm89+ for the OCP formats), 16-byte
-aligned K/V rows); everything else (float32 queries, other head sizes, sm70/
-sm75, and chunked prefill, which runs the decode kernels once per query token) on the CUDA-core
-kernel (``csrc/attention.cu``).
+aligned K/V rows); chunked prefill on tensor cores (``csrc/prefill_mma.cu``: sm80+, float16/
+bfloat16 queries, static scales, head size 128, 16-byte aligned rows); everything else (float32
+queries, other head sizes, per-token-head prefill, sm70/sm75) on the CUDA-core kernel
+(``csrc/attention.cu``), one CTA row per query token.
 
 Codec: the write encodes through the software codec (integer bits, ``csrc/codec.cuh``, a mirror
 of :mod:`fp8kv.codec`) on every architecture and for every format (a native encode enters only
@@ -191,7 +191,9 @@ def device_notes(device: DeviceInfo) -> list[str]:
            else "decode on CUDA cores")
     if device.arch in DECODE_FASTER_ARCHES:
         mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"
-    lines = [toolkit_note(device), f"kernels: {ran}; {mma}; chunked prefill runs the decode kernels per "
-             "query token (no prefill tile yet)"]
+    prefill = ("chunked prefill on tensor cores (sm80+, float16/bfloat16 queries, static scales, head size 128; "
+               "below triton's speed, so ranked below it)" if device.sm >= 80
+               else "chunked prefill on CUDA cores, one CTA row per query token")
+    lines = [toolkit_note(device), f"kernels: {ran}; {mma}; {prefill}"]
     lines += [codec_note(device, f) for f in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")]
     return lines
