@@ -21,7 +21,17 @@ import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from fp8kv_bench.kernels import causal_sdpa_bf16, environment, time_graph  # noqa: E402
-from hopper_prefill import HKV, HQ, D, bench_flashinfer, plot, table, workload  # noqa: E402
+from hopper_prefill import (  # noqa: E402
+    HKV,
+    HQ,
+    D,
+    add_common_args,
+    bench_flashinfer,
+    parse_shapes,
+    plot,
+    table,
+    workload,
+)
 
 
 def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]) -> None:
@@ -86,22 +96,16 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--flashinfer", action="store_true", help="time FlashInfer bf16 (needs its JIT build)")
+    add_common_args(ap)
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
-    ap.add_argument("--shapes", default="4x2048+2048,1x16384+0")
-    ap.add_argument("--plot", default=None, help="only draw the PNG of a recorded JSON")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")
     args = ap.parse_args(argv)
     if args.plot:
         return plot(args.plot)
     device = torch.device("cuda")
     rows: list[dict] = []
-    for spec in args.shapes.split(","):
-        sn, rest = spec.split("x")
-        new, cached = rest.split("+")
-        bench_shape(device, int(sn), int(new), int(cached), args, rows)
+    for seqs, new, cached in parse_shapes(args.shapes):
+        bench_shape(device, seqs, new, cached, args, rows)
     if args.profile:
         return 0
     print(table(rows))

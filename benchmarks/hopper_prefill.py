@@ -251,24 +251,37 @@ def plot(path: str) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_common_args(ap: argparse.ArgumentParser) -> None:
+    """The options every prefill benchmark takes (this one and ``cuda_prefill.py``)."""
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--flashinfer", action="store_true", help="time FlashInfer bf16 (needs its JIT build)")
-    ap.add_argument("--grid", choices=("full", "none"), default="full")
     ap.add_argument("--shapes", default="4x2048+2048,1x16384+0",
                     help="SEQSxNEW+CACHED,... (NEW=1: decode, e.g. 32x1+4095)")
     ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a recorded run (CPU)")
+
+
+def parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    """``"4x2048+2048,1x16384+0"`` -> ``[(4, 2048, 2048), (1, 16384, 0)]`` (seqs, new, cached)."""
+    out = []
+    for shape in text.split(","):
+        sn, cached = shape.split("+")
+        seqs, new = sn.split("x")
+        out.append((int(seqs), int(new), int(cached)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(ap)
+    ap.add_argument("--grid", choices=("full", "none"), default="full")
     args = ap.parse_args(argv)
     if args.plot:
         return plot(args.plot)
     device = torch.device("cuda")
     rows: list[dict] = []
-    for shape in args.shapes.split(","):
-        sn, cached = shape.split("+")
-        seqs, new = sn.split("x")
-        bench_shape(device, int(seqs), int(new), int(cached), args, rows)
+    for seqs, new, cached in parse_shapes(args.shapes):
+        bench_shape(device, seqs, new, cached, args, rows)
     print(table(rows), flush=True)
     env = environment(device)
     env["sass"] = sass_evidence()

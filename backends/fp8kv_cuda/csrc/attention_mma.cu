@@ -473,24 +473,9 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         const u32 m = __shfl_xor_sync(0xFFFFFFFFu, qmin, o);
         qmin = m < qmin ? m : qmin;
     }
-    const i32 qexp = (i32)(qmax >> 23) - 127;
-    // float16 K (native conversion on sm89+) whenever the queries are exact float16 after a power
-    // of two: always for float16; for bfloat16 (8 significant bits) when scaled by 2^(14 - qexp) the
-    // largest is below 2^15 and the smallest nonzero at least 2^-17 (range <= 2^31, no subnormal).
-    bool k16 = QT == 1;
-    i32 qshift = 0;  // queries enter as q * 2^-qshift
-    if constexpr (QT == 2) {
-        const i32 qexp_min = (i32)(qmin >> 23) - 127;
-        const bool finite = qmax < 0x7F800000u;
-        if (finite && qmax == 0u) {
-            k16 = true;
-        } else if (finite && (qmin >> 23) != 0u && qexp - qexp_min <= 31 && qexp - 14 >= -126 && qexp - 14 <= 126) {
-            k16 = true;
-            qshift = qexp - 14;
-        } else {
-            qshift = (finite && qexp > 100) ? qexp - 100 : 0;  // bfloat16 K: |q| < 2^101 keeps logits finite
-        }
-    }
+    bool k16;  // float16 K (native conversion on sm89+) where exact, see key_type
+    i32 qshift;  // queries enter as q * 2^-qshift
+    key_type(qmax, qmin, k16, qshift);
     const float vs_static = TOKEN_SCALES ? 1.0f : v_scale[h * vs_sh];
 
     // ---- per-warp state: heads 2c, 2c + 1 (same in the 8 lanes of a c), O^T fragments

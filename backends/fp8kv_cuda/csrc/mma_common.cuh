@@ -167,4 +167,27 @@ __device__ __forceinline__ float pow2_ceil(float x) {
     return e >= 254u ? u2f(254u << 23) : u2f(e << 23);
 }
 
+// K's 16-bit type for queries whose magnitudes (float32 bits) have maximum qmax and smallest nonzero
+// qmin: float16 (k16) whenever the queries are exact float16 after a power of two: always for
+// float16; for bfloat16 (8 significant bits) when, scaled by 2^(14 - qexp), the largest is below
+// 2^15 and the smallest nonzero at least 2^-17 (range <= 2^31, no subnormal). Queries then enter
+// as q * 2^-qshift; bfloat16 K keeps |q| < 2^101 (logits finite).
+__device__ __forceinline__ void key_type(u32 qmax, u32 qmin, bool& k16, i32& qshift) {
+    const i32 qexp = (i32)(qmax >> 23) - 127;
+    k16 = QT == 1;
+    qshift = 0;
+    if constexpr (QT == 2) {
+        const i32 qexp_min = (i32)(qmin >> 23) - 127;
+        const bool finite = qmax < 0x7F800000u;
+        if (finite && qmax == 0u) {
+            k16 = true;
+        } else if (finite && (qmin >> 23) != 0u && qexp - qexp_min <= 31 && qexp - 14 >= -126 && qexp - 14 <= 126) {
+            k16 = true;
+            qshift = qexp - 14;
+        } else {
+            qshift = (finite && qexp > 100) ? qexp - 100 : 0;
+        }
+    }
+}
+
 }  // namespace fp8kv

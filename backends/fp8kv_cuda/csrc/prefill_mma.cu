@@ -185,6 +185,17 @@ __device__ void v_fixup(const PrefillShared& sh, int stage, int n0, u32 valid, c
     }
 }
 
+// f(mt, j, e) for each S element a thread holds: row r + 8 (e >> 1) of m-tile mt, key 8 j + 2c + (e & 1).
+template <typename F>
+__device__ __forceinline__ void for_each_s(F&& f) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NK; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f(mt, j, e);
+}
+
 // One step: S = Q K^T for the thread's rows, the online softmax, O += P V. Keys n0 + [0, BLOCK_N).
 // fixup (EXACT only): the step is not interior and holds NaN/inf V codes, which enter p @ v as 0 and
 // are added back by v_fixup for the rows that see their key (0 * NaN must not reach the others).
@@ -194,10 +205,7 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
                                        float (&l_run)[MT][2], float (&o)[MT][ND][4]) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
     float s[MT][NK][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int j = 0; j < NK; ++j) s[mt][j][0] = s[mt][j][1] = s[mt][j][2] = s[mt][j][3] = 0.0f;
+    for_each_s([&](int mt, int j, int e) { s[mt][j][e] = 0.0f; });
 #pragma unroll
     for (int i = 0; i < KS / 4; ++i) {
         uint4 kx[NK];  // key 8j + r, dims 64 i + 16 c + [0, 16)
@@ -222,28 +230,18 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
     // see the kernel) keeps v = q . k, else v is the saturated (soft-capped) logit and fs = 1;
     // masked where a key is not visible to a row
     if (!lg.simple) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NK; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    float x = (s[mt][j][e] * lg.f1) * lg.f2;
-                    if (lg.use_cap) x = lg.soft_cap * tanhf(fdiv(x, lg.soft_cap)) * LOG2E;
-                    s[mt][j][e] = saturate(x);
-                }
+        for_each_s([&](int mt, int j, int e) {
+            float x = (s[mt][j][e] * lg.f1) * lg.f2;
+            if (lg.use_cap) x = lg.soft_cap * tanhf(fdiv(x, lg.soft_cap)) * LOG2E;
+            s[mt][j][e] = saturate(x);
+        });
     }
     if (!interior) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int j = 0; j < NK; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, hf = e >> 1;
-                    const bool vis = ((valid >> key) & 1u) && n >= rs.lo[mt][hf] && n < rs.hi[mt][hf];
-                    s[mt][j][e] = vis ? s[mt][j][e] : NEG_INF;
-                }
+        for_each_s([&](int mt, int j, int e) {
+            const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, hf = e >> 1;
+            const bool vis = ((valid >> key) & 1u) && n >= rs.lo[mt][hf] && n < rs.hi[mt][hf];
+            s[mt][j][e] = vis ? s[mt][j][e] : NEG_INF;
+        });
     }
     const float fs = lg.simple ? lg.fs : 1.0f;
     // online softmax per row: the maximum is raised only past m_run + TAU
@@ -591,22 +589,9 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
         qmax = u32_max(qmax, sh.qmax[w]);
         qmin = sh.qmin[w] < qmin ? sh.qmin[w] : qmin;
     }
-    // as attention_mma.cu: float16 K when the queries are exact float16 after a power of two
-    const i32 qexp = (i32)(qmax >> 23) - 127;
-    bool k16 = QT == 1;
-    i32 qshift = 0;
-    if constexpr (QT == 2) {
-        const i32 qexp_min = (i32)(qmin >> 23) - 127;
-        const bool finite = qmax < 0x7F800000u;
-        if (finite && qmax == 0u) {
-            k16 = true;
-        } else if (finite && (qmin >> 23) != 0u && qexp - qexp_min <= 31 && qexp - 14 >= -126 && qexp - 14 <= 126) {
-            k16 = true;
-            qshift = qexp - 14;
-        } else {
-            qshift = (finite && qexp > 100) ? qexp - 100 : 0;
-        }
-    }
+    bool k16;  // float16 K where exact (key_type), queries as q * 2^-qshift
+    i32 qshift;
+    key_type(qmax, qmin, k16, qshift);
     if (!(k16 == (QT == 1) && qshift == 0)) {  // convert the warp's own fragments in place
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
