@@ -79,6 +79,7 @@ struct Keys {
     i64 k_sb, k_st, v_sb, v_st;
     int kb, ke, block_size, bs_shift, num_blocks;
     bool small;  // every K/V offset fits 31 bits: 32-bit address arithmetic
+    bool fast;   // small, and the block size a power of two dividing BLOCK_N (CopyPlan)
 };
 
 struct PrefillShared {
@@ -387,6 +388,25 @@ struct StepBlocks {
     int blk[2];
 };
 
+// What a thread's copies of every step share when Keys::fast (32-bit offsets, the block size a power
+// of two dividing BLOCK_N, so steps start at block boundaries): its keys' offsets within a block.
+struct CopyPlan {
+    u32 k_off[2], v_off[2];  // (key % block_size) * stride + 16 (tid % CPR), keys tid / CPR + 16 hf
+};
+
+__device__ __forceinline__ CopyPlan copy_plan(const PrefillShared& sh) {
+    const Keys& ks = sh.keys;
+    CopyPlan cp;
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const u32 tib = ((u32)threadIdx.x / CPR + hf * (BLOCK_N / 2)) & (u32)(ks.block_size - 1);
+        const u32 ch16 = 16u * ((u32)threadIdx.x % CPR);
+        cp.k_off[hf] = ks.fast ? tib * (u32)ks.k_st + ch16 : 0u;
+        cp.v_off[hf] = ks.fast ? tib * (u32)ks.v_st + ch16 : 0u;
+    }
+    return cp;
+}
+
 __device__ __forceinline__ StepBlocks lookup(const PrefillShared& sh, int n0) {
     const Keys& ks = sh.keys;
     StepBlocks b;
@@ -402,10 +422,11 @@ __device__ __forceinline__ StepBlocks lookup(const PrefillShared& sh, int n0) {
 // Start the copies of the step at n0 into `stage` (one commit group): thread tid copies chunk
 // tid % CPR of keys tid / CPR and tid / CPR + BLOCK_N / 2, of K and of V; keys outside [kb, ke) or
 // in an invalid block are zero-filled, never read, and their bits left clear in valid[stage].
-__device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, const StepBlocks& sb) {
+__device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, const StepBlocks& sb, const CopyPlan& cp) {
     const Keys& ks = sh.keys;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int ch = tid % CPR;
+    const bool fast = ks.fast;
     u32 bits = 0u;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
@@ -413,7 +434,10 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
         const int blk = sb.blk[hf];
         const bool live = blk >= 0 && blk < ks.num_blocks;  // (-1 outside [kb, ke))
         i64 ok = 0, ov = 0;
-        if (live) {
+        if (fast) {
+            ok = live ? (u32)blk * (u32)ks.k_sb + cp.k_off[hf] : 0u;
+            ov = live ? (u32)blk * (u32)ks.v_sb + cp.v_off[hf] : 0u;
+        } else if (live) {
             const int page = ks.bs_shift >= 0 ? n >> ks.bs_shift : n / ks.block_size;
             const int tib = n - page * ks.block_size;
             if (ks.small) {
@@ -446,9 +470,10 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
                                          float (&o)[MT][ND][4]) {
     const int first = kb & ~(BLOCK_N - 1);
     const int steps = ke > first ? (ke - first + BLOCK_N - 1) / BLOCK_N : 0;
+    const CopyPlan cp = copy_plan(sh);
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
-        if (i < steps) issue(sh, i, first + i * BLOCK_N, lookup(sh, first + i * BLOCK_N));
+        if (i < steps) issue(sh, i, first + i * BLOCK_N, lookup(sh, first + i * BLOCK_N), cp);
         else asm volatile("cp.async.commit_group;");
     }
     StepBlocks next = lookup(sh, first + (STAGES - 1) * BLOCK_N);  // (the loads complete during a step)
@@ -458,7 +483,7 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
         // step i is in; every warp is done with step i - 1 (its stage is refilled next)
         if (__syncthreads_or(special)) break;
         const int j = i + STAGES - 1;
-        if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N, next);
+        if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N, next, cp);
         else asm volatile("cp.async.commit_group;");
         next = lookup(sh, first + (j + 1) * BLOCK_N);
         const int stage = i % STAGES, n0 = first + i * BLOCK_N;
@@ -635,6 +660,7 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
                    (i64)num_blocks * sb + (i64)block_size * st + D < (1ll << 31);
         };
         keys.small = fits(k_sb, k_st) && fits(v_sb, v_st);
+        keys.fast = keys.small && keys.bs_shift >= 0 && block_size <= BLOCK_N;
     }
     __syncthreads();
 
