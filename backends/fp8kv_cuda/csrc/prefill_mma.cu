@@ -64,6 +64,7 @@ static_assert(QT == 1 || QT == 2, "prefill_mma.cu: float16 or bfloat16 queries")
 static_assert(D == 128, "prefill_mma.cu: head size 128");
 static_assert(NK == 4, "prefill_mma.cu: the row sums add four n-tiles");
 static_assert(PNT * 2 == BLOCK_N * CPR, "prefill_mma.cu: each thread copies two chunks of K and of V");
+static_assert(CPR == 8, "prefill_mma.cu: the key bits of a warp's copies are ballot bits 0, 8, 16, 24");
 
 __device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16 * c + 4 * (ks & 3); }
 // Swizzled 16-byte chunk of a tile row (reads: K by lanes (key 8j + r, chunk 4i + c), V by lanes
@@ -93,6 +94,12 @@ struct PrefillShared {
 static_assert((int)sizeof(float) * 16 * ROW_F * PWARPS <= (int)sizeof(PrefillShared),
               "prefill_mma.cu: the epilogue stages one m-tile of output per warp");
 constexpr int SMEM_BYTES = (int)sizeof(PrefillShared);
+
+__device__ __forceinline__ uint4 lds128(u32 addr) {
+    uint4 r;
+    asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(addr));
+    return r;
+}
 
 // The pair (byte 0, byte 1) of w as lo and (byte 2, byte 3) as hi, in the 16-bit type TEXP.
 template <int TEXP, bool EXACT>
@@ -207,17 +214,21 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, r = lane >> 2, c = lane & 3;
     float s[MT][NK][4];
     for_each_s([&](int mt, int j, int e) { s[mt][j][e] = 0.0f; });
+    // shared addresses: a lane constant plus immediates (k_chunk(r, 4 i + c) = c + 4 (i ^ (r & 1)))
+    const u32 q_addr = shared_address(&sh.q[warp][0][0][lane]);
+    const u32 k_addr = shared_address(&sh.k[stage][r][c]);
+    const u32 k_flip = (u32)(r & 1) * 64u;
 #pragma unroll
     for (int i = 0; i < KS / 4; ++i) {
         uint4 kx[NK];  // key 8j + r, dims 64 i + 16 c + [0, 16)
 #pragma unroll
-        for (int j = 0; j < NK; ++j) kx[j] = sh.k[stage][8 * j + r][k_chunk(r, 4 * i + c)];
+        for (int j = 0; j < NK; ++j) kx[j] = lds128(k_addr + (u32)(j * 8 * CPR * 16) + (i == 0 ? k_flip : 64u - k_flip));
 #pragma unroll
         for (int kq = 0; kq < 4; ++kq) {
             const int ks = 4 * i + kq;
             uint4 qa[MT];
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) qa[mt] = sh.q[warp][mt][ks][lane];
+            for (int mt = 0; mt < MT; ++mt) qa[mt] = lds128(q_addr + (u32)((mt * KS + ks) * 32 * 16));
 #pragma unroll
             for (int j = 0; j < NK; ++j) {
                 u32 b0, b1;
@@ -315,9 +326,10 @@ __device__ __forceinline__ void attend(const PrefillShared& sh, int stage, int n
     // O += P V
 #pragma unroll
     for (int kk = 0; kk < KC; ++kk) {
-        const int k0 = 16 * kk + 2 * c;
-        const uint4 va = sh.v[stage][k0][v_chunk(k0, r)], vb = sh.v[stage][k0 + 1][v_chunk(k0 + 1, r)];
-        const uint4 vc = sh.v[stage][k0 + 8][v_chunk(k0 + 8, r)], vd = sh.v[stage][k0 + 9][v_chunk(k0 + 9, r)];
+        // keys 16 kk + 2c + {0, 1, 8, 9}, chunk v_chunk(key, r) = r ^ 2c for all four
+        const u32 v_addr = shared_address(&sh.v[stage][2 * c][r ^ (2 * c)]) + (u32)(kk * 16 * CPR * 16);
+        const uint4 va = lds128(v_addr), vb = lds128(v_addr + CPR * 16);
+        const uint4 vc = lds128(v_addr + 8 * CPR * 16), vd = lds128(v_addr + 9 * CPR * 16);
 #pragma unroll
         for (int w = 0; w < 4; ++w) {  // dims 16 r + 4 w + [0, 4): n-tiles 4 w .. 4 w + 3
             u32 A = word(va, w), B = word(vb, w), C = word(vc, w), E = word(vd, w);
@@ -451,11 +463,9 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
         copy_async<16>(shared_address(&sh.k[stage][key][k_chunk(key, ch)]), ks.kbase + ok, live);
         copy_async<16>(shared_address(&sh.v[stage][key][v_chunk(key, ch)]), ks.vbase + ov, live);
         // lanes 0, CPR, 2 CPR, 3 CPR of the warp hold keys 4 warp + [0, 4) (+ BLOCK_N / 2)
+        // (bits 0, 8, 16, 24 of the ballot moved to 28..31 by one product: no two terms meet)
         const u32 b = __ballot_sync(0xFFFFFFFFu, live && ch == 0);
-        u32 m = 0u;
-#pragma unroll
-        for (int q = 0; q < 32 / CPR; ++q) m |= ((b >> (q * CPR)) & 1u) << q;
-        bits |= m << ((32 / CPR) * warp + hf * (BLOCK_N / 2));
+        bits |= (((b & 0x01010101u) * 0x10204080u) >> 28) << ((32 / CPR) * warp + hf * (BLOCK_N / 2));
     }
     if (lane == 0) reinterpret_cast<u32*>(&sh.valid[stage])[warp] = bits;
     asm volatile("cp.async.commit_group;");
