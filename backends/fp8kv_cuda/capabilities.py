@@ -192,7 +192,7 @@ def device_notes(device: DeviceInfo) -> list[str]:
     if device.arch in DECODE_FASTER_ARCHES:
         mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"
     prefill = ("chunked prefill on tensor cores (sm80+, float16/bfloat16 queries, static scales, head size 128; "
-               "below triton's speed, so ranked below it)" if device.sm >= 80
+               "not faster than triton, so ranked below it)" if device.sm >= 80
                else "chunked prefill on CUDA cores, one CTA row per query token")
     lines = [toolkit_note(device), f"kernels: {ran}; {mma}; {prefill}"]
     lines += [codec_note(device, f) for f in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")]
