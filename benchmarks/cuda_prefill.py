@@ -27,8 +27,9 @@ from hopper_prefill import (  # noqa: E402
     D,
     add_common_args,
     bench_flashinfer,
-    parse_shapes,
     plot,
+    recorder,
+    run_shapes,
     table,
     workload,
 )
@@ -46,12 +47,7 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     vmax = (cache.v_scale.max() * 448).item()
     print(f"== {tag}: {flops / 1e12:.3f} useful TFLOP", flush=True)
 
-    def record(name, ms, **kw):
-        row = {"shape": tag, "seqs": seqs, "new": new, "cached": cached, "impl": name, "ms": ms,
-               "useful_tflops": flops / (ms * 1e-3) / 1e12, **kw}
-        rows.append(row)
-        print(f"  {name:44s} {ms * 1e3:9.1f} us  {row['useful_tflops']:6.1f} TFLOP/s "
-              + " ".join(f"{k}={v}" for k, v in kw.items()), flush=True)
+    record = recorder(rows, seqs, new, cached, flops)
 
     if args.profile:  # the CUDA backend only, three untimed calls (for ncu --launch-skip 1)
         meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=torch.bfloat16, block_tables=tables,
@@ -103,9 +99,7 @@ def main(argv=None) -> int:
     if args.plot:
         return plot(args.plot)
     device = torch.device("cuda")
-    rows: list[dict] = []
-    for seqs, new, cached in parse_shapes(args.shapes):
-        bench_shape(device, seqs, new, cached, args, rows)
+    rows = run_shapes(bench_shape, device, args)
     if args.profile:
         return 0
     print(table(rows))

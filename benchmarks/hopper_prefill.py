@@ -89,6 +89,20 @@ def workload(device, seqs, new, cached, gen):
     return cache, tables, query, seq_lens, qsl, 4 * visible * D
 
 
+def recorder(rows: list[dict], seqs: int, new: int, cached: int, flops: float):
+    """``record(name, ms, **extra)``: appends a result row for the shape and prints it."""
+    tag = f"{seqs}x{new} over {cached}"
+
+    def record(name, ms, **kw):
+        row = {"shape": tag, "seqs": seqs, "new": new, "cached": cached, "impl": name, "ms": ms,
+               "useful_tflops": flops / (ms * 1e-3) / 1e12, **kw}
+        rows.append(row)
+        print(f"  {name:48s} {ms * 1e3:8.1f} us  {row['useful_tflops']:6.1f} TFLOP/s "
+              + " ".join(f"{k}={v}" for k, v in kw.items() if k != "config"), flush=True)
+
+    return record
+
+
 def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]) -> None:
     """Time every implementation on one shape (appends rows)."""
     from fp8kv_hopper.attention import choose_config, paged_attention_fp8
@@ -106,12 +120,7 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     vmax = (cache.v_scale.max() * 448).item()
     print(f"== {tag}: {flops / 1e12:.3f} useful TFLOP", flush=True)
 
-    def record(name, ms, **kw):
-        row = {"shape": tag, "seqs": seqs, "new": new, "cached": cached, "impl": name, "ms": ms,
-               "useful_tflops": flops / (ms * 1e-3) / 1e12, **kw}
-        rows.append(row)
-        print(f"  {name:48s} {ms * 1e3:8.1f} us  {row['useful_tflops']:6.1f} TFLOP/s "
-              + " ".join(f"{k}={v}" for k, v in kw.items() if k != "config"), flush=True)
+    record = recorder(rows, seqs, new, cached, flops)
 
     def diff(q_scale) -> dict:
         if not check:
@@ -271,6 +280,14 @@ def parse_shapes(text: str) -> list[tuple[int, int, int]]:
     return out
 
 
+def run_shapes(bench, device, args) -> list[dict]:
+    """``bench(device, seqs, new, cached, args, rows)`` for every shape of ``--shapes``; the rows."""
+    rows: list[dict] = []
+    for seqs, new, cached in parse_shapes(args.shapes):
+        bench(device, seqs, new, cached, args, rows)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap)
@@ -279,9 +296,7 @@ def main(argv=None) -> int:
     if args.plot:
         return plot(args.plot)
     device = torch.device("cuda")
-    rows: list[dict] = []
-    for seqs, new, cached in parse_shapes(args.shapes):
-        bench_shape(device, seqs, new, cached, args, rows)
+    rows = run_shapes(bench_shape, device, args)
     print(table(rows), flush=True)
     env = environment(device)
     env["sass"] = sass_evidence()
