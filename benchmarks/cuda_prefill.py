@@ -104,8 +104,14 @@ def main(argv=None) -> int:
         return 0
     print(table(rows))
     if args.json:
+        env = environment(device)
+        for mod in ("cupy", "flashinfer"):  # (the CUDA backend's runtime and the peer)
+            try:
+                env[mod] = __import__(mod).__version__
+            except Exception:  # noqa: BLE001 - not installed
+                env[mod] = None
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(device), "results": rows}, f, indent=1)
+            json.dump({"environment": env, "results": rows}, f, indent=1)
         plot(args.json)
     return 0
 
