@@ -18,6 +18,7 @@ from importlib import resources
 
 from fp8kv.codec import codec_constants
 from fp8kv.formats import FORMATS
+from fp8kv.testing.tolerance import FULL_P_KEYS
 
 KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
@@ -112,9 +113,6 @@ PREFILL_HEAD_SIZES = (128,)
 """Head sizes of the tensor-core prefill kernel (``csrc/prefill_mma.cu``)."""
 PREFILL_STAGES = 4
 """cp.async ring depth of the tensor-core prefill kernel (K and V tiles of 32 keys; three in flight)."""
-FULL_P_KEYS = 1024
-"""Rows that all see at least this many keys take P in one float16 (else hi + lo): its 2^-12
-relative error is then within ``fp8kv.testing.tolerance``'s float32 accumulation term."""
 
 
 def prefill_arch_serves(sm: int, fmt: str, head_size: int) -> bool:

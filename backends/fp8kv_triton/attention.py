@@ -81,6 +81,7 @@ import triton
 import triton.language as tl
 
 from fp8kv.cache import KVCache
+from fp8kv.testing.tolerance import FULL_P_KEYS  # (re-exported: the kernels' one-float16-P threshold)
 
 from .codec import codec_args, decode, in_registers
 from .write import cache_strides, scale_strides
@@ -88,11 +89,7 @@ from .write import cache_strides, scale_strides
 LOG2E = 1.4426950408889634
 FLOAT32_MAX = 3.4028234663852886e38
 NO_WINDOW = 1 << 30
-FULL_P_KEYS = 1024
-"""Rows that see at least this many keys use one float16 ``p @ v`` product: its error, at most
-``2^-12 V`` (``V = max |v'|``), is then within ``4 N u V`` (``u = 2^-24``), half the accumulation
-term ``(8N + 8) u V`` of the derived tolerance (:mod:`fp8kv.testing.tolerance`). Rows with fewer
-keys keep ~22 bits of ``p`` (two float16 halves)."""
+
 """The ``window`` passed when there is no sliding window (no key is that far back)."""
 
 
