@@ -91,9 +91,7 @@ def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, t
     CTA that fits its shared memory (:func:`mma_warps`)."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES:
         return False
-    major, minor = torch.cuda.get_device_capability(device)
-    sm = major * 10 + minor
-    return mma_arch_serves(sm, fmt, head_size) and mma_warps(device, head_size, token_scales) is not None
+    return mma_arch_serves(_sm(device), fmt, head_size) and mma_warps(device, head_size, token_scales) is not None
 
 
 @functools.cache
@@ -137,8 +135,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     if num_splits is None:
         num_splits = max(1, round(2 * sms / ctas))
         num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
-    kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), MMA_SPLIT_KEYS) * MMA_SPLIT_KEYS
-    splits = max(1, _cdiv(max_keys, kps))
+    splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps)
 
 
@@ -165,9 +162,8 @@ def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: in
     CTA that fits the device's shared memory."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES or token_scales:
         return False
-    major, minor = torch.cuda.get_device_capability(device)
     per_block, _ = _smem_limits(runtime.device_index(device))
-    return prefill_arch_serves(major * 10 + minor, fmt, head_size) and prefill_smem_bytes(head_size) <= per_block
+    return prefill_arch_serves(_sm(device), fmt, head_size) and prefill_smem_bytes(head_size) <= per_block
 
 
 def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, group: int, head_size: int,
@@ -183,8 +179,7 @@ def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, grou
         num_splits = 1
         if ctas < 2 * sms:
             num_splits = min(_cdiv(2 * sms, ctas), max(1, max_keys // (2 * PREFILL_SPLIT_KEYS)), MAX_SPLITS)
-    kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), PREFILL_SPLIT_KEYS) * PREFILL_SPLIT_KEYS
-    splits = max(1, _cdiv(max_keys, kps))
+    splits, kps = _split_keys(max_keys, num_splits, PREFILL_SPLIT_KEYS)
     return AttnPlan(head_size, group, PREFILL_BLOCK_N, 1, splits, kps, mma=True, warps=PREFILL_WARPS,
                     prefill=True, row_tiles=row_tiles)
 
@@ -214,9 +209,21 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
     splits = 1
     if ctas < target and max_keys > 4 * block_n:
         splits = min(_cdiv(target, ctas), _cdiv(max_keys, 4 * block_n), MAX_SPLITS)
-    kps = _cdiv(_cdiv(max(max_keys, 1), splits), block_n) * block_n
-    splits = max(1, _cdiv(max_keys, kps))
+    splits, kps = _split_keys(max_keys, splits, block_n)
     return AttnPlan(d_pad, gpad, block_n, chunks, splits, kps)
+
+
+def _split_keys(max_keys: int, num_splits: int, multiple: int) -> tuple[int, int]:
+    """``(splits, keys_per_split)``: about ``num_splits`` pieces of ``max_keys``, each a multiple of
+    ``multiple`` keys, the last one not empty."""
+    kps = _cdiv(_cdiv(max(max_keys, 1), max(1, num_splits)), multiple) * multiple
+    return max(1, _cdiv(max_keys, kps)), kps
+
+
+def _sm(device: torch.device) -> int:
+    """The compute capability of a CUDA device as one number (90 for sm90)."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return major * 10 + minor
 
 
 def _cdiv(a: int, b: int) -> int:
