@@ -284,6 +284,16 @@ def test_attention_at_real_sizes(case):
     assert_lse_close(lse, ref_lse, **bounds)
 
 
+def _fill_finite_codes(cache, fmt, g: torch.Generator) -> None:
+    """K and V of every slot set to random bytes, every finite code of ``fmt`` (subnormals included):
+    a NaN/inf code becomes its low nibble (a finite code)."""
+    bad = torch.tensor(fmt.nan_encodings + fmt.inf_encodings, dtype=torch.uint8)
+    for c in (cache.key_cache, cache.value_cache):
+        b = torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8)
+        b = torch.where(torch.isin(b, bad), b & 0x0F, b)
+        c.view(torch.uint8).copy_(b.cuda())
+
+
 def _mma_capable() -> bool:
     return SKIP is None and torch.cuda.get_device_capability() >= (8, 0)
 
@@ -316,11 +326,7 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
     if gran == "token_head":
         for sc in (cache.k_scale, cache.v_scale):
             sc.copy_(torch.exp2(torch.rand(sc.shape, generator=g) * 80 - 40).cuda())
-    bad = torch.tensor(fmt.nan_encodings + fmt.inf_encodings, dtype=torch.uint8)
-    for c in (cache.key_cache, cache.value_cache):
-        b = torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8)
-        b = torch.where(torch.isin(b, bad), b & 0x0F, b)
-        c.view(torch.uint8).copy_(b.cuda())
+    _fill_finite_codes(cache, fmt, g)
     if specials:  # seq 1 key 200: a NaN in K (its row is NaN); seq 3 key 5: NaN/inf in V (those dims)
         k_slot = (int(tables[1, 200 // bs]), 200 % bs)
         v_slot = (int(tables[3, 5 // bs]), 5 % bs)
@@ -505,11 +511,7 @@ def test_tensor_core_prefill(fmt, dtype, case, specials):
         tables[0, 2] = -1
     kw = dict(k_scale=torch.linspace(0.004, 0.02, H), v_scale=torch.linspace(0.03, 0.001, H))
     cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt.name, scale_granularity="head", device="cuda", **kw)
-    bad = torch.tensor(fmt.nan_encodings + fmt.inf_encodings, dtype=torch.uint8)
-    for c in (cache.key_cache, cache.value_cache):
-        b = torch.randint(0, 256, c.shape, generator=g, dtype=torch.uint8)
-        b = torch.where(torch.isin(b, bad), b & 0x0F, b)
-        c.view(torch.uint8).copy_(b.cuda())
+    _fill_finite_codes(cache, fmt, g)
     lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     T = int(qsl[-1])

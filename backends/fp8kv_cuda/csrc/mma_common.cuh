@@ -56,24 +56,32 @@ __device__ __forceinline__ u32 widen(u32 x) {
     else return widen_fast<TEXP>(x);
 }
 
+// 0x80 in each byte of w that is a NaN or inf code of the format.
+__device__ __forceinline__ u32 nonfinite_bytes(u32 w) {
+    if constexpr (FNUZ) {  // 0x80
+        const u32 v = w ^ 0x80808080u;
+        return (v - 0x01010101u) & ~v & 0x80808080u;
+    } else if constexpr (HASINF) {  // e5m2: exponent all ones
+        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
+    } else {  // e4m3: 0x7F/0xFF
+        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+    }
+}
+
 // Nonzero when a byte of w is a code that widen_fast<TEXP> gets wrong.
 template <int TEXP>
 __device__ __forceinline__ u32 has_special(u32 w) {
     if constexpr (NATIVE && TEXP == 5) {  // the native conversion is exact
         return 0u;
     } else if constexpr (FNUZ) {  // 0x80 (NaN) would become -0
-        const u32 v = w ^ 0x80808080u;
-        const u32 nan = (v - 0x01010101u) & ~v & 0x80808080u;
         if constexpr (MANT == 2 && TEXP == 5) {  // e5m2fnuz's top binade (exponent 31) is inf/NaN in float16
-            return nan | (((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u);
+            return nonfinite_bytes(w) | (((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u);
         }
-        return nan;
-    } else if constexpr (!HASINF) {  // e4m3: 0x7F/0xFF (NaN) would become +-480
-        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-    } else if constexpr (TEXP == 5) {  // e5m2 -> float16: the same bits, inf and NaN included
+        return nonfinite_bytes(w);
+    } else if constexpr (HASINF && TEXP == 5) {  // e5m2 -> float16: the same bits, inf and NaN included
         return 0u;
-    } else {  // e5m2 -> bfloat16: inf/NaN (exponent all ones) would become finite
-        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
+    } else {  // e4m3: NaN would become +-480; e5m2 -> bfloat16: inf/NaN would become finite
+        return nonfinite_bytes(w);
     }
 }
 

@@ -132,18 +132,6 @@ __device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 
     return r;
 }
 
-// 0x80 in each byte of w that is a NaN or inf code of the format.
-__device__ __forceinline__ u32 nonfinite_bytes(u32 w) {
-    if constexpr (FNUZ) {
-        const u32 v = w ^ 0x80808080u;
-        return (v - 0x01010101u) & ~v & 0x80808080u;
-    } else if constexpr (HASINF) {
-        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
-    } else {
-        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-    }
-}
-
 __device__ __forceinline__ u32 zero_nonfinite(u32 w) { return w & ~((nonfinite_bytes(w) >> 7) * 0xFFu); }
 
 // O += p v for the NaN/inf V codes of the step (zeroed in p @ v), for the rows that see their key:
