@@ -2,7 +2,7 @@
 
 Usage::
 
-    python benchmarks/write_tune.py --out benchmarks/results/write_tune_h100.json
+    python benchmarks/write_tune.py --out benchmarks/results/write_tune_h100.json [--rows 8,16 --warps 2,4]
 
 Writes 16k tokens x 8 KV heads x 128 (bf16 in) into an e4m3 cache, as CUDA-graph replays, for
 each (granularity, rows per program, warps), and reports GB/s (bytes read + written, scales
@@ -20,6 +20,10 @@ import sys
 import torch
 
 
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
     from fp8kv_bench import kernels as kb
     from fp8kv_triton.capabilities import codec_for
@@ -30,6 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--rows", default="4,8,16,32", help="rows per program to try")
+    p.add_argument("--warps", default="2,4,8", help="warps per program to try")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     bw = kb.copy_bandwidth(device)["gbps"]
@@ -49,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         ref = [t.clone() for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale)]
         # as fp8kv_bench.kernels.bench_write: bf16 read, FP8 written, int64 slots, float32 scales
         nbytes = 2 * k.numel() * (2 + 1) + T * 8 + (2 * T * H * 4 if gran == "token_head" else 0)
-        for block_rows, warps in itertools.product((4, 8, 16, 32), (2, 4, 8)):
+        for block_rows, warps in itertools.product(_ints(args.rows), _ints(args.warps)):
             for t in (cache.key_cache, cache.value_cache):
                 t.view(torch.uint8).zero_()
 

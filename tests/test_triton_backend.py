@@ -155,6 +155,26 @@ def test_write_is_byte_identical_with_the_reference(fmt, gran, layout, dtype):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
 
 
+@pytest.mark.parametrize("fmt,gran,dtype,scales", [
+    ("fp8_e4m3", "head", torch.bfloat16, "fast"), ("fp8_e5m2fnuz", "head", torch.bfloat16, "fast"),
+    ("fp8_e4m3", "head", torch.float16, "slow"), ("fp8_e5m2", "tensor", torch.float32, "fast"),
+    ("fp8_e4m3", "token_head", torch.bfloat16, "-"), ("fp8_e5m2fnuz", "token_head", torch.float16, "-"),
+])
+def test_write_division_is_exact_on_every_half_pattern(fmt, gran, dtype, scales):
+    """Every finite float16/bfloat16 pattern through the write's division, at scales whose
+    reciprocals round badly and at both sides of the fast division's range (``tests/write_stress.py``);
+    ``token_head`` rows span every binade, so their scales cross that range's lower edge."""
+    from write_stress import FAST_SCALES, SLOW_SCALES, stress_case
+
+    cache, key, value, slots = stress_case(fmt, gran, dtype, FAST_SCALES if scales == "fast" else SLOW_SCALES)
+    want = cache.clone()
+    fp8kv.write_kv(want, key, value, slots, backend="reference")
+    fp8kv.write_kv(cache, key, value, slots, backend="triton")
+    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+        a, b = _bytes(getattr(cache, name)), _bytes(getattr(want, name))
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
+
+
 def test_write_with_a_block_size_that_is_not_a_power_of_two():
     cache, key, value, slots = _write_case("fp8_e4m3", "token_head", "HND", torch.bfloat16, bs=3)
     want = cache.clone()

@@ -214,6 +214,28 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype):
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"
 
 
+@pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
+@pytest.mark.parametrize("gran,scales", [("head", "fast"), ("head", "slow"), ("tensor", "fast"),
+                                         ("token_head", "-")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_write_division_is_exact_on_every_half_pattern(fmt, gran, scales, dtype):
+    """Every finite float16/bfloat16 pattern (float32: with random low bits) through the write's
+    division on the GPU, at scales whose reciprocals round badly and at both sides of the fast
+    division's range (``tests/write_stress.py``), byte-identical to the CPU reference."""
+    from write_stress import FAST_SCALES, SLOW_SCALES, stress_case
+
+    ref, key, value, slots = stress_case(fmt.name, gran, dtype, FAST_SCALES if scales == "fast" else SLOW_SCALES)
+    gpu = fp8kv.KVCache(ref.key_cache.cuda(), ref.value_cache.cuda(), ref.k_scale.cuda(), ref.v_scale.cuda(),
+                        ref.fmt, ref.layout, ref.scale_granularity)
+    fp8kv.write_kv(ref, key, value, slots, backend="reference")
+    fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
+    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+        a, b = getattr(gpu, name).cpu(), getattr(ref, name)
+        a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
+        b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
+
+
 @pytest.mark.parametrize("fmt", OCP, ids=[f.name for f in OCP])
 def test_integer_and_native_writes_agree(fmt):
     """Both encoders of the write kernel give the same bytes on this GPU (native where allowed)."""

@@ -106,7 +106,7 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
     return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
-                                          ("FP8KV_SM_WARPS_BITS", sm_warps_bits)))
+                                          ("FP8KV_SM_WARPS_BITS", sm_warps_bits), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS)))
 
 
 PREFILL_HEAD_SIZES = (128,)

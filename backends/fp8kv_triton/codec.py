@@ -163,6 +163,18 @@ def encode_native(x, F_KIND: tl.constexpr, F_MAX: tl.constexpr, F_NANBYTE: tl.co
     return tl.where(x != x, (sign << 7) | F_NANBYTE, q)
 
 
+@triton.jit
+def encode_native_finite(x, F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """:func:`encode_native` for values known to be free of NaN: clamp and cast."""
+    y = tl.clamp(x, -F_MAX, F_MAX)
+    if F_KIND == 0:
+        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        tl.static_assert(F_KIND == 1, "native encode: OCP formats only")
+        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    return q
+
+
 # ------------------------------------------------------------------------------------ decode
 
 

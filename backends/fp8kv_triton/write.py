@@ -32,46 +32,102 @@ import triton.language as tl
 
 from fp8kv.cache import KVCache
 
-from .codec import ENC_NATIVE, codec_args, encode_f32_bits, encode_native
+from .codec import ENC_NATIVE, codec_args, encode_f32_bits, encode_native, encode_native_finite
 
 
 @triton.jit
-def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dmask, D,
-                   stride_b, stride_t, stride_h, sc_b, sc_t, sc_h,
-                   SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr,
-                   F_MANT: tl.constexpr,
-                   F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
-                   F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
-                   F_KIND: tl.constexpr, F_MAX: tl.constexpr):
-    """Quantize ``BLOCK_R`` rows of one tensor (K or V) and store codes (and dynamic scales).
+def _load_rows(src_ptr, rows, m2, d, D, SRC_KIND: tl.constexpr):
+    """``BLOCK_R`` rows of one input tensor: ``(x, sbits)``, ``x`` as float32 and ``sbits`` int32
+    whose bit 31 is each element's sign (NaN included).
 
-    ``blk``, ``off``, ``h`` (int64 ``[BLOCK_R]``): each row's block, offset in block and head;
-    ``stride_*``: the cache tensor's (block, token, head) strides; ``sc_*``: the scale tensor's
-    (block, token, head) strides (static scales: ``(0, 0, head stride)``).
+    16-bit inputs arrive as int16 bits: bfloat16 is widened by a shift (Triton's CPU interpreter
+    converts bfloat16 subnormals wrongly), and the sign of a float16 NaN is read from the bits
+    (a GPU float16 -> float32 conversion returns the positive NaN).
     """
-    m2 = valid[:, None] & dmask[None, :]
     if SRC_KIND == 0:  # float32
         x = tl.load(src_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0.0)
-        x_sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
+        sbits = x.to(tl.int32, bitcast=True)
     else:
-        # 16-bit inputs arrive as int16 bits: bfloat16 is widened by a shift (Triton's CPU
-        # interpreter converts bfloat16 subnormals wrongly), and the sign of a NaN is read
-        # from the bits (a GPU float16 -> float32 conversion returns the positive NaN)
-        raw = tl.load(src_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0)
+        raw = tl.load(src_ptr + rows[:, None] * D + d[None, :], mask=m2, other=0).to(tl.int32) << 16
         if SRC_KIND == 2:
-            x = (raw.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            x = raw.to(tl.float32, bitcast=True)
         else:
-            x = raw.to(tl.float16, bitcast=True).to(tl.float32)
-        x_sign = (raw.to(tl.int32) >> 15) & 1
+            x = (raw >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        sbits = raw
+    return x, sbits
+
+
+@triton.jit
+def _abs_max_bits(x):
+    """Each row's largest ``|x|`` as float32 bits (int32): exact for rows of finite values (their
+    magnitudes order as their bits); ``>= 0x7F800000`` where the row holds NaN or inf."""
+    return tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+
+
+@triton.jit
+def _dynamic_scale(amax, F_MAX: tl.constexpr):
+    """``token_head``: ``max(amax / fmt.max, 2^-126)``, one correctly rounded division per row."""
+    return tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + F_MAX), 1.1754943508222875e-38)
+
+
+@triton.jit
+def _fast_rows(x, valid, scale_ptr, blk, off, h, sc_b, sc_t, sc_h, TOKEN_SCALES: tl.constexpr,
+               F_MAX: tl.constexpr):
+    """Each row's scale, its reciprocal ``RN(1 / scale)``, and whether the row takes the fast
+    division (:func:`_divide_fast`); ``token_head`` scales of those rows are stored.
+
+    The fast division is exact when the row's values are finite, its quotients stay below
+    ``2^126`` and the scale lies in ``[2^-80, 2^125]`` (or the row is all zeros): the reciprocal
+    is then a normal number, and every quotient whose FP8 code depends on its last bits
+    (``|q| >= 2^-20``; smaller ones encode as zero) has an exact residual. Rows not written
+    count as fast (nothing of theirs is stored).
+    """
+    amax_bits = _abs_max_bits(x)
+    amax = amax_bits.to(tl.float32, bitcast=True)
+    if TOKEN_SCALES:
+        scale = _dynamic_scale(amax, F_MAX)
+    else:
+        scale = tl.load(scale_ptr + h * sc_h, mask=valid, other=1.0)  # stride 0: per-tensor
+    recip = tl.math.div_rn(tl.zeros_like(scale) + 1.0, scale)
+    fast = ((amax_bits < 0x7F800000) & ((scale >= 2.0**-80) | (amax_bits == 0)) & (scale <= 2.0**125)
+            & (amax * recip < 2.0**126)) | (valid == 0)
+    if TOKEN_SCALES:
+        tl.store(scale_ptr + blk * sc_b + off * sc_t + h * sc_h, scale, mask=valid & fast)
+    return scale, recip, fast
+
+
+@triton.jit
+def _divide_fast(x, scale, recip):
+    """``x / scale`` correctly rounded, for the rows :func:`_fast_rows` clears, in one
+    multiplication and two FMAs (Markstein: with ``y = recip = RN(1 / scale)``, ``q = RN(x y)`` is
+    within an ulp of the quotient, the residual ``q scale - x`` is exact, and ``RN(q - residual y)``
+    is the correctly rounded quotient). The residual ``q scale - x`` is multiplied by ``-y``, never
+    negated itself: Triton may negate as ``0 - r``, which turns ``-0`` into ``+0``, and ``x = -0``
+    (residual ``+0``) must give ``-0``."""
+    y = recip[:, None] + tl.zeros_like(x)
+    s = scale[:, None] + tl.zeros_like(x)
+    q = x * y
+    r = tl.fma(q, s, -x)
+    return tl.fma(r, -y, q)
+
+
+@triton.jit
+def _quantize_exact(x, sbits, valid, scale_ptr, blk, off, h, sc_b, sc_t, sc_h,
+                    TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr, F_MANT: tl.constexpr,
+                    F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
+                    F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
+                    F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """FP8 codes of any rows: NaN/inf inputs, any scale (``token_head``: NaN counted as 0 and inf
+    as the float32 max in the row's maximum; the scale is stored), ``tl.math.div_rn``, and NaN
+    kept with its sign (read from ``sbits``)."""
     if TOKEN_SCALES:
         a = tl.abs(x)
         a = tl.where(a != a, 0.0, a)  # NaN counts as 0
         a = tl.minimum(a, 3.4028234663852886e38)  # inf counts as the float32 max
-        amax = tl.max(a, axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, tl.zeros_like(amax) + F_MAX), 1.1754943508222875e-38)
+        scale = _dynamic_scale(tl.max(a, axis=1), F_MAX)
         tl.store(scale_ptr + blk * sc_b + off * sc_t + h * sc_h, scale, mask=valid)
     else:
-        scale = tl.load(scale_ptr + h * sc_h, mask=valid, other=1.0)  # stride 0: per-tensor
+        scale = tl.load(scale_ptr + h * sc_h, mask=valid, other=1.0)
     y = tl.math.div_rn(x, scale[:, None] + tl.zeros_like(x))
     if ENC == 1:
         q = encode_native(y, F_KIND, F_MAX, F_NANBYTE)
@@ -80,9 +136,43 @@ def _quantize_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dma
     if not F_FNUZ:
         # NaN keeps the sign of the input (a GPU division returns the positive canonical NaN,
         # and a float select on it may be folded away by the compiler: patch the integer code)
-        q = tl.where(x != x, (x_sign << 7) | F_NANBYTE, q)
-    dst_row = blk * stride_b + off * stride_t + h * stride_h
-    tl.store(dst_ptr + dst_row[:, None] + d[None, :], q.to(tl.uint8), mask=m2)
+        q = tl.where(x != x, (((sbits >> 31) & 1) << 7) | F_NANBYTE, q)
+    return q
+
+
+@triton.jit
+def _write_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dmask, D,
+                stride_b, stride_t, stride_h, sc_b, sc_t, sc_h,
+                SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr, F_MANT: tl.constexpr,
+                F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
+                F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
+                F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """Quantize ``BLOCK_R`` rows of one tensor (K or V) and store codes (and dynamic scales).
+
+    ``blk``, ``off``, ``h`` (int64 ``[BLOCK_R]``): each row's block, offset in block and head;
+    ``stride_*``: the cache tensor's (block, token, head) strides; ``sc_*``: the scale tensor's
+    (block, token, head) strides (static scales: ``(0, 0, head stride)``).
+
+    Two passes with the same bytes: the fast division for the rows :func:`_fast_rows` clears, then,
+    only where the program holds another row (a branch uniform over the program), those rows
+    loaded again and quantized exactly. The rare pass keeps its registers to itself.
+    """
+    dst = dst_ptr + (blk * stride_b + off * stride_t + h * stride_h)[:, None] + d[None, :]
+    x, _ = _load_rows(src_ptr, rows, valid[:, None] & dmask[None, :], d, D, SRC_KIND)
+    scale, recip, fast = _fast_rows(x, valid, scale_ptr, blk, off, h, sc_b, sc_t, sc_h, TOKEN_SCALES, F_MAX)
+    y = _divide_fast(x, scale, recip)
+    if ENC == 1:
+        q = encode_native_finite(y, F_KIND, F_MAX)
+    else:
+        q = encode_f32_bits(y, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ)
+    tl.store(dst, q.to(tl.uint8), mask=(valid & fast)[:, None] & dmask[None, :])
+    slow = valid & (fast == 0)
+    if tl.max(slow.to(tl.int32), axis=0) != 0:
+        m2 = slow[:, None] & dmask[None, :]
+        x, sbits = _load_rows(src_ptr, rows, m2, d, D, SRC_KIND)
+        q = _quantize_exact(x, sbits, slow, scale_ptr, blk, off, h, sc_b, sc_t, sc_h, TOKEN_SCALES, ENC, F_MANT,
+                            F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
+        tl.store(dst, q.to(tl.uint8), mask=m2)
 
 
 @triton.jit(do_not_specialize=["num_rows", "H", "page", "num_slots"])
@@ -117,12 +207,12 @@ def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_pt
         off = slot % page
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    _quantize_rows(key_ptr, kc_ptr, ks_ptr, rows, valid, blk, off, h, d, dmask, D, k_sb, k_st, k_sh,
-                   ks_sb, ks_st, ks_sh, SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
-                   F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
-    _quantize_rows(value_ptr, vc_ptr, vs_ptr, rows, valid, blk, off, h, d, dmask, D, v_sb, v_st, v_sh,
-                   vs_sb, vs_st, vs_sh, SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS,
-                   F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
+    _write_rows(key_ptr, kc_ptr, ks_ptr, rows, valid, blk, off, h, d, dmask, D, k_sb, k_st, k_sh, ks_sb, ks_st, ks_sh,
+                SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ,
+                F_KIND, F_MAX)
+    _write_rows(value_ptr, vc_ptr, vs_ptr, rows, valid, blk, off, h, d, dmask, D, v_sb, v_st, v_sh, vs_sb, vs_st, vs_sh,
+                SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ,
+                F_KIND, F_MAX)
 
 
 def cache_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
@@ -162,21 +252,21 @@ def scale_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
 
 
 def write_launch(head_size: int, arch: str | None = None, token_scales: bool = False) -> tuple[int, int, int]:
-    """``(BLOCK_D, BLOCK_R, num_warps)`` of the write kernel: about 4096 elements per program,
-    4 warps (on AMD, ``arch`` ``"gfx..."``, 4 wavefronts of 64 lanes: compiled for gfx942, 2
-    wavefronts need 80 VGPRs and ~600 SGPR spills to VGPR lanes, 4 need 45 and ~200).
+    """``(BLOCK_D, BLOCK_R, num_warps)`` of the write kernel.
 
-    Per-token-head scales on NVIDIA (``token_scales``): about 1024 elements per program and 2
-    warps. A row's scale needs the whole row before any division, so a 4096-element program
-    holds 32 float32 values per thread (156 registers, sm90); measured on the H100
-    (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128): 8 rows x 2 warps 59 us
-    (57% of copy) against 73 us (46%) for 32 rows x 4 warps.
+    NVIDIA: 2 warps over about 1024 elements per program (per-token-head scales: 2048). Measured
+    on the H100 (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3):
+    per-tensor 8 rows x 2 warps 37.8 us (89% of copy) against 38.6 for 16 x 4 and 42.5 for 32 x 4;
+    token_head 16 x 2 47.2 us (72%) against 48.1 for 8 x 2 and 49.8 for 32 x 4.
+
+    AMD (``arch`` ``"gfx..."``): about 4096 elements and 4 wavefronts of 64 lanes (compiled for
+    gfx942, 2 wavefronts need 80 VGPRs and ~600 SGPR spills to VGPR lanes, 4 need 45 and ~200).
+    The CPU interpreter (``arch`` ``"cpu"``) takes the same: fewer programs to interpret.
     """
     block_d = max(16, triton.next_power_of_2(head_size))
-    if token_scales and not (arch or "").startswith("gfx"):
-        return block_d, max(1, min(64, 1024 // block_d)), 2
-    block_rows = max(1, min(64, 4096 // block_d))
-    return block_d, block_rows, 4
+    if arch is not None and not arch.startswith("sm"):
+        return block_d, max(1, min(64, 4096 // block_d)), 4
+    return block_d, max(1, min(64, (2048 if token_scales else 1024) // block_d)), 2
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
@@ -194,12 +284,14 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
         encoder: :data:`fp8kv_triton.codec.ENC_INTEGER` or ``ENC_NATIVE`` (the policy's choice).
         block_rows / num_warps: launch overrides (benchmarks).
         arch: the GPU architecture (``"sm90"``, ``"gfx942"``...) for the launch defaults
-            (:func:`write_launch`); None = NVIDIA defaults.
+            (:func:`write_launch`); None = NVIDIA defaults (the interpreter's for CPU tensors).
     """
     T, H, D = key.shape
     rows = T * H
     if rows == 0:
         return
+    if arch is None and key.device.type == "cpu":
+        arch = "cpu"
     block_d, default_rows, default_warps = write_launch(D, arch, cache.scale_granularity == "token_head")
     if block_rows is None:
         block_rows = default_rows

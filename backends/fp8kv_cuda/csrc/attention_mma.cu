@@ -27,8 +27,9 @@
 //     are detected per word; a step that holds one takes the software decoder of codec.cuh
 //     instead (for the OCP formats never with a cache written by fp8kv from finite values).
 //   * K is converted to the query's dtype (products exact, float32 accumulation); V to float16;
-//     the weights P (float32, <= 1) enter p @ v as two float16 halves, hi + lo, so the product
-//     keeps 22 bits (within the float32 accumulation term of the bound).
+//     the weights P (float32, <= 1) enter p @ v as one float16 where the row sees at least
+//     FP8KV_FULL_P_KEYS keys (tolerance.FULL_P_KEYS: its 2^-12 error is then within the float32
+//     accumulation term of the bound), otherwise as two float16 halves, hi + lo (22 bits).
 //   * Queries above 2^100 are scaled down by a power of two first; the logit factor
 //     k_scale * softmax_scale * log2(e) stays two float32 factors (scale_factors); base-2 logits
 //     saturate at +-FLOAT32_MAX; rows that see no key get 0 and lse -inf.
@@ -38,6 +39,7 @@
 // sequence left alone). The launcher requires 16-byte aligned K/V rows (VEC 16).
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), FP8KV_TOKEN_SCALES, FP8KV_STAGES,
+// FP8KV_FULL_P_KEYS,
 // FP8KV_MMA_WARPS, FP8KV_SM_WARPS_NATIVE/BITS (fp8kv_cuda.variants), and the format's.
 #include "mma_common.cuh"
 
@@ -222,8 +224,9 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
 
 
 // One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
-// O^T += V^T P^T. EXACT: every FP8 code through the software decoder.
-template <bool EXACT, int KE>
+// O^T += V^T P^T. EXACT: every FP8 code through the software decoder. SPLIT_P: P enters as two
+// float16 halves (hi + lo); otherwise as one float16 (rows that see >= FP8KV_FULL_P_KEYS keys).
+template <bool EXACT, int KE, bool SPLIT_P>
 __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)[KW][2], float f1, float f2,
                                             float g_mant, int gexp, float soft_cap, int use_cap, float (&m_run)[2],
                                             float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
@@ -308,14 +311,16 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
             o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1]; o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
         }
     }
-    // O^T += V^T P^T with P = hi + lo in float16
+    // O^T += V^T P^T with P = hi (+ lo) in float16
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
         const u32 h0 = pack_f16(x[u][0], x[u][1]), h1 = pack_f16(x[u][2], x[u][3]);
-        const u32 l0 = pack_f16(x[u][0] - f16_lo(h0), x[u][1] - f16_hi(h0));
-        const u32 l1 = pack_f16(x[u][2] - f16_lo(h1), x[u][3] - f16_hi(h1));
         const u32 bh0 = transpose8x8(h0), bh1 = transpose8x8(h1);  // head g; keys 2c, 2c + 1 | + 8
-        const u32 bl0 = transpose8x8(l0), bl1 = transpose8x8(l1);
+        u32 bl0 = 0u, bl1 = 0u;
+        if constexpr (SPLIT_P) {
+            bl0 = transpose8x8(pack_f16(x[u][0] - f16_lo(h0), x[u][1] - f16_hi(h0)));
+            bl1 = transpose8x8(pack_f16(x[u][2] - f16_lo(h1), x[u][3] - f16_hi(h1)));
+        }
 #pragma unroll
         for (int w = 0; w < VW; ++w) {
             const int i = w >> 2;  // the chunk (read once per 4 words)
@@ -336,7 +341,7 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
                     a3 = widen<5, EXACT>(prmt(vc, vd, S[2 * tt + 1]));
                 }
                 mma<5>(o[2 * w + tt], a0, a1, a2, a3, bh0, bh1);
-                mma<5>(o[2 * w + tt], a0, a1, a2, a3, bl0, bl1);
+                if constexpr (SPLIT_P) mma<5>(o[2 * w + tt], a0, a1, a2, a3, bl0, bl1);
             }
         }
     }
@@ -347,7 +352,8 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
 // 8 bfloat16), STAGES - 1 of them in flight. Queries enter scaled by 2^-qshift (exact, see the
 // kernel), so the logit factor carries 2^qshift.
 template <int KE>
-__device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_live, i32 qshift, const float* k_scale,
+__device__ __forceinline__ void key_loop(bool split_p, const q_t* query, i64 qrow, bool head_live, i32 qshift,
+                                         const float* k_scale,
                                          float g_mant, int g_exp, const KeyRows& rows, uint4* ring_mem,
                                          const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
                                          float (&m_run)[2], float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
@@ -411,9 +417,14 @@ __device__ __forceinline__ void key_loop(const q_t* query, i64 qrow, bool head_l
                 }
         }
         if (__any_sync(0xFFFFFFFFu, special != 0u)) {
-            attend_step<true, KE>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run, o);
+            attend_step<true, KE, true>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run,
+                                        o);
+        } else if (split_p) {
+            attend_step<false, KE, true>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run,
+                                         o);
         } else {
-            attend_step<false, KE>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run, o);
+            attend_step<false, KE, false>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run,
+                                          r_run, o);
         }
     }
     asm volatile("cp.async.wait_all;");
@@ -442,6 +453,9 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     // ---- the keys this row sees, and this split's part of them
     i64 kbeg, kend;
     key_span(seq_lens, s, q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
+    i64 vis_beg, vis_end;  // every key the row sees (all splits): P's precision rule
+    key_span(seq_lens, s, q_lo, q_hi, t, causal, window, 0, 0x7FFFFFFF, max_blocks, block_size, vis_beg, vis_end);
+    const bool split_p = vis_end - vis_beg < FP8KV_FULL_P_KEYS;
     KeyRows rows;
     rows.bt_row = block_tables + (i64)s * bt_stride;
     rows.kbeg = (int)kbeg;  // positions < seq_len <= INT32_MAX
@@ -484,11 +498,11 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     if (k16) {  // uniform over the CTA
-        key_loop<5>(query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
+        key_loop<5>(split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
                     value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
     } else {
         if constexpr (QT == 2) {
-            key_loop<8>(query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
+            key_loop<8>(split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
                         key_cache, value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
         }
     }

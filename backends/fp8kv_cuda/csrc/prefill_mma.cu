@@ -43,9 +43,6 @@ constexpr int D = FP8KV_D;
 #ifndef FP8KV_STAGES
 #define FP8KV_STAGES 3
 #endif
-#ifndef FP8KV_FULL_P_KEYS
-#define FP8KV_FULL_P_KEYS 1024
-#endif
 constexpr int PWARPS = FP8KV_PREFILL_WARPS;
 constexpr int PNT = 32 * PWARPS;        // threads per CTA
 constexpr int MT = 2;                   // m-tiles (16 rows) per warp

@@ -1,0 +1,64 @@
+"""Write inputs that stress the write kernels' division ``x / scale`` (shared by the CPU and GPU tests).
+
+The Triton write divides by the scale with one multiplication by the scale's reciprocal and two
+FMAs (Markstein's correction) where that is exact, and falls back to ``tl.math.div_rn`` elsewhere
+(see :mod:`fp8kv_triton.write`). These inputs put every finite 16-bit pattern through both, at
+scales whose reciprocals round badly and at the edges of the fast path's scale range.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+import fp8kv
+
+
+def _f32(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+
+FAST_SCALES = [
+    1.0, 3.0, 0.1, 1 / 448, 1 / 57344, 0.0123, 7.0e4, 1.0e30,
+    _f32(0x3F7FFFFF), _f32(0x3F800001), _f32(0x3FFFFFFF), _f32(0x3FAAAAAB),  # reciprocals that round badly
+    2.0**-80, _f32(0x17800001), 2.0**125, _f32(0x7DFFFFFF),  # the fast range's edges, just inside
+]
+"""Per-head scales inside the fast division's range ``[2^-80, 2^125]``."""
+
+SLOW_SCALES = [_f32(0x177FFFFF), 2.0**-100 * 1.5, 7.0e-30, 1.1754944e-38,
+               _f32(0x7E000001), 2.0**126, 3.0e38, 2.0**-126 * 3]
+"""Per-head scales outside that range (the exact division)."""
+
+
+def every_finite_half(dtype: torch.dtype, D: int = 128) -> torch.Tensor:
+    """Every finite float16 or bfloat16 bit pattern, sorted by bits, as ``[T, D]`` rows of ``dtype``
+    (zero-padded to whole rows): a bfloat16 row is one binade of one sign (7 mantissa bits), so the
+    rows' maxima span every exponent, subnormals included."""
+    bits = torch.arange(65536, dtype=torch.int32)
+    exp = (bits >> 10) & 0x1F if dtype == torch.float16 else (bits >> 7) & 0xFF
+    finite = exp != (0x1F if dtype == torch.float16 else 0xFF)
+    vals = bits[finite].to(torch.int16).view(dtype)
+    pad = (-len(vals)) % D
+    return torch.cat([vals, torch.zeros(pad, dtype=dtype)]).view(-1, D)
+
+
+def stress_case(fmt: str, gran: str, dtype: torch.dtype, scales: list[float], device: str = "cpu"):
+    """``(cache, key, value, slots)``: each head's rows hold every finite half pattern (float32
+    inputs: the bfloat16 patterns plus random low bits); static scales from ``scales`` (one per
+    head; ``token_head`` ignores them and uses one head)."""
+    rows = every_finite_half(torch.float16 if dtype == torch.float16 else torch.bfloat16)
+    if dtype == torch.float32:
+        low = torch.randint(0, 1 << 16, rows.shape, generator=torch.Generator().manual_seed(5), dtype=torch.int32)
+        rows = (rows.view(torch.int16).to(torch.int32) << 16 | low).view(torch.float32)
+    H = 1 if gran == "token_head" else len(scales)
+    key = rows[:, None, :].expand(-1, H, -1).contiguous()
+    value = -key.flip(0)
+    T, bs = key.shape[0], 16
+    kw = {} if gran == "token_head" else dict(k_scale=torch.tensor(scales), v_scale=torch.tensor(scales[::-1]))
+    if gran == "tensor":
+        kw = dict(k_scale=scales[0], v_scale=scales[-1])
+    cache = fp8kv.KVCache.allocate(-(-T // bs), bs, H, rows.shape[1], kv_dtype=fmt, scale_granularity=gran,
+                                   device=device, **kw)
+    slots = torch.randperm(T, generator=torch.Generator().manual_seed(6)).to(device)
+    return cache, key.to(device), value.to(device), slots
