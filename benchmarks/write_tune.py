@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--rows", default="4,8,16,32", help="rows per program to try")
     p.add_argument("--warps", default="2,4,8", help="warps per program to try")
+    p.add_argument("--granularities", default="tensor,token_head", help="scale granularities to time")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     bw = kb.copy_bandwidth(device)["gbps"]
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     slots = torch.randperm(T, generator=gen).to(device)
     rows = []
     print(f"{kb.environment(device)['device']}: copy {bw:.0f} GB/s", flush=True)
-    for gran in ("tensor", "token_head"):
+    for gran in args.granularities.split(","):
         scales = {} if gran == "token_head" else {"k_scale": 0.05, "v_scale": 0.05}
         cache = fp8kv.KVCache.allocate(T // kb.PAGE, kb.PAGE, H, D, kv_dtype="fp8_e4m3", scale_granularity=gran,
                                        device=device, **scales)

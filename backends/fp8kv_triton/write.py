@@ -17,9 +17,13 @@ its loads are contiguous, and stores each row's ``D`` bytes at its slot:
 * ``token_head``: ``scale = max(amax(|x|) / fmt.max, 2^-126)`` per row (NaN ignored, inf
   as the float32 max), one correctly rounded division, stored at ``k_scale[block, offset, h]``
   through that tensor's own strides (:func:`scale_strides`);
-* ``x / scale`` is a correctly rounded division (``tl.math.div_rn``: Triton's ``/`` is an
-  approximate division on NVIDIA GPUs), NaN inputs kept with their sign (as
-  :func:`fp8kv.formats.divide_by_scale`), then the encoder of the codec policy.
+* ``x / scale`` is a correctly rounded division (Triton's ``/`` is an approximate division on
+  NVIDIA GPUs), NaN inputs kept with their sign (as :func:`fp8kv.formats.divide_by_scale`), then
+  the encoder of the codec policy. Rows of finite values whose scale lies in ``[2^-80, 2^125]``
+  (nearly all) divide with one multiplication by ``RN(1 / scale)`` and two FMAs
+  (:func:`_divide_fast`); the others are loaded again and divided by ``tl.math.div_rn``
+  (:func:`_slow_pass`). Same bits; ``tests/write_stress.py`` puts every finite 16-bit pattern
+  through both.
 
 Offsets are computed in int64 (block ids and strides of large caches overflow int32).
 """
@@ -141,24 +145,13 @@ def _quantize_exact(x, sbits, valid, scale_ptr, blk, off, h, sc_b, sc_t, sc_h,
 
 
 @triton.jit
-def _write_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dmask, D,
-                stride_b, stride_t, stride_h, sc_b, sc_t, sc_h,
-                SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr, F_MANT: tl.constexpr,
-                F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
-                F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
-                F_KIND: tl.constexpr, F_MAX: tl.constexpr):
-    """Quantize ``BLOCK_R`` rows of one tensor (K or V) and store codes (and dynamic scales).
-
-    ``blk``, ``off``, ``h`` (int64 ``[BLOCK_R]``): each row's block, offset in block and head;
-    ``stride_*``: the cache tensor's (block, token, head) strides; ``sc_*``: the scale tensor's
-    (block, token, head) strides (static scales: ``(0, 0, head stride)``).
-
-    Two passes with the same bytes: the fast division for the rows :func:`_fast_rows` clears, then,
-    only where the program holds another row (a branch uniform over the program), those rows
-    loaded again and quantized exactly. The rare pass keeps its registers to itself.
-    """
-    dst = dst_ptr + (blk * stride_b + off * stride_t + h * stride_h)[:, None] + d[None, :]
-    x, _ = _load_rows(src_ptr, rows, valid[:, None] & dmask[None, :], d, D, SRC_KIND)
+def _fast_pass(x, dst, valid, dmask, scale_ptr, blk, off, h, sc_b, sc_t, sc_h, TOKEN_SCALES: tl.constexpr,
+               ENC: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
+               F_MAXBITS: tl.constexpr, F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
+               F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """Store the codes of the rows of ``x`` (one tensor, K or V) that take the fast division
+    (:func:`_fast_rows`) at ``dst`` (``[BLOCK_R, BLOCK_D]`` pointers); returns the written rows that
+    do not (``[BLOCK_R]`` bool), for :func:`_slow_pass`."""
     scale, recip, fast = _fast_rows(x, valid, scale_ptr, blk, off, h, sc_b, sc_t, sc_h, TOKEN_SCALES, F_MAX)
     y = _divide_fast(x, scale, recip)
     if ENC == 1:
@@ -166,7 +159,20 @@ def _write_rows(src_ptr, dst_ptr, scale_ptr, rows, valid, blk, off, h, d, dmask,
     else:
         q = encode_f32_bits(y, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ)
     tl.store(dst, q.to(tl.uint8), mask=(valid & fast)[:, None] & dmask[None, :])
-    slow = valid & (fast == 0)
+    return valid & (fast == 0)
+
+
+@triton.jit
+def _slow_pass(slow, src_ptr, dst, rows, d, dmask, D, scale_ptr, blk, off, h, sc_b, sc_t, sc_h,
+               SRC_KIND: tl.constexpr, TOKEN_SCALES: tl.constexpr, ENC: tl.constexpr, F_MANT: tl.constexpr,
+               F_REBIAS: tl.constexpr, F_DROP: tl.constexpr, F_MAXBITS: tl.constexpr,
+               F_MAXSHIFT: tl.constexpr, F_NANBYTE: tl.constexpr, F_FNUZ: tl.constexpr,
+               F_KIND: tl.constexpr, F_MAX: tl.constexpr):
+    """The ``slow`` rows of one tensor, loaded again and quantized exactly (:func:`_quantize_exact`),
+    only where the program holds one (a branch uniform over the program: rows with NaN or inf, or
+    a scale outside the fast division's range). Loading them again, rather than keeping the tile,
+    keeps this rare pass's registers off the fast one's (one kernel holding both tiles live across
+    the branch took 213 registers on sm90)."""
     if tl.max(slow.to(tl.int32), axis=0) != 0:
         m2 = slow[:, None] & dmask[None, :]
         x, sbits = _load_rows(src_ptr, rows, m2, d, D, SRC_KIND)
@@ -191,7 +197,9 @@ def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_pt
 
     ``k_s*`` / ``v_s*``: (block, token, head) strides of the K / V cache; ``ks_s*`` / ``vs_s*``:
     those of the K / V scale tensors (see :func:`scale_strides`). A row is written only if its
-    slot is in ``[0, num_slots)`` (int64 compare).
+    slot is in ``[0, num_slots)`` (int64 compare). K and V are both loaded before any store (the
+    compiler may not move a load above a store that could alias it), then each takes the fast
+    pass, then, where needed, the exact one.
     """
     rows = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < num_rows
@@ -207,12 +215,19 @@ def _write_kv_kernel(key_ptr, value_ptr, slot_ptr, kc_ptr, vc_ptr, ks_ptr, vs_pt
         off = slot % page
     d = tl.arange(0, BLOCK_D)
     dmask = d < D
-    _write_rows(key_ptr, kc_ptr, ks_ptr, rows, valid, blk, off, h, d, dmask, D, k_sb, k_st, k_sh, ks_sb, ks_st, ks_sh,
-                SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ,
-                F_KIND, F_MAX)
-    _write_rows(value_ptr, vc_ptr, vs_ptr, rows, valid, blk, off, h, d, dmask, D, v_sb, v_st, v_sh, vs_sb, vs_st, vs_sh,
-                SRC_KIND, TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ,
-                F_KIND, F_MAX)
+    m2 = valid[:, None] & dmask[None, :]
+    kdst = kc_ptr + (blk * k_sb + off * k_st + h * k_sh)[:, None] + d[None, :]
+    vdst = vc_ptr + (blk * v_sb + off * v_st + h * v_sh)[:, None] + d[None, :]
+    xk, _ = _load_rows(key_ptr, rows, m2, d, D, SRC_KIND)
+    xv, _ = _load_rows(value_ptr, rows, m2, d, D, SRC_KIND)
+    k_slow = _fast_pass(xk, kdst, valid, dmask, ks_ptr, blk, off, h, ks_sb, ks_st, ks_sh, TOKEN_SCALES, ENC, F_MANT,
+                        F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
+    v_slow = _fast_pass(xv, vdst, valid, dmask, vs_ptr, blk, off, h, vs_sb, vs_st, vs_sh, TOKEN_SCALES, ENC, F_MANT,
+                        F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
+    _slow_pass(k_slow, key_ptr, kdst, rows, d, dmask, D, ks_ptr, blk, off, h, ks_sb, ks_st, ks_sh, SRC_KIND,
+               TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
+    _slow_pass(v_slow, value_ptr, vdst, rows, d, dmask, D, vs_ptr, blk, off, h, vs_sb, vs_st, vs_sh, SRC_KIND,
+               TOKEN_SCALES, ENC, F_MANT, F_REBIAS, F_DROP, F_MAXBITS, F_MAXSHIFT, F_NANBYTE, F_FNUZ, F_KIND, F_MAX)
 
 
 def cache_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
@@ -254,19 +269,20 @@ def scale_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
 def write_launch(head_size: int, arch: str | None = None, token_scales: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_D, BLOCK_R, num_warps)`` of the write kernel.
 
-    NVIDIA: 2 warps over about 1024 elements per program (per-token-head scales: 2048). Measured
-    on the H100 (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3):
-    per-tensor 8 rows x 2 warps 37.8 us (89% of copy) against 38.6 for 16 x 4 and 42.5 for 32 x 4;
-    token_head 16 x 2 47.2 us (72%) against 48.1 for 8 x 2 and 49.8 for 32 x 4.
+    NVIDIA: 2 warps over about 1024 elements per program. Measured on the H100
+    (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3): per-tensor
+    8 rows x 2 warps 36.6 us (92% of copy) against 37.0 for 16 x 4 and 38.7 for 16 x 2;
+    token_head 8 x 2 41.0 us (82%) against 41.9 for 16 x 4 and 43.0 for 16 x 2.
 
     AMD (``arch`` ``"gfx..."``): about 4096 elements and 4 wavefronts of 64 lanes (compiled for
     gfx942, 2 wavefronts need 80 VGPRs and ~600 SGPR spills to VGPR lanes, 4 need 45 and ~200).
     The CPU interpreter (``arch`` ``"cpu"``) takes the same: fewer programs to interpret.
+    ``token_scales`` no longer changes the launch (kept for callers that pass it).
     """
     block_d = max(16, triton.next_power_of_2(head_size))
     if arch is not None and not arch.startswith("sm"):
         return block_d, max(1, min(64, 4096 // block_d)), 4
-    return block_d, max(1, min(64, (2048 if token_scales else 1024) // block_d)), 2
+    return block_d, max(1, min(64, 1024 // block_d)), 2
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
