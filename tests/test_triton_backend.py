@@ -175,6 +175,38 @@ def test_write_division_is_exact_on_every_half_pattern(fmt, gran, dtype, scales)
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
 
 
+def test_markstein_division_is_correctly_rounded():
+    """The identity the write's fast division rests on (``fp8kv_triton.write._divide_fast``), in
+    float32 with a fused multiply-add (Triton's interpreter's own): with ``y = RN(1 / s)``,
+    ``q = RN(x y)``, ``r = fma(q, s, -x)``, ``fma(r, -y, q)`` equals ``RN(x / s)`` bit for bit
+    wherever the FP8 code can depend on it (``|x / s| >= 2^-20``, no overflow), keeps the sign of
+    zero, and stays below ``2^-19`` elsewhere. Scales over the fast range ``[2^-80, 2^125]``
+    (random mantissas, and ones whose reciprocals round badly); dividends every finite bfloat16
+    and random float32 bit patterns."""
+    import numpy as np
+
+    fma = pytest.importorskip("triton._C.libtriton").interpreter.fma_fp32
+    rng = np.random.default_rng(7)
+    half = (np.arange(65536, dtype=np.uint32) << 16).view(np.float32)
+    rand = rng.integers(0, 2**32, 200_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    x = np.concatenate([half, rand])
+    x = x[np.isfinite(x)]
+    mants = [0, 1, 0x7FFFFF, 0x2AAAAB, 0x555555] + list(rng.integers(0, 1 << 23, 35))
+    exps = [-80, 125, 0, -1] + list(rng.integers(-80, 126, 36))
+    for e, m in zip(exps, mants, strict=True):
+        s = np.array([(int(e) + 127) << 23 | int(m)], dtype=np.uint32).view(np.float32)[0]
+        y = np.float32(1) / s
+        with np.errstate(over="ignore", under="ignore"):
+            q = x * y
+            got = fma(fma(q, np.full_like(x, s), -x), np.full_like(x, -y), q)
+            want = x / s
+            fast = np.abs(q) < np.float32(2.0**126)
+        big = fast & (np.abs(want) >= np.float32(2.0**-20))
+        assert np.array_equal(got[big].view(np.uint32), want[big].view(np.uint32)), f"scale {s!r}"
+        assert np.all(np.abs(got[fast & ~big]) < np.float32(2.0**-19)), f"scale {s!r}"
+        assert np.array_equal(np.signbit(got[fast]), np.signbit(want[fast])), f"scale {s!r}"
+
+
 def test_write_with_a_block_size_that_is_not_a_power_of_two():
     cache, key, value, slots = _write_case("fp8_e4m3", "token_head", "HND", torch.bfloat16, bs=3)
     want = cache.clone()

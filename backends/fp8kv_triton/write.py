@@ -269,7 +269,8 @@ def scale_strides(cache: KVCache, which: str = "key") -> tuple[int, int, int]:
 def write_launch(head_size: int, arch: str | None = None, token_scales: bool = False) -> tuple[int, int, int]:
     """``(BLOCK_D, BLOCK_R, num_warps)`` of the write kernel.
 
-    NVIDIA: 2 warps over about 1024 elements per program. Measured on the H100
+    NVIDIA: 2 warps over at most 8 rows and 1024 elements per program (16 rows of float32 at head
+    size 64 spill 8 bytes on sm86-sm90, 8 do not). Measured on the H100
     (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3): per-tensor
     8 rows x 2 warps 36.6 us (92% of copy) against 37.0 for 16 x 4 and 38.7 for 16 x 2;
     token_head 8 x 2 41.0 us (82%) against 41.9 for 16 x 4 and 43.0 for 16 x 2.
@@ -282,7 +283,7 @@ def write_launch(head_size: int, arch: str | None = None, token_scales: bool = F
     block_d = max(16, triton.next_power_of_2(head_size))
     if arch is not None and not arch.startswith("sm"):
         return block_d, max(1, min(64, 4096 // block_d)), 4
-    return block_d, max(1, min(64, 1024 // block_d)), 2
+    return block_d, max(1, min(8, 1024 // block_d)), 2
 
 
 def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
