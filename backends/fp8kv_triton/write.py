@@ -272,8 +272,8 @@ def write_launch(head_size: int, arch: str | None = None, token_scales: bool = F
     NVIDIA: 2 warps over at most 8 rows and 1024 elements per program (16 rows of float32 at head
     size 64 spill 8 bytes on sm86-sm90, 8 do not). Measured on the H100
     (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3): per-tensor
-    8 rows x 2 warps 36.6 us (92% of copy) against 37.0 for 16 x 4 and 38.7 for 16 x 2;
-    token_head 8 x 2 41.0 us (82%) against 41.9 for 16 x 4 and 43.0 for 16 x 2.
+    8 rows x 2 warps 36.6 us (91.5% of copy) against 37.0 for 16 x 4 and 38.7 for 16 x 2;
+    token_head 8 x 2 41.0 us (82.5%) against 41.9 for 16 x 4 and 43.0 for 16 x 2.
 
     AMD (``arch`` ``"gfx..."``): about 4096 elements and 4 wavefronts of 64 lanes (compiled for
     gfx942, 2 wavefronts need 80 VGPRs and ~600 SGPR spills to VGPR lanes, 4 need 45 and ~200).
