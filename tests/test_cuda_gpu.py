@@ -29,6 +29,7 @@ import zlib
 
 import pytest
 import torch
+from write_checks import assert_same_bytes, cache_to
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -154,19 +155,6 @@ def _write_inputs(T: int, H: int, D: int, dtype, seed: int):
     return key, value, slots
 
 
-def _to(cache: fp8kv.KVCache, device: str) -> fp8kv.KVCache:
-    return fp8kv.KVCache(cache.key_cache.to(device), cache.value_cache.to(device), cache.k_scale.to(device),
-                         cache.v_scale.to(device), cache.fmt, cache.layout, cache.scale_granularity)
-
-
-def _assert_same(a: fp8kv.KVCache, b: fp8kv.KVCache) -> None:
-    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
-        x, y = getattr(a, name), getattr(b, name)
-        x = x.view(torch.uint8) if x.element_size() == 1 else x.view(torch.int32)
-        y = y.view(torch.uint8) if y.element_size() == 1 else y.view(torch.int32)
-        assert torch.equal(x, y), f"{name}: {int((x != y).sum())} elements differ"
-
-
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
 @pytest.mark.parametrize("gran", ["tensor", "head", "token_head"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -185,10 +173,10 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype, D):
                                  **kw)
     ref.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
     ref.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
-    gpu = _to(ref.clone(), "cuda")
+    gpu = cache_to(ref.clone(), "cuda")
     fp8kv.write_kv(ref, key, value, slots, backend="reference")
     fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
-    _assert_same(_to(gpu, "cpu"), ref)
+    assert_same_bytes(gpu, ref)
 
 
 @pytest.mark.parametrize("gran", ["tensor", "token_head"])

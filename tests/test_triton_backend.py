@@ -25,6 +25,7 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from write_checks import FAST_SCALES, SLOW_SCALES, assert_same_bytes, stress_case
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -150,9 +151,7 @@ def test_write_is_byte_identical_with_the_reference(fmt, gran, layout, dtype):
     want = cache.clone()
     fp8kv.write_kv(want, key, value, slots, backend="reference")
     fp8kv.write_kv(cache, key, value, slots.to(torch.int32), backend="triton")
-    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
-        a, b = _bytes(getattr(cache, name)), _bytes(getattr(want, name))
-        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
+    assert_same_bytes(cache, want)
 
 
 @pytest.mark.parametrize("fmt,gran,dtype,scales", [
@@ -162,17 +161,13 @@ def test_write_is_byte_identical_with_the_reference(fmt, gran, layout, dtype):
 ])
 def test_write_division_is_exact_on_every_half_pattern(fmt, gran, dtype, scales):
     """Every finite float16/bfloat16 pattern through the write's division, at scales whose
-    reciprocals round badly and at both sides of the fast division's range (``tests/write_stress.py``);
+    reciprocals round badly and at both sides of the fast division's range (``tests/write_checks.py``);
     ``token_head`` rows span every binade, so their scales cross that range's lower edge."""
-    from write_stress import FAST_SCALES, SLOW_SCALES, stress_case
-
     cache, key, value, slots = stress_case(fmt, gran, dtype, FAST_SCALES if scales == "fast" else SLOW_SCALES)
     want = cache.clone()
     fp8kv.write_kv(want, key, value, slots, backend="reference")
     fp8kv.write_kv(cache, key, value, slots, backend="triton")
-    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
-        a, b = _bytes(getattr(cache, name)), _bytes(getattr(want, name))
-        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
+    assert_same_bytes(cache, want)
 
 
 def test_markstein_division_is_correctly_rounded():

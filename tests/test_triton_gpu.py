@@ -25,6 +25,7 @@ import zlib
 
 import pytest
 import torch
+from write_checks import FAST_SCALES, SLOW_SCALES, assert_same_bytes, cache_to, stress_case
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -200,18 +201,10 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype):
                                  scale_granularity=gran, **kw)
     ref.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
     ref.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
-    gpu = ref.clone()
-    gpu = fp8kv.KVCache(gpu.key_cache.cuda(), gpu.value_cache.cuda(), gpu.k_scale.cuda(), gpu.v_scale.cuda(),
-                        gpu.fmt, gpu.layout, gpu.scale_granularity)
+    gpu = cache_to(ref, "cuda")
     fp8kv.write_kv(ref, key, value, slots, backend="reference")
     fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
-    back = fp8kv.KVCache(gpu.key_cache.cpu(), gpu.value_cache.cpu(), gpu.k_scale.cpu(), gpu.v_scale.cpu(),
-                         gpu.fmt, gpu.layout, gpu.scale_granularity)
-    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
-        a, b = getattr(back, name), getattr(ref, name)
-        a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
-        b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
-        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ"
+    assert_same_bytes(gpu, ref)
 
 
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
@@ -221,19 +214,12 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype):
 def test_write_division_is_exact_on_every_half_pattern(fmt, gran, scales, dtype):
     """Every finite float16/bfloat16 pattern (float32: with random low bits) through the write's
     division on the GPU, at scales whose reciprocals round badly and at both sides of the fast
-    division's range (``tests/write_stress.py``), byte-identical to the CPU reference."""
-    from write_stress import FAST_SCALES, SLOW_SCALES, stress_case
-
+    division's range (``tests/write_checks.py``), byte-identical to the CPU reference."""
     ref, key, value, slots = stress_case(fmt.name, gran, dtype, FAST_SCALES if scales == "fast" else SLOW_SCALES)
-    gpu = fp8kv.KVCache(ref.key_cache.cuda(), ref.value_cache.cuda(), ref.k_scale.cuda(), ref.v_scale.cuda(),
-                        ref.fmt, ref.layout, ref.scale_granularity)
+    gpu = cache_to(ref, "cuda")
     fp8kv.write_kv(ref, key, value, slots, backend="reference")
     fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
-    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
-        a, b = getattr(gpu, name).cpu(), getattr(ref, name)
-        a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
-        b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
-        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} bytes differ at {(a != b).nonzero()[:3]}"
+    assert_same_bytes(gpu, ref)
 
 
 @pytest.mark.parametrize("fmt", OCP, ids=[f.name for f in OCP])

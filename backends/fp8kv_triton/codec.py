@@ -153,12 +153,7 @@ def encode_f32_bits(x, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.
 def encode_native(x, F_KIND: tl.constexpr, F_MAX: tl.constexpr, F_NANBYTE: tl.constexpr):
     """float32 -> FP8 bytes (int32) through Triton's cast: clamp (NaN kept), cast, and
     torch's NaN bytes (0x7F / 0xFF) patched in. Only where a GPU test proved it exact."""
-    y = tl.clamp(x, -F_MAX, F_MAX, propagate_nan=tl.PropagateNan.ALL)
-    if F_KIND == 0:
-        q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        tl.static_assert(F_KIND == 1, "native encode: OCP formats only")
-        q = y.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+    q = _native_cast(tl.clamp(x, -F_MAX, F_MAX, propagate_nan=tl.PropagateNan.ALL), F_KIND)
     sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
     return tl.where(x != x, (sign << 7) | F_NANBYTE, q)
 
@@ -166,7 +161,12 @@ def encode_native(x, F_KIND: tl.constexpr, F_MAX: tl.constexpr, F_NANBYTE: tl.co
 @triton.jit
 def encode_native_finite(x, F_KIND: tl.constexpr, F_MAX: tl.constexpr):
     """:func:`encode_native` for values known to be free of NaN: clamp and cast."""
-    y = tl.clamp(x, -F_MAX, F_MAX)
+    return _native_cast(tl.clamp(x, -F_MAX, F_MAX), F_KIND)
+
+
+@triton.jit
+def _native_cast(y, F_KIND: tl.constexpr):
+    """Triton's float32 -> OCP FP8 cast of clamped values, as bytes (int32)."""
     if F_KIND == 0:
         q = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:

@@ -22,7 +22,7 @@ its loads are contiguous, and stores each row's ``D`` bytes at its slot:
   the encoder of the codec policy. Rows of finite values whose scale lies in ``[2^-80, 2^125]``
   (nearly all) divide with one multiplication by ``RN(1 / scale)`` and two FMAs
   (:func:`_divide_fast`); the others are loaded again and divided by ``tl.math.div_rn``
-  (:func:`_slow_pass`). Same bits; ``tests/write_stress.py`` puts every finite 16-bit pattern
+  (:func:`_slow_pass`). Same bits; ``tests/write_checks.py`` puts every finite 16-bit pattern
   through both.
 
 Offsets are computed in int64 (block ids and strides of large caches overflow int32).

@@ -1,4 +1,5 @@
-"""Write inputs that stress the write kernels' division ``x / scale`` (shared by the CPU and GPU tests).
+"""Helpers of the write tests (CPU and GPU): caches moved between devices, byte comparison, and
+inputs that stress the write kernels' division ``x / scale``.
 
 The Triton write divides by the scale with one multiplication by the scale's reciprocal and two
 FMAs (Markstein's correction) where that is exact, and falls back to ``tl.math.div_rn`` elsewhere
@@ -55,10 +56,29 @@ def stress_case(fmt: str, gran: str, dtype: torch.dtype, scales: list[float], de
     key = rows[:, None, :].expand(-1, H, -1).contiguous()
     value = -key.flip(0)
     T, bs = key.shape[0], 16
-    kw = {} if gran == "token_head" else dict(k_scale=torch.tensor(scales), v_scale=torch.tensor(scales[::-1]))
-    if gran == "tensor":
+    if gran == "head":
+        kw = dict(k_scale=torch.tensor(scales), v_scale=torch.tensor(scales[::-1]))
+    elif gran == "tensor":
         kw = dict(k_scale=scales[0], v_scale=scales[-1])
+    else:
+        kw = {}
     cache = fp8kv.KVCache.allocate(-(-T // bs), bs, H, rows.shape[1], kv_dtype=fmt, scale_granularity=gran,
                                    device=device, **kw)
     slots = torch.randperm(T, generator=torch.Generator().manual_seed(6)).to(device)
     return cache, key.to(device), value.to(device), slots
+
+
+def cache_to(cache: fp8kv.KVCache, device: str) -> fp8kv.KVCache:
+    """The same cache (codes and scales copied) on ``device``."""
+    return fp8kv.KVCache(cache.key_cache.to(device), cache.value_cache.to(device), cache.k_scale.to(device),
+                         cache.v_scale.to(device), cache.fmt, cache.layout, cache.scale_granularity)
+
+
+def assert_same_bytes(got: fp8kv.KVCache, want: fp8kv.KVCache) -> None:
+    """Codes and scales byte-identical (``got`` may live on another device); the message names the
+    tensor, how many elements differ and where the first ones are."""
+    for name in ("key_cache", "value_cache", "k_scale", "v_scale"):
+        a, b = getattr(got, name).to(getattr(want, name).device), getattr(want, name)
+        a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
+        b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
+        assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ at {(a != b).nonzero()[:3].tolist()}"
