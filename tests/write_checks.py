@@ -69,7 +69,7 @@ def stress_case(fmt: str, gran: str, dtype: torch.dtype, scales: list[float], de
 
 
 def cache_to(cache: fp8kv.KVCache, device: str) -> fp8kv.KVCache:
-    """The same cache (codes and scales copied) on ``device``."""
+    """The same cache on ``device`` (codes and scales copied there; the same tensors if already there)."""
     return fp8kv.KVCache(cache.key_cache.to(device), cache.value_cache.to(device), cache.k_scale.to(device),
                          cache.v_scale.to(device), cache.fmt, cache.layout, cache.scale_granularity)
 
