@@ -346,6 +346,52 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
         assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl))
 
 
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("bs", [8, 16, 48, 64])
+def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
+    """The tensor-core decode's two copy paths: block sizes that are a multiple of 16 (one block-table
+    entry per 16-key sub-tile, offsets planned once per thread) and others (every key located on its
+    own), with windows that start mid-block, against the reference; then block tables holding ids
+    outside the cache, which must be skipped: the cache sits between guard blocks of NaN codes, so a
+    read outside it would make outputs NaN."""
+    g = torch.Generator().manual_seed(bs)
+    H, Hq, D, NB, GUARD = 2, 8, 64, 40, 2
+    nan = FORMATS["fp8_e4m3"].nan_encodings[0]
+    shape = (NB + 2 * GUARD, bs, H, D) if layout == "NHD" else (NB + 2 * GUARD, H, bs, D)
+    parents = [torch.full(shape, nan, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    inner = slice(GUARD, GUARD + NB)
+    cache = fp8kv.KVCache.from_tensors(parents[0][inner], parents[1][inner], kv_dtype="fp8_e4m3", layout=layout,
+                                       k_scale=0.02, v_scale=0.03)
+    slots = torch.arange(NB * bs)
+    key, value = torch.randn(NB * bs, H, D, generator=g) * 3, torch.randn(NB * bs, H, D, generator=g)
+    fp8kv.write_kv(cache, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
+    lens_l = [NB * bs - 3, 37, 1, 17 * bs + 5]
+    per = NB // 2
+    tables = torch.stack([torch.randperm(NB, generator=g)[:per] for _ in lens_l]).int()
+    lens_l = [min(n, per * bs) for n in lens_l]
+    lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
+    query = torch.randn(len(lens_l), Hq, D, generator=g).bfloat16().cuda()
+    qsl = torch.arange(len(lens_l) + 1, dtype=torch.int32, device="cuda")
+    for window in (None, 3 * bs // 2 + 5):
+        out = fp8kv.paged_attention(query, cache, tables.cuda(), lens, sliding_window=window, backend="cuda")
+        ref = fp8kv.paged_attention(query, cache, tables.cuda(), lens, sliding_window=window, backend="reference")
+        assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables.cuda(), lens, qsl,
+                                                                  sliding_window=window))
+    snapshot = [p.clone() for p in parents]
+    hostile = tables.clone()
+    hostile[0, ::3] = NB
+    hostile[1, 0] = -5
+    hostile[3, 1::2] = 2**31 - 1
+    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=hostile.cuda(),
+                                seq_lens=lens, max_seq_len=per * bs, validate=False, backend="cuda")
+    out = fp8kv.paged_attention(query, cache, meta)
+    torch.cuda.synchronize()
+    assert meta.attention.backend.name == "cuda"
+    assert bool(torch.isfinite(out).all()), "a block id outside the cache was read (guard NaN codes reached out)"
+    assert all(torch.equal(a, b) for a, b in zip(parents, snapshot, strict=True))
+
+
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", sorted(FORMATS))
 def test_conformance_kit_on_the_gpu(kv_dtype, io_dtype):

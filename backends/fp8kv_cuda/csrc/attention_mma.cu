@@ -102,7 +102,8 @@ struct KeyRows {
     i64 ks_sb, ks_st, ks0, vs_sb, vs_st, vs0;           // token_head scales: strides, head offset
     const float* k_scale;
     const float* v_scale;
-    bool page16;  // block_size % 16 == 0: the 16-aligned sub-tile [base, base + 16) lies in one block
+    bool fast;  // block_size % 16 == 0 (a 16-aligned sub-tile lies in one block), at least one block,
+                // and every offset inside a block (head and chunk included) below 2^31: CopyPlan
 
     __device__ __forceinline__ int page_of(int n) const { return bs_shift >= 0 ? n >> bs_shift : n / block_size; }
 
@@ -150,59 +151,104 @@ struct Ring {
     }
 };
 
+// The key of sub-tile row r a thread copies: K rows g, g + 8 (r = 0, 1); V rows 2c + (r & 1) +
+// 8 ((r - 2) >> 1) (r = 2..5).
+__device__ __forceinline__ int copy_key(int r, int g, int c) { return r < 2 ? g + 8 * r : 2 * c + (r & 1) + 8 * ((r - 2) >> 1); }
+
+// What a thread's copies of every step share when KeyRows::fast: its rows' byte offsets inside a
+// block (row slot j of the sub-tile, head offset and the thread's chunk included).
+struct CopyPlan {
+    u32 off[6];  // K rows (r = 0, 1), V rows (r = 2..5), as copy_key
+};
+
+__device__ __forceinline__ CopyPlan copy_plan(const KeyRows& rows, int g, int c) {
+    CopyPlan cp;
+#pragma unroll
+    for (int r = 0; r < 6; ++r) {
+        const i64 j = copy_key(r, g, c);
+        cp.off[r] = rows.fast ? (u32)(r < 2 ? j * rows.k_st + rows.k0 : j * rows.v_st + rows.v0) : 0u;
+    }
+    return cp;
+}
+
+// The block ids of the step at n0's sub-tiles (KeyRows::fast; -1 past kend). Loaded a step before
+// issue_step needs them, so that the copies never wait for the block table.
+struct StepBlocks {
+    int blk[NSUB];
+};
+
+__device__ __forceinline__ StepBlocks lookup(const KeyRows& rows, int n0) {
+    StepBlocks sb;
+#pragma unroll
+    for (int u = 0; u < NSUB; ++u) {
+        const int base = n0 + 16 * u;
+        sb.blk[u] = rows.fast && base < rows.kend ? rows.bt_row[rows.page_of(base)] : -1;
+    }
+    return sb;
+}
+
 // Start the copies of the warp step at n0 into `stage`; one commit group. Returns the step's
-// visible-key bits (bit 2u + r: key g + 8r of sub-tile u).
-__device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, const KeyRows& rows,
-                                          const u8* key_cache, const u8* value_cache, int g, int c) {
+// visible-key bits (bit 2u + r: key g + 8r of sub-tile u). KeyRows::fast: one 64-bit block offset
+// per sub-tile (block ids from `sb`) plus the thread's CopyPlan offsets; otherwise every key located
+// on its own.
+__device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, const KeyRows& rows, const StepBlocks& sb,
+                                          const CopyPlan& cp, const u8* key_cache, const u8* value_cache, int g,
+                                          int c) {
     u32 bits = 0u;
     int ch = 0;
     const u32 stage_addr = ring_addr + (u32)(stage * CHUNKS * KNT * 16);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
         const int base = n0 + 16 * u;
-        // page16: one block-table entry for the sub-tile, then a row offset per key
-        int blk = -1;
-        i64 kb = 0, vb = 0;
-        if (rows.page16 && base < rows.kend) {
-            const int page = rows.page_of(base);
-            blk = rows.bt_row[page];
-            const i64 tib0 = base - page * rows.block_size;
-            kb = (i64)blk * rows.k_sb + tib0 * rows.k_st + rows.k0;
-            vb = (i64)blk * rows.v_sb + tib0 * rows.v_st + rows.v0;
-        }
-        const bool blk_ok = blk >= 0 && blk < rows.num_blocks;
-        const i64 tib0 = rows.page16 && base < rows.kend ? base - rows.page_of(base) * rows.block_size : 0;
         int kblk[2];
         i64 ktib[2];
+        if (rows.fast) {  // (uniform) the sub-tile [base, base + 16) lies in one block
+            const int blk = sb.blk[u];
+            const bool blk_ok = blk >= 0 && blk < rows.num_blocks;
+            const int tib0 = base - rows.page_of(base) * rows.block_size;
+            // an invalid block reads nothing; its address stays inside block 0
+            const i64 kb = blk_ok ? (i64)blk * rows.k_sb + (i64)tib0 * rows.k_st : 0;
+            const i64 vb = blk_ok ? (i64)blk * rows.v_sb + (i64)tib0 * rows.v_st : 0;
+            const int lo = rows.kbeg - base, hi = rows.kend - base;
 #pragma unroll
-        for (int r = 0; r < 6; ++r) {  // r < 2: K of key g + 8r; else V of key 2c + (r & 1) + 8 ((r - 2) >> 1)
-            const bool is_k = r < 2;
-            const int j = is_k ? g + 8 * r : 2 * c + (r & 1) + 8 * ((r - 2) >> 1);
-            const int n = base + j;
-            i64 rk, rv, tib;
-            int b;
-            if (rows.page16) {
-                const bool live = blk_ok && n >= rows.kbeg && n < rows.kend;
-                rk = live ? kb + j * rows.k_st : -1;
-                rv = live ? vb + j * rows.v_st : -1;
-                b = live ? blk : -1;
-                tib = tib0 + j;
-            } else {
-                rows.locate(n, rk, rv, b, tib);
+            for (int r = 0; r < 6; ++r) {
+                const int j = copy_key(r, g, c);
+                const bool live = blk_ok && j >= lo && j < hi;
+                if (r < 2) {
+                    kblk[r] = live ? blk : -1;
+                    ktib[r] = tib0 + j;
+                    bits |= (u32)live << (2 * u + r);
+#pragma unroll
+                    for (int i = 0; i < KCH; ++i, ++ch)
+                        copy_async<16>(stage_addr + ch * KNT * 16, key_cache + kb + cp.off[r] + 64 * i, live);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < VCH; ++i, ++ch)
+                        copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16,
+                                                            value_cache + vb + cp.off[r] + 128 * i, live);
+                }
             }
-            const bool live = rk >= 0;
-            if (is_k) {
-                kblk[r] = b;
-                ktib[r] = tib;
-                bits |= (u32)live << (2 * u + r);
+        } else {
 #pragma unroll
-                for (int i = 0; i < KCH; ++i, ++ch)
-                    copy_async<16>(stage_addr + ch * KNT * 16, key_cache + (live ? rk + 64 * i : 0), live);
-            } else {
+            for (int r = 0; r < 6; ++r) {
+                const int n = base + copy_key(r, g, c);
+                i64 rk, rv, tib;
+                int b;
+                rows.locate(n, rk, rv, b, tib);
+                const bool live = rk >= 0;
+                if (r < 2) {
+                    kblk[r] = b;
+                    ktib[r] = tib;
+                    bits |= (u32)live << (2 * u + r);
 #pragma unroll
-                for (int i = 0; i < VCH; ++i, ++ch)
-                    copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16, value_cache + (live ? rv + 128 * i : 0),
-                                                        live);
+                    for (int i = 0; i < KCH; ++i, ++ch)
+                        copy_async<16>(stage_addr + ch * KNT * 16, key_cache + (live ? rk + 64 * i : 0), live);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < VCH; ++i, ++ch)
+                        copy_async<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16,
+                                                            value_cache + (live ? rv + 128 * i : 0), live);
+                }
             }
         }
         if constexpr (TOKEN_SCALES) {  // [k_scale(g), k_scale(g + 8), v_scale(g), v_scale(g + 8)]
@@ -377,20 +423,24 @@ __device__ __forceinline__ void key_loop(bool split_p, const q_t* query, i64 qro
     const int my_steps = span > warp * STEP ? (span - warp * STEP + KWARPS * STEP - 1) / (KWARPS * STEP) : 0;
     const Ring ring{ring_mem, tid};
     const u32 ring_addr = shared_address(ring_mem + tid);
+    const CopyPlan cp = copy_plan(rows, g, c);
+    auto step_n0 = [&](int i) { return first + (i * KWARPS + warp) * STEP; };
     u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         u32 b = 0u;
-        if (i < my_steps) b = issue_step(ring_addr, i, first + (i * KWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        if (i < my_steps) b = issue_step(ring_addr, i, step_n0(i), rows, lookup(rows, step_n0(i)), cp, key_cache, value_cache, g, c);
         else asm volatile("cp.async.commit_group;");
         live_q |= b << (i * LIVE_BITS);
     }
+    StepBlocks blocks = lookup(rows, step_n0(STAGES - 1));  // (the loads complete during a step)
     int stage = 0, next = STAGES - 1;
     for (int i = 0; i < my_steps; ++i) {
         const int j = i + STAGES - 1;
         u32 b = 0u;
-        if (j < my_steps) b = issue_step(ring_addr, next, first + (j * KWARPS + warp) * STEP, rows, key_cache, value_cache, g, c);
+        if (j < my_steps) b = issue_step(ring_addr, next, step_n0(j), rows, blocks, cp, key_cache, value_cache, g, c);
         else asm volatile("cp.async.commit_group;");
+        blocks = lookup(rows, step_n0(j + 1));
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
         const StepView wds{ring.slot(stage, 0), live_q};
@@ -463,13 +513,17 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     rows.block_size = block_size;
     rows.num_blocks = num_blocks;
     rows.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-    rows.page16 = (block_size & 15) == 0;
     rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
     rows.k0 = (i64)h * k_sh + k_dim(c, 0);
     rows.v0 = (i64)h * v_sh + v_dim(g, 0);
     rows.ks_sb = ks_sb; rows.ks_st = ks_st; rows.ks0 = (i64)h * ks_sh;
     rows.vs_sb = vs_sb; rows.vs_st = vs_st; rows.vs0 = (i64)h * vs_sh;
     rows.k_scale = k_scale; rows.v_scale = v_scale;
+    auto in_block = [&](i64 sb, i64 st, i64 off0, int width) {  // every row offset of a block < 2^31
+        return sb >= 0 && st >= 0 && off0 >= 0 && st < (1ll << 31) && (i64)(block_size - 1) * st + off0 + width < (1ll << 31);
+    };
+    rows.fast = (block_size & 15) == 0 && num_blocks > 0 && in_block(k_sb, k_st, rows.k0, D) &&
+                in_block(v_sb, v_st, rows.v0, D);
 
     // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
     const bool head_live = g0 + g < group;
