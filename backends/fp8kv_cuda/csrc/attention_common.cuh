@@ -119,43 +119,75 @@ __device__ __forceinline__ void key_span(const int* seq_lens, int s, int q_lo, i
 
 using namespace fp8kv;
 
-// Split-KV merge. Grid (T, HQ), NT threads over the head dimension. With w_s = 2^(m_s - max m):
-// static scales out = sum_s w_s acc_s / sum_s w_s l_s * v_scale; per-token-head (acc_s in units of
-// r_s) out = A * sum_s (w_s r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow).
+// Block-wide max / sum over the NT threads (every thread gets the result; `scratch` holds NWARPS).
+__device__ __forceinline__ float block_max(float x, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
+    __syncthreads();  // (scratch may still be read by a previous call)
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < NWARPS; ++w) x = fmaxf(x, scratch[w]);
+    return x;
+}
+
+__device__ __forceinline__ float block_sum(float x, float* scratch) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
+    __syncthreads();
+    x = scratch[0];
+#pragma unroll
+    for (int w = 1; w < NWARPS; ++w) x += scratch[w];
+    return x;
+}
+
+constexpr int MERGE_SPLITS = 128;  // splits the merge keeps in shared memory (fp8kv_cuda.attention.MAX_SPLITS)
+static_assert(NT >= MERGE_SPLITS, "attention_common.cuh: the merge reads one split per thread");
+
+// Split-KV merge. Grid (T, HQ), NT threads. With w_s = 2^(m_s - max m): static scales out = sum_s
+// w_s acc_s / sum_s w_s l_s * v_scale; per-token-head (acc_s in units of r_s) out = A * sum_s (w_s
+// r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow). The splits' (m, l, r) are
+// read at once, a thread each, and their weights shared; then thread d sums its dimension over the
+// splits (independent loads): two dependent rounds of loads, whatever the number of splits.
 extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_scale,
     const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
     i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
+    __shared__ float weight[MERGE_SPLITS];
+    __shared__ float scratch[NWARPS];
+    if (num_splits > MERGE_SPLITS) __trap();  // a launcher bug, never silent corruption
     const int t = blockIdx.x;
     const int qh = blockIdx.y;
     int q_lo = 0, q_hi = 0;
-    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;
+    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;  // uniform over the CTA
     const i64 row = (i64)t * HQ + qh;
     const i64 stride = (i64)T * HQ;
-    // (loops unrolled: the splits' loads are independent, a rolled loop waits on each in turn)
-    float m_max = NEG_INF;
-#pragma unroll 8
-    for (int z = 0; z < num_splits; ++z) m_max = fmaxf(m_max, part_ml[(z * stride + row) * 3]);
-    const float m_safe = m_max == NEG_INF ? 0.0f : m_max;
-    float den = 0.0f, a_max = 0.0f;
-#pragma unroll 8
-    for (int z = 0; z < num_splits; ++z) {
-        const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
-        den += w * part_ml[(z * stride + row) * 3 + 1];
-        if (TOKEN_SCALES) a_max = fmaxf(a_max, w * part_ml[(z * stride + row) * 3 + 2]);
+    const int z = threadIdx.x;  // NT >= MERGE_SPLITS: one split per thread
+    float m = NEG_INF, l = 0.0f, r = 0.0f;
+    if (z < num_splits) {
+        const float* ml = part_ml + (z * stride + row) * 3;
+        m = ml[0];
+        l = ml[1];
+        r = ml[2];
     }
-    if (write_lse && threadIdx.x == 0) lse[row] = den > 0.0f ? (m_safe + log2f(den)) * LN2 : NEG_INF;
-    const float den_safe = den > 0.0f ? den : 1.0f;
+    const float m_max = block_max(m, scratch);
+    const float m_safe = m_max == NEG_INF ? 0.0f : m_max;
+    const float w = z < num_splits ? exp2f(m - m_safe) : 0.0f;
+    const float den = block_sum(w * l, scratch);
+    const float a_max = TOKEN_SCALES ? block_max(w * r, scratch) : 0.0f;
     const float a_div = a_max > 0.0f ? a_max : 1.0f;
+    if (z < num_splits) weight[z] = TOKEN_SCALES ? fdiv(w * r, a_div) : w;
+    if (write_lse && threadIdx.x == 0) lse[row] = den > 0.0f ? (m_safe + log2f(den)) * LN2 : NEG_INF;
+    __syncthreads();
+    const float den_safe = den > 0.0f ? den : 1.0f;
     const float mul = TOKEN_SCALES ? a_max : v_scale[(qh / group) * vs_sh];
     for (int d = threadIdx.x; d < D; d += NT) {
         float num = 0.0f;
-#pragma unroll 8
-        for (int z = 0; z < num_splits; ++z) {
-            const float w = exp2f(part_ml[(z * stride + row) * 3] - m_safe);
-            const float c = TOKEN_SCALES ? fdiv(w * part_ml[(z * stride + row) * 3 + 2], a_div) : w;
-            num = fmaf(c, part_acc[(z * stride + row) * D + d], num);
-        }
+#pragma unroll 16
+        for (int s = 0; s < num_splits; ++s) num = fmaf(weight[s], part_acc[(s * stride + row) * D + d], num);
         store_out(out, row * D + d, fdiv(num, den_safe) * mul);
     }
 }

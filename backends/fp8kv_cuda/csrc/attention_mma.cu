@@ -406,11 +406,47 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
 }
 
 
-// The warp's steps n0 = first + (i * KWARPS + warp) * STEP with K in the 16-bit type KE (5 float16,
-// 8 bfloat16), STAGES - 1 of them in flight. Queries enter scaled by 2^-qshift (exact, see the
+// A warp's copy pipeline over its steps n0 = first + (i * KWARPS + warp) * STEP: the first
+// STAGES - 1 steps are issued by start_pipe (before the kernel reads its queries, so that their
+// latency overlaps that work), the rest by key_loop, a step ahead.
+struct Pipe {
+    CopyPlan cp;
+    StepBlocks blocks;  // of the next step to issue
+    u32 live_q;         // visible-key bits of the steps in flight, oldest lowest
+    int first, my_steps;
+    __device__ __forceinline__ int step_n0(int i) const { return first + (i * KWARPS + (int)(threadIdx.x >> 5)) * STEP; }
+};
+
+__device__ __forceinline__ Pipe start_pipe(const KeyRows& rows, uint4* ring_mem, const u8* key_cache,
+                                           const u8* value_cache) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    Pipe pp;
+    pp.first = rows.kbeg & ~15;
+    const int span = rows.kend > pp.first ? rows.kend - pp.first : 0;
+    pp.my_steps = span > warp * STEP ? (span - warp * STEP + KWARPS * STEP - 1) / (KWARPS * STEP) : 0;
+    pp.cp = copy_plan(rows, g, c);
+    const u32 ring_addr = shared_address(ring_mem + tid);
+    pp.live_q = 0u;
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        u32 b = 0u;
+        if (i < pp.my_steps) {
+            b = issue_step(ring_addr, i, pp.step_n0(i), rows, lookup(rows, pp.step_n0(i)), pp.cp, key_cache, value_cache,
+                           g, c);
+        } else {
+            asm volatile("cp.async.commit_group;");
+        }
+        pp.live_q |= b << (i * LIVE_BITS);
+    }
+    pp.blocks = lookup(rows, pp.step_n0(STAGES - 1));  // (the loads complete during a step)
+    return pp;
+}
+
+// The warp's steps with K in the 16-bit type KE (5 float16, 8 bfloat16), STAGES - 1 of them in
+// flight (the first issued by start_pipe). Queries enter scaled by 2^-qshift (exact, see the
 // kernel), so the logit factor carries 2^qshift.
 template <int KE>
-__device__ __forceinline__ void key_loop(bool split_p, const q_t* query, i64 qrow, bool head_live, i32 qshift,
+__device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query, i64 qrow, bool head_live, i32 qshift,
                                          const float* k_scale,
                                          float g_mant, int g_exp, const KeyRows& rows, uint4* ring_mem,
                                          const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
@@ -430,29 +466,17 @@ __device__ __forceinline__ void key_loop(bool split_p, const q_t* query, i64 qro
     float f1 = 1.0f, f2 = 1.0f;  // static scales: the logit factors (token_head: per key, attend_step)
     if constexpr (!TOKEN_SCALES) scale_factors(k_scale[0], g_mant, g_exp + qshift, f1, f2);
 
-    const int first = rows.kbeg & ~15;
-    const int span = rows.kend > first ? rows.kend - first : 0;
-    const int my_steps = span > warp * STEP ? (span - warp * STEP + KWARPS * STEP - 1) / (KWARPS * STEP) : 0;
     const Ring ring{ring_mem, tid};
     const u32 ring_addr = shared_address(ring_mem + tid);
-    const CopyPlan cp = copy_plan(rows, g, c);
-    auto step_n0 = [&](int i) { return first + (i * KWARPS + warp) * STEP; };
-    u32 live_q = 0u;  // visible-key bits of the steps in flight, oldest lowest
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        u32 b = 0u;
-        if (i < my_steps) b = issue_step(ring_addr, i, step_n0(i), rows, lookup(rows, step_n0(i)), cp, key_cache, value_cache, g, c);
-        else asm volatile("cp.async.commit_group;");
-        live_q |= b << (i * LIVE_BITS);
-    }
-    StepBlocks blocks = lookup(rows, step_n0(STAGES - 1));  // (the loads complete during a step)
+    const int my_steps = pp.my_steps;
+    u32 live_q = pp.live_q;
     int stage = 0, next = STAGES - 1;
     for (int i = 0; i < my_steps; ++i) {
         const int j = i + STAGES - 1;
         u32 b = 0u;
-        if (j < my_steps) b = issue_step(ring_addr, next, step_n0(j), rows, blocks, cp, key_cache, value_cache, g, c);
+        if (j < my_steps) b = issue_step(ring_addr, next, pp.step_n0(j), rows, pp.blocks, pp.cp, key_cache, value_cache, g, c);
         else asm volatile("cp.async.commit_group;");
-        blocks = lookup(rows, step_n0(j + 1));
+        pp.blocks = lookup(rows, pp.step_n0(j + 1));
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
         const StepView wds{ring.slot(stage, 0), live_q};
@@ -537,6 +561,8 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     rows.fast = (block_size & 15) == 0 && num_blocks > 0 && in_block(k_sb, k_st, rows.k0, D) &&
                 in_block(v_sb, v_st, rows.v0, D);
 
+    const Pipe pipe = start_pipe(rows, ring_mem, key_cache, value_cache);  // (before the queries: overlaps them)
+
     // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
     const bool head_live = g0 + g < group;
     const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
@@ -564,11 +590,11 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     if (k16) {  // uniform over the CTA
-        key_loop<5>(split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
+        key_loop<5>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
                     value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
     } else {
         if constexpr (QT == 2) {
-            key_loop<8>(split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
+            key_loop<8>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
                         key_cache, value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
         }
     }
