@@ -157,6 +157,28 @@ def test_plan_splits_only_when_the_gpu_would_idle(monkeypatch):
     assert (p.d_pad, p.gpad, p.block_n, p.head_chunks) == (256, 16, 32, 2)
 
 
+def test_tensor_core_decode_splits_for_the_fewest_keys_per_sm(monkeypatch):
+    from fp8kv_cuda import attention
+
+    # (CTAs per split, SMs, most splits) -> splits; measured best on the H100 (see mma_splits)
+    assert attention.mma_splits(8, 132, 128) == 16    # B=1 x 8 KV heads: 128 CTAs, one per SM
+    assert attention.mma_splits(64, 132, 128) == 2    # B=8
+    assert attention.mma_splits(32, 132, 128) == 4    # B=4
+    assert attention.mma_splits(16, 132, 128) == 8    # B=2
+    assert attention.mma_splits(256, 132, 128) == 1   # B=32: the GPU is full
+    assert attention.mma_splits(8, 132, 4) == 4       # short context: capped by keys
+    assert attention.mma_splits(80, 132, 128) == 3    # 240 CTAs: two per SM on most SMs, not 80 lone ones
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention, "mma_warps", lambda *a, **k: 6)
+    p = attention.plan_mma(torch.device("cuda", 0), num_tokens=1, num_kv_heads=8, group=4, head_size=128,
+                           max_keys=131072)
+    assert (p.num_splits, p.keys_per_split, p.warps) == (16, 8192, 6)
+    p = attention.plan_mma(torch.device("cuda", 0), num_tokens=1, num_kv_heads=8, group=4, head_size=128,
+                           max_keys=1000)
+    assert p.num_splits * p.keys_per_split >= 1000 > (p.num_splits - 1) * p.keys_per_split
+    assert p.keys_per_split % attention.MMA_SPLIT_KEYS == 0
+
+
 def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
     from fp8kv_cuda import attention
 

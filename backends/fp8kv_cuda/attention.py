@@ -117,24 +117,37 @@ def mma_warps(device: torch.device, head_size: int, token_scales: bool = False) 
     return None
 
 
+def mma_splits(units: int, sms: int, max_splits: int) -> int:
+    """KV splits of the tensor-core decode for ``units`` CTAs per split (tokens x KV heads x head
+    chunks) on ``sms`` SMs: the split count with the fewest keys per SM, i.e. the least
+    ``ceil(units * s / sms) / s`` (a CTA's keys times the CTAs an SM runs) with at most two CTAs
+    per SM (one wave: 6 splits of B=8, 384 CTAs, took 238.1 us against 216.9 at 2), preferring fewer splits
+    unless more save at least 5% (each split adds partial results and a merge). Measured on the H100
+    (``benchmarks/results/cuda_decode/h100_splits.json``): one CTA per SM (B=1 x 8 heads: 16 splits
+    113.7 us, B=8: 2 splits 216.9 us) beat two (32 splits 116.3, 4 splits 220.1 us) and lost badly
+    to counts in between (20 splits 142.8 us: 28 SMs ran two CTAs, the rest one)."""
+    best, best_cost = 1, float(_cdiv(units, sms))
+    for s in range(2, min(max_splits, 2 * sms // max(1, units)) + 1):  # (at most two CTAs per SM)
+        cost = _cdiv(units * s, sms) / s
+        if cost < 0.95 * best_cost:
+            best, best_cost = s, cost
+    return best
+
+
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None, warps: int | None = None,
              token_scales: bool = False) -> AttnPlan:
-    """Head chunks, KV split and warps per CTA of the tensor-core kernel. Decode is bandwidth-bound
-    once an SM runs about 12 warps (the registers allow that many), so without ``num_splits``/
-    ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`), the
-    keys split for about two CTAs per SM (more splits add
-    partial results to merge and a tail of lone CTAs; 4- and 8-warp CTAs and 1-4 splits were
-    slower at every decode shape measured), each split at least 2 x ``MMA_SPLIT_KEYS`` keys.
-    Measured on an H200 (``benchmarks/results/cuda_decode/``)."""
+    """Head chunks, KV split and warps per CTA of the tensor-core kernel. Without ``num_splits``/
+    ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`; 4- and
+    8-warp CTAs were slower at every decode shape measured), and the keys split by
+    :func:`mma_splits`, each split at least 2 x ``MMA_SPLIT_KEYS`` keys."""
     chunks = _cdiv(group, MMA_HEADS)
-    ctas = max(1, num_tokens) * num_kv_heads * chunks
+    units = max(1, num_tokens) * num_kv_heads * chunks
     sms = _num_sms(runtime.device_index(device))
     if warps is None:
         warps = mma_warps(device, head_size, token_scales) or 4
     if num_splits is None:
-        num_splits = max(1, round(2 * sms / ctas))
-        num_splits = min(num_splits, max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS)
+        num_splits = mma_splits(units, sms, min(max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps)
 
