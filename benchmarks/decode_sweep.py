@@ -97,15 +97,21 @@ def run(args) -> int:
                    "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         torch.cuda.empty_cache()
         rows.append(row)
+        _save(args.out, env, bw, args.backend, rows)  # after every cell: a cut-off run keeps what it measured
         got = (f"{row['ms'] * 1e3:.1f} us, SDPA {row['sdpa_bf16_ms'] * 1e3:.1f} us, {row['speedup_vs_sdpa']:.2f}x, "
                f"{row['frac_roofline']:.0%} roofline") if "ms" in row else row["error"]
         print(f"[{i + 1}/{len(cells)}] D={D} group={group} block={page} B={B} L={L}: {got} ({time.time() - t0:.0f}s)",
               flush=True)
-    record = {"environment": env, "copy_gbps": bw, "backend": args.backend, "rows": rows}
-    with open(args.out, "w") as f:
-        json.dump(record, f, indent=1)
+    record = _save(args.out, env, bw, args.backend, rows)
     print(table(record))
     return plot(args.out)
+
+
+def _save(path: str, env: dict, bw: float, backend: str, rows: list[dict]) -> dict:
+    record = {"environment": env, "copy_gbps": bw, "backend": backend, "rows": rows}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+    return record
 
 
 def table(record: dict) -> str:
