@@ -177,6 +177,10 @@ def test_tensor_core_decode_splits_for_the_fewest_keys_per_sm(monkeypatch):
                            max_keys=1000)
     assert p.num_splits * p.keys_per_split >= 1000 > (p.num_splits - 1) * p.keys_per_split
     assert p.keys_per_split % attention.MMA_SPLIT_KEYS == 0
+    # a short context splits down to MMA_SPLIT_KEYS keys per CTA
+    p = attention.plan_mma(torch.device("cuda", 0), num_tokens=1, num_kv_heads=8, group=4, head_size=128,
+                           max_keys=1024)
+    assert (p.num_splits, p.keys_per_split) == (8, attention.MMA_SPLIT_KEYS)
 
 
 def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):

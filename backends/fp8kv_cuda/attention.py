@@ -140,14 +140,16 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Without ``num_splits``/
     ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`; 4- and
     8-warp CTAs were slower at every decode shape measured), and the keys split by
-    :func:`mma_splits`, each split at least 2 x ``MMA_SPLIT_KEYS`` keys."""
+    :func:`mma_splits`, each split at least ``MMA_SPLIT_KEYS`` keys (short contexts split finer: B=1
+    x 8 heads at L=1024, 8 splits of 128 keys took 8.9/10.9/16.5 us at D=64/128/256 against
+    9.6/12.1/17.4 for 4 of 256, ``benchmarks/results/cuda_decode/h100_small/``)."""
     chunks = _cdiv(group, MMA_HEADS)
     units = max(1, num_tokens) * num_kv_heads * chunks
     sms = _num_sms(runtime.device_index(device))
     if warps is None:
         warps = mma_warps(device, head_size, token_scales) or 4
     if num_splits is None:
-        num_splits = mma_splits(units, sms, min(max(1, max_keys // (2 * MMA_SPLIT_KEYS)), MAX_SPLITS))
+        num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps)
 
