@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(FP8KV_
 
     // ---- the keys this row sees, and this split's part of them
     i64 kbeg, kend;
-    key_span(seq_lens, s, q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
+    key_span(seq_lens[s], q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
 
     // ---- queries: float32 in shared memory, scaled by 2^-qshift so that |q| < 2^101
     u32 qmax = 0u;

@@ -85,9 +85,18 @@ __device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, 
     }
 }
 
+// The sequence a decode step would give query token t (qsl[s] = s): t, or the last sequence.
+__device__ __forceinline__ int decode_guess(int num_seqs, int t) { return t < num_seqs ? t : num_seqs - 1; }
+
 // The sequence of query token t: s with qsl[s] <= t < qsl[s + 1] (entries clamped to [0, T]),
-// or -1 when t belongs to none. A binary search; with garbage offsets it still stays in bounds.
+// or -1 when t belongs to none. decode_guess first (one round of loads: a decode step's answer),
+// else a binary search (log2(num_seqs) dependent rounds); with garbage offsets it stays in bounds.
 __device__ __forceinline__ int find_seq(const int* qsl, int num_seqs, int T, int t, int& q_lo, int& q_hi) {
+    if (num_seqs <= 0) return -1;
+    const int guess = decode_guess(num_seqs, t);
+    q_lo = i32_min(i32_max(qsl[guess], 0), T);
+    q_hi = i32_min(i32_max(qsl[guess + 1], 0), T);
+    if (q_lo <= t && t < q_hi) return guess;
     int lo = 0, hi = num_seqs;
     while (lo < hi) {
         const int mid = (lo + hi) >> 1;
@@ -102,11 +111,12 @@ __device__ __forceinline__ int find_seq(const int* qsl, int num_seqs, int T, int
 
 // The keys [kbeg, kend) query token t of sequence s (queries [q_lo, q_hi)) sees in split z:
 // seq_lens clamped to the block table's row, the causal end, the window's start, the split.
-__device__ __forceinline__ void key_span(const int* seq_lens, int s, int q_lo, int q_hi, int t, int causal,
+// (len_s: seq_lens[s] as stored.)
+__device__ __forceinline__ void key_span(int len_s, int q_lo, int q_hi, int t, int causal,
                                          int window, int z, int keys_per_split, int max_blocks, int block_size,
                                          i64& kbeg, i64& kend) {
     const i64 max_keys = (i64)max_blocks * block_size;
-    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
+    const i64 seq_len = (i64)i32_max(len_s, 0) < max_keys ? (i64)i32_max(len_s, 0) : max_keys;
     const i64 pos = seq_len - (q_hi - q_lo) + (t - q_lo);
     const i64 k_hi_vis = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
     const i64 k_lo_vis = pos - window + 1 > 0 ? pos - window + 1 : 0;

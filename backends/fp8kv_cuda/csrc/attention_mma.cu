@@ -533,14 +533,17 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     const int z = blockIdx.z;
 
     int q_lo = 0, q_hi = 0;
+    const int len_guess = num_seqs > 0 ? seq_lens[decode_guess(num_seqs, t)] : 0;  // (loaded with find_seq's first
+                                                                                    // round: a decode step's answer)
     const int s = find_seq(qsl, num_seqs, T, t, q_lo, q_hi);
     if (s < 0) return;  // uniform over the CTA
+    const int len_s = s == decode_guess(num_seqs, t) ? len_guess : seq_lens[s];
 
     // ---- the keys this row sees, and this split's part of them
     i64 kbeg, kend;
-    key_span(seq_lens, s, q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
+    key_span(len_s, q_lo, q_hi, t, causal, window, z, keys_per_split, max_blocks, block_size, kbeg, kend);
     i64 vis_beg, vis_end;  // every key the row sees (all splits): P's precision rule
-    key_span(seq_lens, s, q_lo, q_hi, t, causal, window, 0, 0x7FFFFFFF, max_blocks, block_size, vis_beg, vis_end);
+    key_span(len_s, q_lo, q_hi, t, causal, window, 0, 0x7FFFFFFF, max_blocks, block_size, vis_beg, vis_end);
     const bool split_p = vis_end - vis_beg < FP8KV_FULL_P_KEYS;
     KeyRows rows;
     rows.bt_row = block_tables + (i64)s * bt_stride;
