@@ -187,10 +187,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def plot(args: argparse.Namespace) -> int:
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(args.json) as f:
         record = json.load(f)

@@ -155,10 +155,9 @@ def table(rows: list[dict]) -> str:
 
 
 def plot(path: str) -> int:
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(path) as f:
         data = json.load(f)

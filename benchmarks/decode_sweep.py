@@ -134,10 +134,9 @@ def table(record: dict) -> str:
 
 def plot(path: str) -> int:
     """Heatmaps of the speed-up over SDPA (rows: head size; columns: group x block size)."""
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(path) as f:
         record = json.load(f)

@@ -104,10 +104,9 @@ def main(argv: list[str] | None = None) -> int:
 def plot(path: str) -> int:
     """A bar chart (PNG beside ``path``) of each shape: SDPA bf16, the 0.2.0 kernel, the shipped decode
     kernel, FlashInfer's FP8 decode (if measured) and the FP8 roofline, in microseconds."""
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(path) as f:
         record = json.load(f)

@@ -265,10 +265,9 @@ def _color(row: dict) -> str:
 
 
 def plot(results: list[dict], path: str, env: dict) -> None:
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in results if "kl_change_pct" in r]
     fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))

@@ -248,10 +248,9 @@ def _bars(ax, rows, caches, prompt_lens, key, err, fmt, scale=1.0):
 
 
 def plot(result: dict, path: str) -> None:
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in result.get("precision", []) if "kl" in r]
     caches = list(dict.fromkeys(r["cache"] for r in rows))
@@ -296,10 +295,9 @@ def plot(result: dict, path: str) -> None:
 
 def plot_speed(result: dict, path: str) -> None:
     """Bars of generate() tokens/s (best and median of the rounds), one group per batch size."""
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = result["speed"]
     labels = list(dict.fromkeys(r["cache"] for r in rows))

@@ -243,10 +243,9 @@ def targets(rows: list[dict]) -> list[dict]:
 
 
 def plot(rows: list[dict], env: dict, path: str) -> None:
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.5), squeeze=False)

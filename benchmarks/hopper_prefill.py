@@ -237,10 +237,9 @@ def table(rows: list[dict]) -> str:
 
 def plot(path: str) -> int:
     """A bar chart (PNG beside the JSON) of a recorded run: time per implementation and shape."""
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(path) as f:
         rec = json.load(f)

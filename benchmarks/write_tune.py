@@ -106,10 +106,9 @@ def table(record: dict) -> str:
 
 def plot(path: str) -> int:
     """Bars of the fraction of copy bandwidth per launch, one group per granularity."""
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     with open(path) as f:
         record = json.load(f)
