@@ -165,7 +165,9 @@ def plot(path: str) -> int:
             if a == len(heads) - 1:
                 ax.set_xlabel("context")
     env = record["environment"]
-    fig.suptitle(f"fp8kv {record['backend']} decode (e4m3, bf16 queries) speed-up over SDPA bf16\n"
+    served = sorted({r["backend"] for r in rows if "backend" in r})
+    fig.suptitle(f"fp8kv {record['backend']} decode (served by {', '.join(served)}; e4m3, bf16 queries) speed-up over "
+                 f"SDPA bf16\n"
                  f"{env['device']}, torch {env['torch']}, Triton {env.get('triton')}, {env['date'][:10]}", fontsize=9)
     if im is not None:
         fig.colorbar(im, ax=axes, shrink=0.6, label="x SDPA bf16")
