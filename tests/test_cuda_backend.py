@@ -169,6 +169,7 @@ def test_tensor_core_decode_splits_for_the_fewest_keys_per_sm(monkeypatch):
     assert attention.mma_splits(8, 132, 4) == 4       # short context: capped by keys
     assert attention.mma_splits(80, 132, 128) == 3    # 240 CTAs: two per SM on most SMs, not 80 lone ones
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention, "_sm", lambda device: 90)
     monkeypatch.setattr(attention, "mma_warps", lambda *a, **k: 6)
     p = attention.plan_mma(torch.device("cuda", 0), num_tokens=1, num_kv_heads=8, group=4, head_size=128,
                            max_keys=131072)
@@ -187,6 +188,7 @@ def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
     from fp8kv_cuda import attention
 
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention, "_sm", lambda device: 90)
     dev = torch.device("cuda", 0)
     # 4 x 2048 new tokens, GQA 4: 2048 * 4 rows in tiles of 128 per (sequence, KV head); no split
     p = attention.plan_prefill(dev, num_seqs=4, num_kv_heads=8, group=4, head_size=128, max_keys=4096,
@@ -201,6 +203,44 @@ def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
     # the grid's z is num_seqs * num_splits (the kernel divides it back)
     assert attention.plan_prefill(dev, num_seqs=3, num_kv_heads=2, group=8, head_size=128, max_keys=100,
                                   max_query_len=5).num_splits == 1
+
+
+def test_turing_plans_float16_queries_on_tensor_cores(monkeypatch):
+    """sm75 (a real Turing, or FP8KV_CUDA_ARCH=sm75 on a newer GPU): float16 queries take the
+    tensor-core kernels, decode with a one-stage ring in 4-warp CTAs (two share Turing's 64 KiB)
+    and prefill with a two-stage ring; bfloat16 queries (no bfloat16 tensor cores before sm80) and
+    float32 ones take the CUDA-core kernel. The variable accepts only sm70 up to the GPU's own."""
+    from fp8kv_cuda import attention, runtime
+    from fp8kv_cuda.variants import attention_mma_variant, prefill_mma_variant
+
+    runtime._device_sm.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 40)
+    monkeypatch.setattr(attention, "_smem_limits_for", lambda index, sm: attention.ARCH_SMEM[sm])
+    monkeypatch.setenv(runtime.ARCH_ENV, "sm75")
+    try:
+        assert runtime.device_sm(0) == 75
+        dev = torch.device("cuda", 0)
+        kw = dict(num_kv_heads=8, group=4, head_size=128, max_keys=4096, fmt="fp8_e4m3")
+        p = attention.plan(dev, num_tokens=8, query_dtype=torch.float16, **kw)
+        assert p.mma and not p.prefill and (p.warps, p.sm) == (4, 75)
+        assert 2 * attention.mma_smem_bytes(128, 4, False, 1) <= attention.ARCH_SMEM[75][1]
+        assert dict(attention_mma_variant("fp8_e4m3", "float16", 128, 4, False, p.sm).macros)["FP8KV_STAGES"] == 1
+        for dtype in (torch.bfloat16, torch.float32):
+            assert not attention.plan(dev, num_tokens=8, query_dtype=dtype, **kw).mma
+        p = attention.plan(dev, num_tokens=1024, query_dtype=torch.float16, max_query_len=512, num_seqs=2, **kw)
+        assert p.prefill and p.sm == 75
+        assert dict(prefill_mma_variant("fp8_e4m3", "float16", sm=p.sm).macros)["FP8KV_STAGES"] == 2
+        assert not attention.plan(dev, num_tokens=1024, query_dtype=torch.bfloat16, max_query_len=512, num_seqs=2,
+                                  **kw).prefill
+        for bad in ("sm100", "sm60", "turing"):
+            monkeypatch.setenv(runtime.ARCH_ENV, bad)
+            with pytest.raises(ValueError, match=r"FP8KV_CUDA_ARCH: got .* expected an architecture from sm70"):
+                runtime.device_sm(0)
+        monkeypatch.delenv(runtime.ARCH_ENV)
+        assert runtime.device_sm(0) == 90
+    finally:
+        runtime._device_sm.cache_clear()
 
 
 def test_variants_take_every_constant_from_the_codec():

@@ -36,7 +36,7 @@ def test_every_kernel_compiles_for_every_architecture_without_spills(tmp_path):
     prefill = {"fp8kv_prefill_mma", "fp8kv_prefill_mma_exact"}
     for arch in cc.ARCHES:
         mine = [x for x in results if x["arch"] == arch]
-        extra = prefill if int(arch[2:]) >= 80 else set()
+        extra = prefill if int(arch[2:]) >= 75 else set()
         assert {x["kernel"] for x in mine} == set(cc.hot_kernels(arch)) | extra, arch
         for kernel in (*cc.hot_kernels(arch), *extra):
             fmts = {x["fmt"] for x in mine if x["kernel"] == kernel}
@@ -82,19 +82,26 @@ ptxas info    : Used 168 registers, used 1 barriers, 21328 bytes smem
 def test_the_variant_sets():
     from fp8kv_cuda import compile as cc
 
-    assert {v.kernel for v in cc.variants("representative", "sm75")} == {"write", "attention"}
+    assert {v.kernel for v in cc.variants("representative", "sm70")} == {"write", "attention"}
+    turing = [v for v in cc.variants("representative", "sm75") if "mma" in v.kernel]
+    assert {v.kernel for v in turing} == {"attention_mma", "prefill_mma"}
+    # Turing: float16 queries only (no bfloat16 tensor cores), synchronous copies: the least ring depth
+    assert {dict(v.macros)["FP8KV_QT"] for v in turing} == {1}
+    assert {(v.kernel, dict(v.macros)["FP8KV_STAGES"]) for v in turing} == {("attention_mma", 1), ("prefill_mma", 2)}
     rep = cc.variants("representative", "sm80")
     assert {v.kernel for v in rep} == {"write", "attention", "attention_mma", "prefill_mma"}
     assert {v.fmt for v in rep if v.kernel == "attention_mma"} == {"fp8_e4m3", "fp8_e5m2fnuz", "fp8_e4m3fnuz"}
     assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 5
-    full = [v for v in cc.variants("full", "sm75") if v.kernel not in ("attention_mma", "prefill_mma")]
-    assert full == cc.variants("full", "sm75")
+    full = [v for v in cc.variants("full", "sm70") if v.kernel not in ("attention_mma", "prefill_mma")]
+    assert full == cc.variants("full", "sm70")
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
     assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
     # tensor-core kernel: 4 formats x 2 query dtypes x 2 granularities x (D 64, 128; D 256 only for OCP
     # formats on sm89+) x warps per CTA
     w = len(cc.MMA_WARPS)
+    assert len([v for v in cc.variants("full", "sm75") if v.kernel == "attention_mma"]) == 4 * 1 * 2 * 2 * w
     assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2 * 2 * w
     assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * 2 * w
     # tensor-core prefill: 4 formats x 2 query dtypes, head size 128, static scales, sm80+
     assert len([v for v in cc.variants("full", "sm86") if v.kernel == "prefill_mma"]) == 4 * 2
+    assert len([v for v in cc.variants("full", "sm75") if v.kernel == "prefill_mma"]) == 4 * 1

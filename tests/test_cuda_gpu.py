@@ -55,6 +55,17 @@ def _skip_reason() -> str | None:
 
 
 SKIP = _skip_reason()
+
+
+def _built_sm() -> int:
+    """The architecture the backend builds for: the GPU's, or FP8KV_CUDA_ARCH's (e.g. sm75: Turing's
+    code paths, JIT-compiled from its PTX; see fp8kv_cuda.runtime)."""
+    from fp8kv_cuda.runtime import device_sm
+
+    return device_sm(torch.cuda.current_device()) if SKIP is None else 0
+
+
+BUILT_SM = _built_sm()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(SKIP is not None, reason=SKIP or "")]
 
 ALL = list(FORMATS.values())
@@ -114,8 +125,8 @@ def test_device_float16_widening_is_exact():
     assert torch.equal(torch.signbit(got.view(torch.float32)[~finite]), torch.signbit(want[~finite]))
 
 
-@pytest.mark.skipif(SKIP is not None or torch.cuda.get_device_capability() < (8, 9),
-                    reason=SKIP or "the native FP8 widening (cvt.rn.f16x2.e4m3x2/e5m2x2) needs sm89+")
+@pytest.mark.skipif(SKIP is not None or BUILT_SM < 89,
+                    reason=SKIP or f"the native FP8 widening (cvt.rn.f16x2.e4m3x2/e5m2x2) needs sm89+ (sm{BUILT_SM})")
 @pytest.mark.parametrize("fmt", [FORMATS["fp8_e4m3"], FORMATS["fp8_e5m2"]], ids=["fp8_e4m3", "fp8_e5m2"])
 def test_device_native_widening_is_exact(fmt):
     """Every FP8 byte pair -> the float16 pair torch's conversion gives (NaN for NaN, signs kept)."""
@@ -283,10 +294,10 @@ def _fill_finite_codes(cache, fmt, g: torch.Generator) -> None:
 
 
 def _mma_capable() -> bool:
-    return SKIP is None and torch.cuda.get_device_capability() >= (8, 0)
+    return SKIP is None and BUILT_SM >= 75
 
 
-@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm75+ (mma.sync, movmatrix)")
 @pytest.mark.parametrize("gran", ["head", "token_head"])
 @pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-inf-codes"])
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -300,9 +311,8 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
     from fp8kv_cuda.attention import plan
     from fp8kv_cuda.variants import mma_arch_serves
 
-    major, minor = torch.cuda.get_device_capability()
-    if not mma_arch_serves(major * 10 + minor, fmt.name, D):
-        pytest.skip(f"the tensor-core kernel does not serve {fmt.name} D={D} on sm{major}{minor}")
+    if not mma_arch_serves(BUILT_SM, fmt.name, D, str(dtype).removeprefix("torch.")):
+        pytest.skip(f"the tensor-core kernel does not serve {fmt.name} D={D} {dtype} on sm{BUILT_SM}")
 
     g = torch.Generator().manual_seed(D + 7 * int(specials))
     B, H, Hq, bs = 4, 2, 12, 16
@@ -346,7 +356,7 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
         assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl))
 
 
-@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm80+ (mma.sync bf16, movmatrix)")
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm75+ (mma.sync, movmatrix)")
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("bs", [8, 16, 48, 64])
 def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
@@ -371,7 +381,8 @@ def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
     tables = torch.stack([torch.randperm(NB, generator=g)[:per] for _ in lens_l]).int()
     lens_l = [min(n, per * bs) for n in lens_l]
     lens = torch.tensor(lens_l, dtype=torch.int32, device="cuda")
-    query = torch.randn(len(lens_l), Hq, D, generator=g).bfloat16().cuda()
+    qdtype = torch.bfloat16 if BUILT_SM >= 80 else torch.float16  # (Turing: float16 on tensor cores)
+    query = torch.randn(len(lens_l), Hq, D, generator=g).to(qdtype).cuda()
     qsl = torch.arange(len(lens_l) + 1, dtype=torch.int32, device="cuda")
     for window in (None, 3 * bs // 2 + 5):
         out = fp8kv.paged_attention(query, cache, tables.cuda(), lens, sliding_window=window, backend="cuda")
@@ -383,7 +394,7 @@ def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
     hostile[0, ::3] = NB
     hostile[1, 0] = -5
     hostile[3, 1::2] = 2**31 - 1
-    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=hostile.cuda(),
+    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=qdtype, block_tables=hostile.cuda(),
                                 seq_lens=lens, max_seq_len=per * bs, validate=False, backend="cuda")
     out = fp8kv.paged_attention(query, cache, meta)
     torch.cuda.synchronize()
@@ -517,7 +528,7 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core prefill kernel needs sm80+ (mma.sync)")
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core prefill kernel needs sm75+ (mma.sync)")
 @pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-codes"])
 @pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -529,7 +540,10 @@ def test_tensor_core_prefill(fmt, dtype, case, specials):
     (those dims of the rows that see it), which send the CTAs on the bit-level path to the exact
     kernel. bfloat16 queries beyond a 2^31 range take the exact kernel's bfloat16-K path."""
     from fp8kv_cuda.attention import plan
+    from fp8kv_cuda.variants import prefill_arch_serves
 
+    if not prefill_arch_serves(BUILT_SM, fmt.name, 128, str(dtype).removeprefix("torch.")):
+        pytest.skip(f"the tensor-core prefill kernel does not serve {dtype} queries on sm{BUILT_SM}")
     lens, q_lens, Hq, H, causal, window, cap, hole = PREFILL_CASES[case]
     D, bs, B = 128, 16, len(lens)
     g = torch.Generator().manual_seed(sum(lens) + int(specials))

@@ -22,13 +22,14 @@ from . import runtime
 from .variants import (
     ATTN_THREADS,
     MMA_TILES,
-    PREFILL_STAGES,
     attention_mma_variant,
     attention_tile,
     attention_variant,
     mma_arch_serves,
+    mma_stages,
     prefill_arch_serves,
     prefill_mma_variant,
+    prefill_stages,
 )
 from .write import cache_strides, scale_strides
 
@@ -58,6 +59,9 @@ class AttnPlan:
     row_tiles: int = 0
     """Prefill: CTAs per (sequence, KV head, split) along the query rows (``max_query_len * group``
     rows in tiles of :data:`PREFILL_ROWS`)."""
+    sm: int = 0
+    """The architecture the tensor-core kernels are built for (:func:`fp8kv_cuda.runtime.device_sm`):
+    their ring depth."""
 
 
 @functools.cache
@@ -72,10 +76,11 @@ MMA_SPLIT_KEYS = 128
 MMA_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False) -> int:
+def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stages: int | None = None) -> int:
     """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
-    launched with less): the larger of the cp.async ring and the epilogue's per-warp outputs."""
-    stages = MMA_TILES[head_size][0]
+    launched with less): the larger of the copy ring (``stages`` deep, sm80+'s by default) and the
+    epilogue's per-warp outputs."""
+    stages = MMA_TILES[head_size][0] if stages is None else stages
     nsub = 1 if head_size > 128 else 2
     v_chunks = max(1, head_size // 8 // 16)
     chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks + int(token_scales))
@@ -87,20 +92,34 @@ def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False) -> in
 def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
                fmt: str) -> bool:
     """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
-    bfloat16 queries, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU, and a
-    CTA that fits its shared memory (:func:`mma_warps`)."""
+    bfloat16 queries, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU (bfloat16 from sm80,
+    float16 from sm75), and a CTA that fits its shared memory (:func:`mma_warps`)."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES:
         return False
-    return mma_arch_serves(_sm(device), fmt, head_size) and mma_warps(device, head_size, token_scales) is not None
+    return (mma_arch_serves(_sm(device), fmt, head_size, _IO[query_dtype])
+            and mma_warps(device, head_size, token_scales) is not None)
+
+
+ARCH_SMEM = {70: (96 << 10, 96 << 10), 75: (64 << 10, 64 << 10), 80: (163 << 10, 164 << 10),
+             86: (99 << 10, 100 << 10), 89: (99 << 10, 100 << 10), 90: (227 << 10, 228 << 10)}
+"""(opt-in shared memory per block, per SM) by architecture (CUDA programming guide): the plan's
+limits when ``FP8KV_CUDA_ARCH`` names an older architecture than the GPU's."""
+
+
+def _smem_limits(index: int) -> tuple[int, int]:
+    """(opt-in shared memory per block, shared memory per SM) of CUDA device ``index``: 227/228 KiB
+    on sm90, 163/164 KiB on sm80, 99/100 KiB on sm86/sm89, 64/64 KiB on sm75 (48 KiB when torch does
+    not say); capped by :data:`ARCH_SMEM` of the architecture the backend builds for."""
+    return _smem_limits_for(index, runtime.device_sm(index))
 
 
 @functools.cache
-def _smem_limits(index: int) -> tuple[int, int]:
-    """(opt-in shared memory per block, shared memory per SM) of CUDA device ``index``: 227/228 KiB
-    on sm90, 163/164 KiB on sm80, 99/100 KiB on sm86/sm89 (48 KiB when torch does not say)."""
+def _smem_limits_for(index: int, sm: int) -> tuple[int, int]:
     props = torch.cuda.get_device_properties(index)
     per_block = int(getattr(props, "shared_memory_per_block_optin", 48 << 10))
     per_sm = int(getattr(props, "shared_memory_per_multiprocessor", per_block))
+    if sm != props.major * 10 + props.minor and sm in ARCH_SMEM:
+        per_block, per_sm = min(per_block, ARCH_SMEM[sm][0]), min(per_sm, ARCH_SMEM[sm][1])
     return per_block, per_sm
 
 
@@ -108,10 +127,12 @@ def mma_warps(device: torch.device, head_size: int, token_scales: bool = False) 
     """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
     shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
     CTA; None when none fits (the CUDA-core kernel serves)."""
-    per_block, per_sm = _smem_limits(runtime.device_index(device))
+    index = runtime.device_index(device)
+    per_block, per_sm = _smem_limits(index)
+    stages = mma_stages(runtime.device_sm(index), head_size)
     for need in (2, 1):
         for warps in (6, 4):
-            smem = mma_smem_bytes(head_size, warps, token_scales)
+            smem = mma_smem_bytes(head_size, warps, token_scales, stages)
             if smem <= per_block and need * smem <= per_sm:
                 return warps
     return None
@@ -151,7 +172,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     if num_splits is None:
         num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
-    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps)
+    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps, sm=_sm(device))
 
 
 PREFILL_WARPS = 4
@@ -162,12 +183,13 @@ PREFILL_SPLIT_KEYS = 256
 """A split of the prefill kernel is a multiple of this many keys."""
 
 
-def prefill_smem_bytes(head_size: int = 128, warps: int = PREFILL_WARPS) -> int:
+def prefill_smem_bytes(head_size: int = 128, warps: int = PREFILL_WARPS, stages: int = prefill_stages(80)) -> int:
     """At least the prefill kernel's ``sizeof(PrefillShared)`` (it traps if launched with less): Q
-    fragments, the K/V ring, the per-stage key bits, the key addressing and the query range."""
+    fragments, the K/V ring (``stages`` deep, sm80+'s by default), the per-stage key bits, the key
+    addressing and the query range."""
     q = 16 * warps * 2 * (head_size // 16) * 32
-    ring = 2 * 16 * PREFILL_STAGES * PREFILL_BLOCK_N * (head_size // 16)
-    return q + ring + 16 * PREFILL_STAGES + 80 + 8 * warps + 16
+    ring = 2 * 16 * stages * PREFILL_BLOCK_N * (head_size // 16)
+    return q + ring + 16 * stages + 80 + 8 * warps + 16
 
 
 def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
@@ -177,8 +199,10 @@ def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: in
     CTA that fits the device's shared memory."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES or token_scales:
         return False
+    sm = _sm(device)
     per_block, _ = _smem_limits(runtime.device_index(device))
-    return prefill_arch_serves(_sm(device), fmt, head_size) and prefill_smem_bytes(head_size) <= per_block
+    return (prefill_arch_serves(sm, fmt, head_size, _IO[query_dtype])
+            and prefill_smem_bytes(head_size, PREFILL_WARPS, prefill_stages(sm)) <= per_block)
 
 
 def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, group: int, head_size: int,
@@ -196,7 +220,7 @@ def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, grou
             num_splits = min(_cdiv(2 * sms, ctas), max(1, max_keys // (2 * PREFILL_SPLIT_KEYS)), MAX_SPLITS)
     splits, kps = _split_keys(max_keys, num_splits, PREFILL_SPLIT_KEYS)
     return AttnPlan(head_size, group, PREFILL_BLOCK_N, 1, splits, kps, mma=True, warps=PREFILL_WARPS,
-                    prefill=True, row_tiles=row_tiles)
+                    prefill=True, row_tiles=row_tiles, sm=_sm(device))
 
 
 def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
@@ -236,9 +260,9 @@ def _split_keys(max_keys: int, num_splits: int, multiple: int) -> tuple[int, int
 
 
 def _sm(device: torch.device) -> int:
-    """The compute capability of a CUDA device as one number (90 for sm90)."""
-    major, minor = torch.cuda.get_device_capability(device)
-    return major * 10 + minor
+    """The architecture the backend builds for on a CUDA device as one number (90 for sm90): its
+    compute capability, or ``FP8KV_CUDA_ARCH``'s (:func:`fp8kv_cuda.runtime.device_sm`)."""
+    return runtime.device_sm(runtime.device_index(device))
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -288,10 +312,10 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
     if p.prefill:
-        variant = prefill_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps)
+        variant = prefill_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, p.sm)
         entry = "fp8kv_prefill_mma"
     elif p.mma:
-        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales)
+        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -322,12 +346,12 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         # the fast kernel, then the exact one over the CTAs it handed back (redo[cta] = 1)
         grid = (p.row_tiles, H, S * p.num_splits)
         redo = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=dev)
-        smem = prefill_smem_bytes(D, p.warps)
+        smem = prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
         for name in (entry, "fp8kv_prefill_mma_exact"):
             runtime.launch(variant, name, dev, grid, 32 * p.warps, [*args, r.ptr(redo)], shared_mem=smem)
     elif p.mma:
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
-                       shared_mem=mma_smem_bytes(D, p.warps, token_scales))
+                       shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))
     else:
         runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:

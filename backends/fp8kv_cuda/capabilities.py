@@ -8,12 +8,13 @@ Served: NVIDIA sm70+ with CuPy, every format (fp8_e4m3, fp8_e5m2 and the fnuz pa
 NHD/HND, granularities tensor/head/token_head, head sizes 1..256, float32/float16/bfloat16
 I/O, and the features sliding_window, soft_cap, non_causal and chunked_prefill.
 
-Kernels: the write; decode attention on tensor cores (``csrc/attention_mma.cu``: sm80+, float16/
-bfloat16 queries, any granularity, head sizes 64/128 (256 on sm89+ for the OCP formats), 16-byte
-aligned K/V rows); chunked prefill on tensor cores (``csrc/prefill_mma.cu``: sm80+, float16/
-bfloat16 queries, static scales, head size 128, 16-byte aligned rows); everything else (float32
-queries, other head sizes, per-token-head prefill, sm70/sm75) on the CUDA-core kernel
-(``csrc/attention.cu``), one CTA row per query token.
+Kernels: the write; decode attention on tensor cores (``csrc/attention_mma.cu``: float16 queries
+from sm75 (Turing's m16n8k8), bfloat16 from sm80, any granularity, head sizes 64/128 (256 on sm89+
+for the OCP formats), 16-byte aligned K/V rows); chunked prefill on tensor cores
+(``csrc/prefill_mma.cu``: the same queries and architectures, static scales, head size 128, 16-byte
+aligned rows); everything else (float32 queries, bfloat16 queries on sm75, other head sizes,
+per-token-head prefill, sm70) on the CUDA-core kernel (``csrc/attention.cu``), one CTA row per
+query token.
 
 Codec: the write encodes through the software codec (integer bits, ``csrc/codec.cuh``, a mirror
 of :mod:`fp8kv.codec`) on every architecture and for every format (a native encode enters only
@@ -42,6 +43,7 @@ from fp8kv.probe import DeviceInfo
 
 from .variants import mma_arch_serves
 
+_IO = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MIN_SM = 70
 CUDA13_MIN_SM = 75
 MAX_HEAD_SIZE = 256
@@ -152,7 +154,7 @@ def priority(device: DeviceInfo, request: Request) -> int | None:
     if (request.op != "paged_attention" or request.features & {"chunked_prefill", "fp8_attention"}
             or device.arch not in DECODE_FASTER_ARCHES or device.sm is None
             or request.io_dtype not in (torch.float16, torch.bfloat16)
-            or not mma_arch_serves(device.sm, request.kv_dtype, request.head_size)):
+            or not mma_arch_serves(device.sm, request.kv_dtype, request.head_size, _IO[request.io_dtype])):
         return None
     return DECODE_PRIORITY
 
@@ -187,13 +189,23 @@ def device_notes(device: DeviceInfo) -> list[str]:
         ran = f"compiled in CPU CI and run on {device.arch} (tests/test_cuda_gpu.py)"
     else:
         ran = f"compiled for {device.arch} in CPU CI (NVRTC 12.9), not run on {device.arch} hardware"
-    mma = ("decode on tensor cores (sm80+, float16/bfloat16 queries)" if device.sm >= 80
-           else "decode on CUDA cores")
+    if device.sm >= 80:
+        mma = "decode on tensor cores (float16/bfloat16 queries)"
+    elif device.sm >= 75:
+        mma = ("decode on tensor cores for float16 queries (Turing's m16n8k8; bfloat16 and float32 queries on "
+               "CUDA cores: no bfloat16 tensor cores before sm80)")
+    else:
+        mma = "decode on CUDA cores (Volta's m8n8k4 tensor cores are not used yet)"
     if device.arch in DECODE_FASTER_ARCHES:
         mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"
-    prefill = ("chunked prefill on tensor cores (sm80+, float16/bfloat16 queries, static scales, head size 128; "
-               "not faster than triton, so ranked below it)" if device.sm >= 80
-               else "chunked prefill on CUDA cores, one CTA row per query token")
+    if device.sm >= 80:
+        prefill = ("chunked prefill on tensor cores (float16/bfloat16 queries, static scales, head size 128; "
+                   "not faster than triton, so ranked below it)")
+    elif device.sm >= 75:
+        prefill = ("chunked prefill on tensor cores for float16 queries (static scales, head size 128), else on "
+                   "CUDA cores, one CTA row per query token")
+    else:
+        prefill = "chunked prefill on CUDA cores, one CTA row per query token"
     lines = [toolkit_note(device), f"kernels: {ran}; {mma}; {prefill}"]
     lines += [codec_note(device, f) for f in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")]
     return lines

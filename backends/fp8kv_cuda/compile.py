@@ -53,7 +53,7 @@ Triton wherever both run, so only ``backend="cuda"`` reaches them (docs/cuda.md)
 
 def hot_kernels(arch: str) -> tuple[str, ...]:
     """The hot kernels compiled for ``arch`` (the tensor-core kernel only where it serves at all)."""
-    mma = mma_arch_serves(int(arch[2:]), "fp8_e4m3", 128)
+    mma = mma_arch_serves(int(arch[2:]), "fp8_e4m3", 128, "float16")
     return tuple(k for k in HOT_KERNELS if k != "fp8kv_paged_attention_mma" or mma)
 
 
@@ -163,11 +163,11 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                                    ("fp8_e5m2fnuz", "bfloat16", 128, 8, True),
                                    ("fp8_e4m3fnuz", "float16", 64, 4, False),
                                    ("fp8_e4m3", "float16", 128, 6, True)):
-            if mma_arch_serves(sm, fmt, d):
-                out.append(attention_mma_variant(fmt, io, d, w, tok))
-        for fmt, io in (("fp8_e4m3", "bfloat16"), ("fp8_e5m2fnuz", "float16")):
-            if prefill_arch_serves(sm, fmt, 128):
-                out.append(prefill_mma_variant(fmt, io))
+            if mma_arch_serves(sm, fmt, d, io):
+                out.append(attention_mma_variant(fmt, io, d, w, tok, sm))
+        for fmt, io in (("fp8_e4m3", "bfloat16" if sm >= 80 else "float16"), ("fp8_e5m2fnuz", "float16")):
+            if prefill_arch_serves(sm, fmt, 128, io):
+                out.append(prefill_mma_variant(fmt, io, sm=sm))
         return out
     if set_name == "full":
         out = []
@@ -176,10 +176,10 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                 out.append(write_variant(fmt, io, tok, write_d_pad(d), vec=True, slot64=True))
                 for g in (1, 4, 8, 16):
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
-                if io != "float32" and d in MMA_TILES and mma_arch_serves(sm, fmt, d):
-                    out += [attention_mma_variant(fmt, io, d, w, tok) for w in MMA_WARPS]
-                if io != "float32" and not tok and prefill_arch_serves(sm, fmt, d):
-                    out.append(prefill_mma_variant(fmt, io, d))
+                if d in MMA_TILES and mma_arch_serves(sm, fmt, d, io):
+                    out += [attention_mma_variant(fmt, io, d, w, tok, sm) for w in MMA_WARPS]
+                if not tok and prefill_arch_serves(sm, fmt, d, io):
+                    out.append(prefill_mma_variant(fmt, io, d, sm=sm))
         return out
     raise ValueError(f"set: got {set_name!r}, expected 'representative' or 'full'")
 

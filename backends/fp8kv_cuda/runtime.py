@@ -9,6 +9,13 @@ the last), which flushes float32 subnormals and would break the write's bit-exac
 Modules are cached per (variant, device) in this process, behind a lock (no on-disk cache yet:
 a variant compiles in well under a second).
 
+``FP8KV_CUDA_ARCH=sm75`` (any architecture from sm70 up to the GPU's own) makes the backend compile
+and plan for that older architecture on a newer GPU: the kernels are compiled to its PTX
+(``--gpu-architecture=compute_75``), which the driver JIT-compiles for the GPU, so the code paths
+of the older architecture (``__CUDA_ARCH__`` 750: Turing's m16n8k8 products, synchronous copies)
+run, with its shared-memory limits in the plan. This is how the Turing paths are tested on an
+H100; it changes nothing else (the probe still reports the real GPU).
+
 Launches go to torch's current stream of the tensors' device (``cupy.cuda.ExternalStream``),
 so CUDA-graph capture and stream semantics are torch's. Arguments are packed with explicit
 NumPy types (pointers and int64 as ``numpy.int64``/``uint64``, ``int`` as ``numpy.int32``,
@@ -18,6 +25,8 @@ NumPy types (pointers and int64 as ``numpy.int64``/``uint64``, ``int`` as ``nump
 from __future__ import annotations
 
 import functools
+import os
+import re
 import threading
 import warnings
 
@@ -27,7 +36,7 @@ import torch
 from .variants import Variant, options, source
 
 _lock = threading.Lock()
-_modules: dict[tuple[Variant, int], object] = {}
+_modules: dict[tuple[Variant, int, int], object] = {}
 
 
 @functools.cache
@@ -45,21 +54,48 @@ def device_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
+ARCH_ENV = "FP8KV_CUDA_ARCH"
+
+
+def device_sm(index: int) -> int:
+    """The architecture the backend compiles and plans for on CUDA device ``index`` (75 for sm75):
+    the device's own, or the older one ``FP8KV_CUDA_ARCH`` names (see the module docstring)."""
+    return _device_sm(index, os.environ.get(ARCH_ENV, ""))
+
+
+@functools.cache
+def _device_sm(index: int, wanted: str) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    real = 10 * major + minor
+    if not wanted.strip():
+        return real
+    m = re.fullmatch(r"sm_?(\d{2,3})", wanted.strip().lower())
+    sm = int(m.group(1)) if m else -1
+    if not 70 <= sm <= real:
+        raise ValueError(f"{ARCH_ENV}: got {wanted!r}, expected an architecture from sm70 to this GPU's sm{real} "
+                         "(an older architecture's code runs on a newer GPU, not the reverse)")
+    return sm
+
+
 def function(variant: Variant, entry: str, device: torch.device):
     """The compiled kernel ``entry`` of ``variant`` on ``device`` (compiled on first use)."""
     index = device_index(device)
-    key = (variant, index)
+    sm = device_sm(index)
+    key = (variant, index, sm)
     mod = _modules.get(key)
     if mod is None:
         with _lock:
             mod = _modules.get(key)
             if mod is None:
                 major, minor = torch.cuda.get_device_capability(index)
-                cubin = compile_cubin(variant, f"sm_{major}{minor}")
+                if sm == 10 * major + minor:
+                    image = compile_cubin(variant, f"sm_{sm}")
+                else:  # an older architecture's PTX, JIT-compiled by the driver for this GPU
+                    image = compile_ptx(variant, f"compute_{sm}")
                 cp = cupy()
                 with cp.cuda.Device(index):
                     mod = cp.cuda.function.Module()
-                    mod.load(cubin)
+                    mod.load(image)
                     for name in variant.entry_points:
                         mod.get_function(name)  # resolve now, not inside a graph capture
                 _modules[key] = mod
@@ -69,6 +105,18 @@ def function(variant: Variant, entry: str, device: torch.device):
 def compile_cubin(variant: Variant, arch: str) -> bytes:
     """A cubin of ``variant`` for ``arch`` (``"sm_90"``) through CuPy's NVRTC (RuntimeError with
     NVRTC's log on failure)."""
+    return _compile(variant, arch, ptx=False)
+
+
+def compile_ptx(variant: Variant, arch: str) -> bytes:
+    """PTX of ``variant`` for a virtual architecture (``"compute_75"``), NUL-terminated for the
+    driver's JIT."""
+    ptx = _compile(variant, arch, ptx=True)
+    ptx = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    return ptx if ptx.endswith(b"\0") else ptx + b"\0"
+
+
+def _compile(variant: Variant, arch: str, ptx: bool):
     nvrtc = cupy().cuda.nvrtc
     prog = nvrtc.createProgram(source(variant.kernel), f"{variant.kernel}.cu", [], [])
     try:
@@ -77,7 +125,7 @@ def compile_cubin(variant: Variant, arch: str) -> bytes:
         except nvrtc.NVRTCError as exc:
             raise RuntimeError(f"NVRTC could not compile {variant.label} for {arch}: {exc}\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
-        return nvrtc.getCUBIN(prog)
+        return nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)
     finally:
         nvrtc.destroyProgram(prog)
 
@@ -90,7 +138,7 @@ def _external_stream(ptr: int, index: int):
 
 
 _STATIC_SMEM_LIMIT = 48 << 10
-_opted_in: set[tuple[Variant, str, int, int]] = set()
+_opted_in: set[tuple[int, int]] = set()  # (function handle, bytes)
 
 
 def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, int, int], block: int,
@@ -102,11 +150,11 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     stream = torch.cuda.current_stream(index)
     cp = cupy()
     with cp.cuda.Device(index):
-        if shared_mem > _STATIC_SMEM_LIMIT and (variant, entry, index, shared_mem) not in _opted_in:
+        if shared_mem > _STATIC_SMEM_LIMIT and (fn.ptr, shared_mem) not in _opted_in:
             drv = cp.cuda.driver
             attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
             drv.funcSetAttribute(fn.ptr, attr, shared_mem)
-            _opted_in.add((variant, entry, index, shared_mem))
+            _opted_in.add((fn.ptr, shared_mem))
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
 
 

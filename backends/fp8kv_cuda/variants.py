@@ -79,32 +79,48 @@ def attention_variant(fmt: str, io_dtype: str, token_scales: bool, d_pad: int, g
 
 
 MMA_TILES = {64: (3, 12, 12), 128: (2, 12, 8), 256: (3, 8, 4)}
-"""Tensor-core kernel per head size: (cp.async ring stages, warps per SM its registers are
-budgeted for with the sm89+ conversion of the OCP formats, the same with the bit-level
-conversion (sm80/86, fnuz formats), which needs more registers). Shared memory per CTA is
-``fp8kv_cuda.attention.mma_smem_bytes``."""
+"""Tensor-core kernel per head size: (cp.async ring stages on sm80+ (:func:`mma_stages`), warps per
+SM its registers are budgeted for with the sm89+ conversion of the OCP formats, the same with the
+bit-level conversion (sm75/80/86, fnuz formats), which needs more registers). Shared memory per CTA
+is ``fp8kv_cuda.attention.mma_smem_bytes``."""
 MMA_WARPS = (4, 6, 8)
 """Warps per CTA the tensor-core kernel is compiled for (the plan picks one per step)."""
+MMA_MIN_SM = 75
+"""The tensor-core kernels run from Turing on (mma.sync m16n8k8 with float16 operands, movmatrix)."""
+BF16_MMA_MIN_SM = 80
+"""bfloat16 operands (so bfloat16 queries on tensor cores) and cp.async need sm80+ (Ampere)."""
 
 
-def mma_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
-    """Whether the tensor-core kernel serves a format and head size on GPU architecture ``sm`` (80
-    for sm80): sm80+ (mma.sync bfloat16, movmatrix) for head sizes 64 and 128; head size 256 only
+def _mma_query_ok(sm: int, io_dtype: str) -> bool:
+    return io_dtype == "float16" or (io_dtype == "bfloat16" and sm >= BF16_MMA_MIN_SM)
+
+
+def mma_arch_serves(sm: int, fmt: str, head_size: int, io_dtype: str) -> bool:
+    """Whether the tensor-core decode kernel serves a format, head size and query dtype
+    (``"float16"``...) on GPU architecture ``sm`` (75 for sm75): float16 queries from sm75 on,
+    bfloat16 from sm80 on (:data:`BF16_MMA_MIN_SM`); head sizes 64 and 128; head size 256 only
     where FP8 converts natively (sm89+, OCP formats): the bit-level conversion does not fit its
     registers there."""
-    if sm < 80 or head_size not in MMA_TILES:
+    if sm < MMA_MIN_SM or head_size not in MMA_TILES or not _mma_query_ok(sm, io_dtype):
         return False
     return head_size != 256 or (sm >= 89 and "fnuz" not in fmt)
 
 
+def mma_stages(sm: int, head_size: int) -> int:
+    """Ring depth of the tensor-core decode: :data:`MMA_TILES`'s on sm80+; 1 below (no cp.async:
+    copies complete when issued, so a deeper ring overlaps nothing and only takes the shared memory
+    that more warps per SM could use; Turing has 64 KiB per SM)."""
+    return MMA_TILES[head_size][0] if sm >= BF16_MMA_MIN_SM else 1
+
+
 def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4,
-                          token_scales: bool = False) -> Variant:
-    """The tensor-core attention kernels (sm80+; decode + merge) for one format, float16/bfloat16
-    queries, a head size of 64, 128 or 256, ``warps`` warps per CTA and static or per-token-head
-    scales."""
-    stages, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
+                          token_scales: bool = False, sm: int = BF16_MMA_MIN_SM) -> Variant:
+    """The tensor-core attention kernels (decode + merge) for one format, float16/bfloat16 queries,
+    a head size of 64, 128 or 256, ``warps`` warps per CTA, static or per-token-head scales, and
+    the ring depth of architecture ``sm`` (:func:`mma_stages`; every sm80+ shares one variant)."""
+    _, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
     return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
-                                          ("FP8KV_D", head_size), ("FP8KV_STAGES", stages),
+                                          ("FP8KV_D", head_size), ("FP8KV_STAGES", mma_stages(sm, head_size)),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
                                           ("FP8KV_SM_WARPS_BITS", sm_warps_bits), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS)))
 
@@ -112,20 +128,29 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
 PREFILL_HEAD_SIZES = (128,)
 """Head sizes of the tensor-core prefill kernel (``csrc/prefill_mma.cu``)."""
 PREFILL_STAGES = 4
-"""cp.async ring depth of the tensor-core prefill kernel (K and V tiles of 32 keys; three in flight)."""
+"""cp.async ring depth of the tensor-core prefill kernel on sm80+ (K and V tiles of 32 keys; three in
+flight); :func:`prefill_stages`."""
 
 
-def prefill_arch_serves(sm: int, fmt: str, head_size: int) -> bool:
-    """Whether the tensor-core prefill kernel serves a format and head size on ``sm``: sm80+ (mma.sync),
-    head size 128, every format."""
-    return sm >= 80 and head_size in PREFILL_HEAD_SIZES
+def prefill_stages(sm: int) -> int:
+    """Ring depth of the tensor-core prefill: :data:`PREFILL_STAGES` on sm80+; 2 below, its least
+    (the step being read and the one being filled; copies complete when issued), which fits
+    Turing's 64 KiB of shared memory."""
+    return PREFILL_STAGES if sm >= BF16_MMA_MIN_SM else 2
 
 
-def prefill_mma_variant(fmt: str, io_dtype: str, head_size: int = 128, warps: int = 4) -> Variant:
-    """The tensor-core chunked-prefill kernel (sm80+; + the split merge) for one format, float16/bfloat16
-    queries, static (tensor or head) scales, head size 128."""
+def prefill_arch_serves(sm: int, fmt: str, head_size: int, io_dtype: str) -> bool:
+    """Whether the tensor-core prefill kernel serves a format, head size and query dtype on ``sm``:
+    float16 queries from sm75 on, bfloat16 from sm80 on; head size 128; every format."""
+    return sm >= MMA_MIN_SM and head_size in PREFILL_HEAD_SIZES and _mma_query_ok(sm, io_dtype)
+
+
+def prefill_mma_variant(fmt: str, io_dtype: str, head_size: int = 128, warps: int = 4,
+                        sm: int = BF16_MMA_MIN_SM) -> Variant:
+    """The tensor-core chunked-prefill kernel (+ the split merge) for one format, float16/bfloat16
+    queries, static (tensor or head) scales, head size 128, and the ring depth of ``sm``."""
     return Variant("prefill_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
-                                        ("FP8KV_D", head_size), ("FP8KV_STAGES", PREFILL_STAGES),
+                                        ("FP8KV_D", head_size), ("FP8KV_STAGES", prefill_stages(sm)),
                                         ("FP8KV_PREFILL_WARPS", warps), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS)))
 
 

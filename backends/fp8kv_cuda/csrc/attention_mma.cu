@@ -160,7 +160,7 @@ __device__ __forceinline__ int copy_key(int r, int g, int c) { return r < 2 ? g 
 // the H100; 256-byte prefetch, which also takes the neighbouring head's row, was slower).
 template <int BYTES>
 __device__ __forceinline__ void copy_kv(u32 dst, const u8* src, bool live) {
-    if constexpr (BYTES == 16 && D >= 128) {
+    if constexpr (BYTES == 16 && D >= 128 && SM80) {
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
     } else {
         copy_async<BYTES>(dst, src, live);
@@ -276,7 +276,7 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
             ++ch;
         }
     }
-    asm volatile("cp.async.commit_group;");
+    copy_commit();
     return bits;
 }
 
@@ -434,7 +434,7 @@ __device__ __forceinline__ Pipe start_pipe(const KeyRows& rows, uint4* ring_mem,
             b = issue_step(ring_addr, i, pp.step_n0(i), rows, lookup(rows, pp.step_n0(i)), pp.cp, key_cache, value_cache,
                            g, c);
         } else {
-            asm volatile("cp.async.commit_group;");
+            copy_commit();
         }
         pp.live_q |= b << (i * LIVE_BITS);
     }
@@ -475,10 +475,10 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
         const int j = i + STAGES - 1;
         u32 b = 0u;
         if (j < my_steps) b = issue_step(ring_addr, next, pp.step_n0(j), rows, pp.blocks, pp.cp, key_cache, value_cache, g, c);
-        else asm volatile("cp.async.commit_group;");
+        else copy_commit();
         pp.blocks = lookup(rows, pp.step_n0(j + 1));
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1));
+        copy_wait<STAGES - 1>();
         const StepView wds{ring.slot(stage, 0), live_q};
         live_q >>= LIVE_BITS;
         stage = stage + 1 == STAGES ? 0 : stage + 1;
@@ -513,7 +513,7 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
                                           r_run, o);
         }
     }
-    asm volatile("cp.async.wait_all;");
+    copy_wait_all();
 }
 
 }  // namespace fp8kv

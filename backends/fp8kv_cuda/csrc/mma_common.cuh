@@ -2,6 +2,13 @@
 // chunked prefill) share: FP8 -> float16/bfloat16 pairs (bit-level, native on sm89+, or the software
 // decoder for special codes), the mma.sync m16n8k16 and register-shuffling primitives, cp.async.
 //
+// Below sm80 (Turing, sm75): mma.sync m16n8k8 takes float16 operands only, and there is no cp.async
+// and no cvt.rn.f16x2.f32. There an m16n8k16 product is two m16n8k8 (A's first two registers and
+// B's first hold k 0..7 in the same lane layout, the others k 8..15), a copy is synchronous
+// (ld.global, then st.shared: a ring slot holds its bytes as soon as the copy is issued, so commit
+// and wait are empty), and a float16 pair is two cvt.rn.f16.f32. bfloat16 K (and so bfloat16
+// queries) does not compile there (fp8kv_cuda.variants.mma_arch_serves).
+//
 // Macros: those of attention_common.cuh and the format's (codec.cuh).
 #pragma once
 #include "attention_common.cuh"
@@ -15,6 +22,25 @@
 namespace fp8kv {
 constexpr int FP8_EXP = 7 - MANT;
 constexpr bool NATIVE = NATIVE_WIDEN;  // codec.cuh: cvt.rn.f16x2.{e4m3x2,e5m2x2} on sm89+ (OCP formats)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 800
+constexpr bool SM80 = false;  // Turing: see the top of this file
+#else
+constexpr bool SM80 = true;   // cp.async, mma.sync m16n8k16 (float16 and bfloat16), cvt.rn.f16x2.f32
+#endif
+
+// The float16 pair (lo, hi), each rounded to nearest even.
+__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
+    u32 r;
+    if constexpr (SM80) {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        u16 l, h;
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(l) : "f"(lo));
+        asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(hi));
+        r = (u32)l | ((u32)h << 16);
+    }
+    return r;
+}
 
 // ------------------------------------------------------------------ FP8 -> 16-bit pairs
 
@@ -47,12 +73,9 @@ __device__ __forceinline__ u32 widen_fast(u32 x) {
 template <int TEXP>
 __device__ __forceinline__ u32 widen_exact(u32 x) {
     const float lo = decode((x >> 8) & 0xFFu), hi = decode(x >> 24);
+    if constexpr (TEXP == 5) return pack_f16(lo, hi);
     u32 r;
-    if constexpr (TEXP == 5) {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    }
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -93,10 +116,18 @@ __device__ __forceinline__ u32 has_special(u32 w) {
 
 // ------------------------------------------------------------------ tensor-core primitives
 
-// d += a . b, m16n8k16, float32 accumulation; a/b in float16 (TEXP 5) or bfloat16 (TEXP 8).
+// d += a . b, m16n8k16, float32 accumulation; a/b in float16 (TEXP 5) or bfloat16 (TEXP 8, sm80+).
 template <int TEXP>
 __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    if constexpr (TEXP == 5) {
+    static_assert(TEXP == 5 || SM80, "mma_common.cuh: bfloat16 operands need sm80+");
+    if constexpr (!SM80) {  // k 0..7, then k 8..15
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a0), "r"(a1), "r"(b0));
+        asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a2), "r"(a3), "r"(b1));
+    } else if constexpr (TEXP == 5) {
         asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
             "{%0,%1,%2,%3};"
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -112,12 +143,6 @@ __device__ __forceinline__ void mma(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a
 __device__ __forceinline__ u32 transpose8x8(u32 x) {
     u32 r;
     asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
-    return r;
-}
-
-__device__ __forceinline__ u32 pack_f16(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
@@ -157,10 +182,29 @@ __device__ __forceinline__ u32 shared_address(const void* p) {
     return r;
 }
 
-// cp.async of BYTES (16, 8 or 4) from src, or zeros without a read when !live.
+// Below sm80: BYTES (16, 8 or 4) from src into shared memory at dst now, or zeros without a read
+// when !live.
+template <int BYTES>
+__device__ __forceinline__ void copy_now(u32 dst, const u8* src, bool live) {
+    if constexpr (BYTES == 16) {
+        const uint4 x = live ? *reinterpret_cast<const uint4*>(src) : make_uint4(0u, 0u, 0u, 0u);
+        asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(dst), "r"(x.x), "r"(x.y), "r"(x.z), "r"(x.w));
+    } else if constexpr (BYTES == 8) {
+        const uint2 x = live ? *reinterpret_cast<const uint2*>(src) : make_uint2(0u, 0u);
+        asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(dst), "r"(x.x), "r"(x.y));
+    } else {
+        static_assert(BYTES == 4, "copy_now: 16, 8 or 4 bytes");
+        const u32 x = live ? *reinterpret_cast<const u32*>(src) : 0u;
+        asm volatile("st.shared.u32 [%0], %1;" ::"r"(dst), "r"(x));
+    }
+}
+
+// cp.async of BYTES (16, 8 or 4) from src, or zeros without a read when !live (below sm80: copy_now).
 template <int BYTES>
 __device__ __forceinline__ void copy_async(u32 dst, const u8* src, bool live) {
-    if constexpr (BYTES == 16) {
+    if constexpr (!SM80) {
+        copy_now<BYTES>(dst, src, live);
+    } else if constexpr (BYTES == 16) {
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
     } else if constexpr (BYTES == 8) {
         asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(src), "r"(live ? 8 : 0));
@@ -168,6 +212,19 @@ __device__ __forceinline__ void copy_async(u32 dst, const u8* src, bool live) {
         static_assert(BYTES == 4, "copy_async: 16, 8 or 4 bytes");
         asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(live ? 4 : 0));
     }
+}
+
+// cp.async groups: close the copies issued since the last commit; wait until at most N groups are
+// pending; wait for all (no-ops below sm80, where copies complete when issued).
+__device__ __forceinline__ void copy_commit() {
+    if constexpr (SM80) asm volatile("cp.async.commit_group;");
+}
+template <int N>
+__device__ __forceinline__ void copy_wait() {
+    if constexpr (SM80) asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+__device__ __forceinline__ void copy_wait_all() {
+    if constexpr (SM80) asm volatile("cp.async.wait_all;");
 }
 
 __device__ constexpr u32 pair_selector(int d) {  // PRMT: byte d of a at byte 1, byte d of b at byte 3

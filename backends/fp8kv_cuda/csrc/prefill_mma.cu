@@ -453,7 +453,7 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
         bits |= (((b & 0x01010101u) * 0x10204080u) >> 28) << ((32 / CPR) * warp + hf * (BLOCK_N / 2));
     }
     if (lane == 0) reinterpret_cast<u32*>(&sh.valid[stage])[warp] = bits;
-    asm volatile("cp.async.commit_group;");
+    copy_commit();
 }
 
 // The CTA's key loop with K in the 16-bit type KE; queries already staged as KE fragments. EXACT:
@@ -469,17 +469,17 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         if (i < steps) issue(sh, i, first + i * BLOCK_N, lookup(sh, first + i * BLOCK_N), cp);
-        else asm volatile("cp.async.commit_group;");
+        else copy_commit();
     }
     StepBlocks next = lookup(sh, first + (STAGES - 1) * BLOCK_N);  // (the loads complete during a step)
     bool special = false;
     for (int i = 0; i < steps; ++i) {
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2));
+        copy_wait<STAGES - 2>();
         // step i is in; every warp is done with step i - 1 (its stage is refilled next)
         if (__syncthreads_or(special)) break;
         const int j = i + STAGES - 1;
         if (j < steps) issue(sh, j % STAGES, first + j * BLOCK_N, next, cp);
-        else asm volatile("cp.async.commit_group;");
+        else copy_commit();
         next = lookup(sh, first + (j + 1) * BLOCK_N);
         const int stage = i % STAGES, n0 = first + i * BLOCK_N;
         const uint4 vw = sh.valid[stage];
@@ -494,7 +494,7 @@ __device__ __forceinline__ bool key_loop(PrefillShared& sh, int kb, int ke, cons
         }
         attend<KE, EXACT, SPLIT_P>(sh, stage, n0, interior, valid, rs, lg, fixup, m_run, l_run, o);
     }
-    asm volatile("cp.async.wait_all;");
+    copy_wait_all();
     return !__syncthreads_or(special);
 }
 
