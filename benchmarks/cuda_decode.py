@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_shape(B, L, device, bw, splits, args)
     print(table(rows))
     with open(args.out, "w") as f:
-        json.dump({"environment": {**kb.environment(device), "copy_gbps": bw}, "rows": rows}, f, indent=1)
+        env = {**kb.environment(device), "copy_gbps": bw, "FP8KV_CUDA_ARCH": os.environ.get("FP8KV_CUDA_ARCH") or None}
+        json.dump({"environment": env, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -5,7 +5,9 @@ SDPA bf16 and FlashInfer bf16 (its FA3 path), in one process on the same cache b
     python benchmarks/cuda_prefill.py --json benchmarks/results/cuda_prefill/h100.json [--flashinfer]
 
 Shapes (``--shapes``, ``SEQSxNEW+CACHED``): 4 x 2048 new over 2048 cached and 1 x 16384; GQA 32/8,
-D=128, block 16, e4m3 cache with per-head scales, bf16 queries (``hopper_prefill.workload``). Times
+D=128, block 16, e4m3 cache with per-head scales, bf16 queries (``hopper_prefill.workload``; ``--qdtype
+float16`` for float16 ones, SDPA staying bf16). ``FP8KV_CUDA_ARCH=sm75`` times Turing's code paths
+on a newer GPU (see ``fp8kv_cuda.runtime``; recorded in the JSON's environment). Times
 are medians of CUDA-graph replays; useful FLOPs count the visible (query, key) pairs (``4 D`` per
 pair and query head). Before timing, the CUDA output is compared with the Triton backend's (the
 largest difference in units of ``max |v|``).
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -42,6 +45,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
 
     gen = torch.Generator().manual_seed(7)
     cache, tables, query, seq_lens, qsl, flops = workload(device, seqs, new, cached, gen)
+    qdtype = getattr(torch, args.qdtype)
+    query = query.to(qdtype)
     L = new + cached
     tag = f"{seqs}x{new} over {cached}"
     vmax = (cache.v_scale.max() * 448).item()
@@ -50,20 +55,20 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     record = recorder(rows, seqs, new, cached, flops)
 
     if args.profile:  # the CUDA backend only, three untimed calls (for ncu --launch-skip 1)
-        meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=torch.bfloat16, block_tables=tables,
+        meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=qdtype, block_tables=tables,
                                     seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
                                     max_query_len=new, max_seq_len=L, validate=False, backend="cuda")
         for _ in range(3):
             meta.attention.backend.paged_attention(query, cache, meta, torch.empty_like(query), None)
         torch.cuda.synchronize()
         return
-    q4 = query.view(seqs, new, HQ, D).transpose(1, 2).contiguous()
+    q4 = query.view(seqs, new, HQ, D).transpose(1, 2).to(torch.bfloat16).contiguous()
     kd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
     vd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
     record("sdpa bf16", time_graph(lambda: causal_sdpa_bf16(q4, kd, vd), calls=3, reps=args.reps))
     outs = {}
     for name in ("triton", "cuda"):
-        meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=torch.bfloat16, block_tables=tables,
+        meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=qdtype, block_tables=tables,
                                     seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
                                     max_query_len=new, max_seq_len=L, validate=False, backend=name)
         be, out = meta.attention.backend, torch.empty_like(query)
@@ -80,13 +85,13 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         record("fp8kv " + ("cuda tensor-core prefill" if name == "cuda" else "triton"), ms, **extra)
     if args.per_token and seqs * new <= 8192:
         p = plan(device, num_tokens=query.shape[0], num_kv_heads=HKV, group=HQ // HKV, head_size=D, max_keys=L,
-                 query_dtype=torch.bfloat16, fmt="fp8_e4m3")  # the decode plan: one CTA row per token
+                 query_dtype=qdtype, fmt="fp8_e4m3")  # the decode plan: one CTA row per token
         out = torch.empty_like(query)
 
         def per_token():
             paged_attention(query, cache, tables, seq_lens, qsl, D**-0.5, True, None, None, out, None, plan_=p)
         record("fp8kv cuda per-token (decode kernels)", time_graph(per_token, calls=1, reps=5))
-    if args.flashinfer:
+    if args.flashinfer and qdtype == torch.bfloat16:
         bench_flashinfer(device, cache, tables, query, qsl, seqs, args, record)
 
 
@@ -95,6 +100,8 @@ def main(argv=None) -> int:
     add_common_args(ap)
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")
+    ap.add_argument("--qdtype", choices=("bfloat16", "float16"), default="bfloat16",
+                    help="query dtype of the fp8kv backends (SDPA stays bf16; FlashInfer only with bfloat16)")
     args = ap.parse_args(argv)
     if args.plot:
         return plot(args.plot)
@@ -105,6 +112,8 @@ def main(argv=None) -> int:
     print(table(rows))
     if args.json:
         env = environment(device)
+        env["query_dtype"] = args.qdtype
+        env["FP8KV_CUDA_ARCH"] = os.environ.get("FP8KV_CUDA_ARCH") or None
         for mod in ("cupy", "flashinfer"):  # (the CUDA backend's runtime and the peer)
             try:
                 env[mod] = __import__(mod).__version__
