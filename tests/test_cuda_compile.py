@@ -105,3 +105,17 @@ def test_the_variant_sets():
     # tensor-core prefill: 4 formats x 2 query dtypes, head size 128, static scales, sm80+
     assert len([v for v in cc.variants("full", "sm86") if v.kernel == "prefill_mma"]) == 4 * 2
     assert len([v for v in cc.variants("full", "sm75") if v.kernel == "prefill_mma"]) == 4 * 1
+
+
+def test_turing_code_multiplies_in_k8_halves_and_copies_synchronously():
+    """What FP8KV_CUDA_ARCH=sm75 runs on the H100 is Turing's code: the sm75 PTX of the tensor-core
+    kernels has m16n8k8 products and no cp.async or m16n8k16 (which need sm80); sm80's has those."""
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.variants import attention_mma_variant, prefill_mma_variant
+
+    for make in (lambda sm: attention_mma_variant("fp8_e4m3", "float16", 128, 4, False, sm),
+                 lambda sm: prefill_mma_variant("fp8_e5m2fnuz", "float16", sm=sm)):
+        turing, ampere = cc.compile_ptx(make(75), "sm75"), cc.compile_ptx(make(80), "sm80")
+        assert ".target sm_75" in turing and "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32" in turing
+        assert "cp.async" not in turing and "m16n8k16" not in turing and "cvt.rn.f16x2.f32" not in turing
+        assert "cp.async.cg.shared.global" in ampere and "mma.sync.aligned.m16n8k16" in ampere

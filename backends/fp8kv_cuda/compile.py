@@ -99,25 +99,39 @@ def compile_cubin(variant: Variant, arch: str) -> tuple[bytes, str]:
 
     Raises RuntimeError with the log on a compile error.
     """
+    return _compile(variant, f"sm_{arch[2:]}", ptx=False)
+
+
+def compile_ptx(variant: Variant, arch: str) -> str:
+    """The PTX of one variant for ``arch``'s virtual architecture (``"sm75"`` -> ``compute_75``):
+    what ``FP8KV_CUDA_ARCH`` has the driver JIT-compile on a newer GPU (fp8kv_cuda.runtime)."""
+    image, _ = _compile(variant, f"compute_{arch[2:]}", ptx=True)
+    return image.rstrip(b"\x00").decode()
+
+
+def _compile(variant: Variant, gpu_arch: str, ptx: bool) -> tuple[bytes, str]:
     from cuda.bindings import nvrtc
 
     src = source(variant.kernel).encode()
     err, prog = nvrtc.nvrtcCreateProgram(src, f"{variant.kernel}.cu".encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
-        opts = [o.encode() for o in (*options(variant), f"--gpu-architecture=sm_{arch[2:]}", "-Xptxas", "-v")]
+        verbose = () if ptx else ("-Xptxas", "-v")
+        opts = [o.encode() for o in (*options(variant), f"--gpu-architecture={gpu_arch}", *verbose)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * n
         nvrtc.nvrtcGetProgramLog(prog, log)
         text = log.decode(errors="replace").rstrip("\x00")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{variant.label} for {arch}: {err}\n{text}")
-        _, size = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
-        _check(err, "nvrtcGetCUBIN")
-        return cubin, text
+            raise RuntimeError(f"{variant.label} for {gpu_arch}: {err}\n{text}")
+        get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize,
+                                                                                nvrtc.nvrtcGetCUBIN)
+        _, size = get_size(prog)
+        image = b" " * size
+        (err,) = get(prog, image)
+        _check(err, "nvrtcGetPTX" if ptx else "nvrtcGetCUBIN")
+        return image, text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
