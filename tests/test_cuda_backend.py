@@ -225,7 +225,8 @@ def test_turing_plans_float16_queries_on_tensor_cores(monkeypatch):
         p = attention.plan(dev, num_tokens=8, query_dtype=torch.float16, **kw)
         assert p.mma and not p.prefill and (p.warps, p.sm) == (4, 75)
         assert 2 * attention.mma_smem_bytes(128, 4, False, 1) <= attention.ARCH_SMEM[75][1]
-        assert dict(attention_mma_variant("fp8_e4m3", "float16", 128, 4, False, p.sm).macros)["FP8KV_STAGES"] == 1
+        macros = dict(attention_mma_variant("fp8_e4m3", "float16", 64, 4, False, p.sm).macros)
+        assert (macros["FP8KV_STAGES"], macros["FP8KV_SM_WARPS_BITS"]) == (1, 8)  # (registers for 8 warps per SM)
         for dtype in (torch.bfloat16, torch.float32):
             assert not attention.plan(dev, num_tokens=8, query_dtype=dtype, **kw).mma
         p = attention.plan(dev, num_tokens=1024, query_dtype=torch.float16, max_query_len=512, num_seqs=2, **kw)

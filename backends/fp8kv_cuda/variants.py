@@ -89,6 +89,10 @@ MMA_MIN_SM = 75
 """The tensor-core kernels run from Turing on (mma.sync m16n8k8 with float16 operands, movmatrix)."""
 BF16_MMA_MIN_SM = 80
 """bfloat16 operands (so bfloat16 queries on tensor cores) and cp.async need sm80+ (Ampere)."""
+TURING_SM_WARPS = 8
+"""Warps per SM the tensor-core decode's registers are budgeted for on sm75: two CTAs of 4 warps,
+as many as Turing's 64 KiB of shared memory hold (:func:`mma_stages`; ``MMA_TILES``'s 12 would cost
+spills at D=64 there)."""
 
 
 def _mma_query_ok(sm: int, io_dtype: str) -> bool:
@@ -119,6 +123,8 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
     a head size of 64, 128 or 256, ``warps`` warps per CTA, static or per-token-head scales, and
     the ring depth of architecture ``sm`` (:func:`mma_stages`; every sm80+ shares one variant)."""
     _, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
+    if sm < BF16_MMA_MIN_SM:  # Turing's 64 KiB of shared memory hold two 4-warp CTAs: a larger register budget
+        sm_warps_native, sm_warps_bits = min(sm_warps_native, TURING_SM_WARPS), min(sm_warps_bits, TURING_SM_WARPS)
     return Variant("attention_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", int(token_scales)),
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", mma_stages(sm, head_size)),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
