@@ -129,76 +129,110 @@ __device__ __forceinline__ void key_span(int len_s, int q_lo, int q_hi, int t, i
 
 using namespace fp8kv;
 
-// Block-wide max / sum over the NT threads (every thread gets the result; `scratch` holds NWARPS).
-__device__ __forceinline__ float block_max(float x, float* scratch) {
+// Warp-wide max / sum (every lane gets the result).
+__device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xFFFFFFFFu, x, o));
-    __syncthreads();  // (scratch may still be read by a previous call)
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = scratch[0];
-#pragma unroll
-    for (int w = 1; w < NWARPS; ++w) x = fmaxf(x, scratch[w]);
     return x;
 }
 
-__device__ __forceinline__ float block_sum(float x, float* scratch) {
+__device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xFFFFFFFFu, x, o);
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = x;
-    __syncthreads();
-    x = scratch[0];
-#pragma unroll
-    for (int w = 1; w < NWARPS; ++w) x += scratch[w];
     return x;
 }
 
-constexpr int MERGE_SPLITS = 128;  // splits the merge keeps in shared memory (fp8kv_cuda.attention.MAX_SPLITS)
-static_assert(NT >= MERGE_SPLITS, "attention_common.cuh: the merge reads one split per thread");
+constexpr int MERGE_SPLITS = 128;   // splits the merge takes (fp8kv_cuda.attention.MAX_SPLITS)
+constexpr int MERGE_LANE_SPLITS = MERGE_SPLITS / 32;  // (m, l, r) triples a lane holds
+constexpr int MERGE_PREFETCH = 16;  // splits whose partial outputs are loaded before the weights are known
+constexpr int MERGE_DIMS = 2;       // dimensions a thread sums (head sizes up to 2 NT = 256)
+static_assert(MERGE_SPLITS % 32 == 0 && MERGE_PREFETCH <= 32, "attention_common.cuh: merge tiling");
 
 // Split-KV merge. Grid (T, HQ), NT threads. With w_s = 2^(m_s - max m): static scales out = sum_s
 // w_s acc_s / sum_s w_s l_s * v_scale; per-token-head (acc_s in units of r_s) out = A * sum_s (w_s
-// r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow). The splits' (m, l, r) are
-// read at once, a thread each, and their weights shared; then thread d sums its dimension over the
-// splits (independent loads): two dependent rounds of loads, whatever the number of splits.
+// r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow). Latency-bound (a decode step
+// waits for it), so every load is issued at once, none waiting for another: thread d's dimensions
+// of the first MERGE_PREFETCH splits, the splits' (m, l, r) (each warp reads them all, lane s split
+// s + 32 i, and reduces them with shuffles: no barrier) and the token's sequence (find_seq; a row
+// of a token outside every sequence was never written: its loads stay inside part_* and go unused).
+// Splits past MERGE_PREFETCH are loaded once the weights are known.
 extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_scale,
     const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
     i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
-    __shared__ float weight[MERGE_SPLITS];
-    __shared__ float scratch[NWARPS];
-    if (num_splits > MERGE_SPLITS) __trap();  // a launcher bug, never silent corruption
+    if (num_splits > MERGE_SPLITS || D > MERGE_DIMS * NT) __trap();  // a launcher bug, never silent corruption
     const int t = blockIdx.x;
     const int qh = blockIdx.y;
-    int q_lo = 0, q_hi = 0;
-    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;  // uniform over the CTA
+    const int lane = threadIdx.x & 31;
     const i64 row = (i64)t * HQ + qh;
     const i64 stride = (i64)T * HQ;
-    const int z = threadIdx.x;  // NT >= MERGE_SPLITS: one split per thread
-    float m = NEG_INF, l = 0.0f, r = 0.0f;
-    if (z < num_splits) {
-        const float* ml = part_ml + (z * stride + row) * 3;
-        m = ml[0];
-        l = ml[1];
-        r = ml[2];
+    float acc[MERGE_DIMS][MERGE_PREFETCH];
+#pragma unroll
+    for (int j = 0; j < MERGE_DIMS; ++j) {
+        const int d = threadIdx.x + j * NT;
+#pragma unroll
+        for (int s = 0; s < MERGE_PREFETCH; ++s)
+            acc[j][s] = d < D && s < num_splits ? part_acc[(s * stride + row) * D + d] : 0.0f;
     }
-    const float m_max = block_max(m, scratch);
+    float m[MERGE_LANE_SPLITS], l[MERGE_LANE_SPLITS], r[MERGE_LANE_SPLITS];
+#pragma unroll
+    for (int i = 0; i < MERGE_LANE_SPLITS; ++i) {
+        const int z = lane + 32 * i;
+        const float* ml = part_ml + (z * stride + row) * 3;
+        const bool live = z < num_splits;
+        m[i] = live ? ml[0] : NEG_INF;
+        l[i] = live ? ml[1] : 0.0f;
+        r[i] = live ? ml[2] : 0.0f;
+    }
+    const float vs = TOKEN_SCALES ? 1.0f : v_scale[(qh / group) * vs_sh];
+    int q_lo = 0, q_hi = 0;
+    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;  // uniform over the CTA
+
+    float m_max = NEG_INF;
+#pragma unroll
+    for (int i = 0; i < MERGE_LANE_SPLITS; ++i) m_max = fmaxf(m_max, m[i]);
+    m_max = warp_max(m_max);
     const float m_safe = m_max == NEG_INF ? 0.0f : m_max;
-    const float w = z < num_splits ? exp2f(m - m_safe) : 0.0f;
-    const float den = block_sum(w * l, scratch);
-    const float a_max = TOKEN_SCALES ? block_max(w * r, scratch) : 0.0f;
-    const float a_div = a_max > 0.0f ? a_max : 1.0f;
-    if (z < num_splits) weight[z] = TOKEN_SCALES ? fdiv(w * r, a_div) : w;
+    float w[MERGE_LANE_SPLITS], den = 0.0f, a_max = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MERGE_LANE_SPLITS; ++i) {
+        w[i] = exp2f(m[i] - m_safe);  // (0 past num_splits: m = -inf)
+        den += w[i] * l[i];
+        a_max = fmaxf(a_max, w[i] * r[i]);
+    }
+    den = warp_sum(den);
+    if constexpr (TOKEN_SCALES) {
+        a_max = warp_max(a_max);
+        const float a_div = a_max > 0.0f ? a_max : 1.0f;
+#pragma unroll
+        for (int i = 0; i < MERGE_LANE_SPLITS; ++i) w[i] = fdiv(w[i] * r[i], a_div);
+    }
     if (write_lse && threadIdx.x == 0) lse[row] = den > 0.0f ? (m_safe + log2f(den)) * LN2 : NEG_INF;
-    __syncthreads();
     const float den_safe = den > 0.0f ? den : 1.0f;
-    const float mul = TOKEN_SCALES ? a_max : v_scale[(qh / group) * vs_sh];
-    for (int d = threadIdx.x; d < D; d += NT) {
-        float num = 0.0f;
-#pragma unroll 16
-        for (int s = 0; s < num_splits; ++s) num = fmaf(weight[s], part_acc[(s * stride + row) * D + d], num);
-        store_out(out, row * D + d, fdiv(num, den_safe) * mul);
+    const float mul = TOKEN_SCALES ? a_max : vs;
+    float num[MERGE_DIMS] = {};
+#pragma unroll
+    for (int s = 0; s < MERGE_PREFETCH; ++s) {  // (w[0] of lane s: the weight of split s)
+        const float ws = __shfl_sync(0xFFFFFFFFu, w[0], s);
+#pragma unroll
+        for (int j = 0; j < MERGE_DIMS; ++j) num[j] = fmaf(ws, acc[j][s], num[j]);
+    }
+#pragma unroll
+    for (int i = 0; i < MERGE_LANE_SPLITS; ++i) {  // the other splits, split s = 32 i + k (uniform over the warp)
+        for (int k = i == 0 ? MERGE_PREFETCH : 0; k < 32 && 32 * i + k < num_splits; ++k) {
+            const float ws = __shfl_sync(0xFFFFFFFFu, w[i], k);
+            const i64 base = ((32 * i + k) * stride + row) * D;
+#pragma unroll
+            for (int j = 0; j < MERGE_DIMS; ++j) {
+                const int d = threadIdx.x + j * NT;
+                if (d < D) num[j] = fmaf(ws, part_acc[base + d], num[j]);
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < MERGE_DIMS; ++j) {
+        const int d = threadIdx.x + j * NT;
+        if (d < D) store_out(out, row * D + d, fdiv(num[j], den_safe) * mul);
     }
 }
 
