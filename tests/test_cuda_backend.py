@@ -260,3 +260,42 @@ def test_variants_take_every_constant_from_the_codec():
         assert "#include" not in src.split("namespace fp8kv", 1)[1] and "encode_bits" in src
     v = attention_variant("fp8_e5m2", "float16", True, 128, 8, 64, 16)
     assert v.entry_points == ("fp8kv_paged_attention", "fp8kv_merge") and "gpad=8" in v.label
+
+
+def test_programmatic_dependent_launch_packs_the_driver_call(monkeypatch):
+    """The split merge goes out through cuLaunchKernelEx with the programmatic-stream-serialization
+    attribute (its C layout: the attribute's value at byte 8 of 72, the stream at byte 32 of the
+    56-byte config), with every argument in its kernel type; only where the kernels are built for
+    sm90+ (they wait with griddepcontrol.wait there), never for an older FP8KV_CUDA_ARCH."""
+    import ctypes
+
+    import numpy as np
+    from fp8kv_cuda import runtime
+
+    assert (ctypes.sizeof(runtime._LaunchAttribute), runtime._LaunchAttribute.value.offset) == (72, 8)
+    assert (ctypes.sizeof(runtime._LaunchConfig), runtime._LaunchConfig.hStream.offset) == (56, 32)
+    seen = {}
+
+    def fake(cfg, fn, params, extra):
+        c = cfg._obj
+        attr = c.attrs[0]
+        seen.update(grid=(c.gridDimX, c.gridDimY, c.gridDimZ), block=c.blockDimX, smem=c.sharedMemBytes,
+                    stream=c.hStream, n=c.numAttrs, attr=(attr.id, int.from_bytes(attr.value[:4], "little")), fn=fn,
+                    args=[ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64))[0],
+                          ctypes.cast(params[1], ctypes.POINTER(ctypes.c_int32))[0],
+                          ctypes.cast(params[2], ctypes.POINTER(ctypes.c_float))[0],
+                          ctypes.cast(params[3], ctypes.POINTER(ctypes.c_int64))[0]])
+        return 0
+
+    monkeypatch.setattr(runtime, "_launch_kernel_ex", lambda: fake)
+    runtime.pdl_launch(1234, (3, 32, 1), 128, 0, 99, [np.uint64(2**40 + 8), np.int32(-7), np.float32(0.5),
+                                                      np.int64(-2**40)])
+    assert seen == {"grid": (3, 32, 1), "block": 128, "smem": 0, "stream": 99, "n": 1, "attr": (6, 1), "fn": 1234,
+                    "args": [2**40 + 8, -7, 0.5, -2**40]}
+    monkeypatch.setattr(runtime, "_launch_kernel_ex", lambda: None)
+    monkeypatch.setattr(runtime, "device_sm", lambda index: 90)
+    assert not runtime.pdl_available(0)  # (no driver entry point)
+    monkeypatch.setattr(runtime, "_launch_kernel_ex", lambda: fake)
+    assert runtime.pdl_available(0)
+    monkeypatch.setattr(runtime, "device_sm", lambda index: 75)
+    assert not runtime.pdl_available(0)

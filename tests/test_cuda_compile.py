@@ -119,3 +119,15 @@ def test_turing_code_multiplies_in_k8_halves_and_copies_synchronously():
         assert ".target sm_75" in turing and "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32" in turing
         assert "cp.async" not in turing and "m16n8k16" not in turing and "cvt.rn.f16x2.f32" not in turing
         assert "cp.async.cg.shared.global" in ampere and "mma.sync.aligned.m16n8k16" in ampere
+
+
+def test_the_merge_waits_for_the_attention_kernel_only_where_launched_dependent():
+    """sm90's split merge starts with griddepcontrol.wait (it goes out as a programmatic dependent
+    launch there: fp8kv_cuda.runtime.pdl_available); sm80's has none (a plain launch)."""
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.variants import attention_tile, attention_variant
+
+    v = attention_variant("fp8_e4m3", "bfloat16", False, *attention_tile(64, 4), vec=16)
+    merge = lambda ptx: ptx.split(".entry fp8kv_merge", 1)[1]  # noqa: E731
+    assert "griddepcontrol.wait" in merge(cc.compile_ptx(v, "sm90"))
+    assert "griddepcontrol" not in cc.compile_ptx(v, "sm80")

@@ -358,4 +358,4 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         margs = [r.ptr(part_acc), r.ptr(part_ml), r.ptr(cache.v_scale), r.ptr(query_start_loc), r.ptr(out),
                  r.ptr(lse_arg), r.i32(int(lse is not None)), r.i64(scale_strides(cache, "value")[2]),
                  r.i32(T), r.i32(HQ), r.i32(D), r.i32(group), r.i32(S), r.i32(p.num_splits)]
-        runtime.launch(variant, "fp8kv_merge", dev, (T, HQ, 1), ATTN_THREADS, margs)
+        runtime.launch(variant, "fp8kv_merge", dev, (T, HQ, 1), ATTN_THREADS, margs, dependent=True)

@@ -24,6 +24,7 @@ NumPy types (pointers and int64 as ``numpy.int64``/``uint64``, ``int`` as ``nump
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import re
@@ -142,9 +143,14 @@ _opted_in: set[tuple[int, int]] = set()  # (function handle, bytes)
 
 
 def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, int, int], block: int,
-           args: list, shared_mem: int = 0) -> None:
+           args: list, shared_mem: int = 0, dependent: bool = False) -> None:
     """Launch ``entry`` of ``variant`` on torch's current stream of ``device`` with ``shared_mem``
-    bytes of dynamic shared memory (above 48 KiB the kernel is opted in once)."""
+    bytes of dynamic shared memory (above 48 KiB the kernel is opted in once).
+
+    ``dependent``: the kernel starts with ``griddepcontrol.wait`` when built for sm90+ (it reads
+    nothing the previous kernel on the stream writes before that), so there it goes out as a
+    programmatic dependent launch (:func:`pdl_launch`): its CTAs are scheduled as the previous
+    kernel's CTAs finish, without the gap between two launches."""
     fn = function(variant, entry, device)
     index = device_index(device)
     stream = torch.cuda.current_stream(index)
@@ -155,7 +161,63 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
             attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
             drv.funcSetAttribute(fn.ptr, attr, shared_mem)
             _opted_in.add((fn.ptr, shared_mem))
+        if dependent and pdl_available(index):
+            pdl_launch(fn.ptr, grid, block, shared_mem, stream.cuda_stream, args)
+            return
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
+
+
+PDL_MIN_SM = 90
+"""Programmatic dependent launch and ``griddepcontrol`` need compute capability 9.0."""
+_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
+
+
+def pdl_available(index: int) -> bool:
+    """Whether kernels on device ``index`` are built with ``griddepcontrol.wait`` (sm90+, not an
+    older ``FP8KV_CUDA_ARCH``) and the driver has ``cuLaunchKernelEx``."""
+    return device_sm(index) >= PDL_MIN_SM and _launch_kernel_ex() is not None
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: id, then an 8-aligned 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_char * 64)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
+
+
+@functools.cache
+def _launch_kernel_ex():
+    """The driver's ``cuLaunchKernelEx`` (CUDA 12+), or None."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return fn
+
+
+_C_TYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+
+
+def pdl_launch(function_ptr: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream_ptr: int,
+               args: list) -> None:
+    """``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: a launch
+    that may start before the previous kernel on the stream has finished; the kernel must wait for
+    it (``griddepcontrol.wait``) before reading its results. Arguments typed as :func:`launch`'s
+    (``ptr``, ``i64``, ``i32``, ``f32``). Captured into CUDA graphs as a programmatic edge."""
+    values = [_C_TYPES[type(a)](a.item()) for a in args]
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    ctypes.c_int.from_address(ctypes.addressof(attr) + _LaunchAttribute.value.offset).value = 1  # (allowed)
+    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream_ptr, ctypes.pointer(attr), 1)
+    err = _launch_kernel_ex()(ctypes.byref(cfg), function_ptr, params, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

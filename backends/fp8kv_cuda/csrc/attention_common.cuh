@@ -155,12 +155,18 @@ static_assert(MERGE_SPLITS % 32 == 0 && MERGE_PREFETCH <= 32, "attention_common.
 // of the first MERGE_PREFETCH splits, the splits' (m, l, r) (each warp reads them all, lane s split
 // s + 32 i, and reduces them with shuffles: no barrier) and the token's sequence (find_seq; a row
 // of a token outside every sequence was never written: its loads stay inside part_* and go unused).
-// Splits past MERGE_PREFETCH are loaded once the weights are known.
+// Splits past MERGE_PREFETCH are loaded once the weights are known. On sm90+ it is a programmatic
+// dependent launch of the attention kernel (griddepcontrol.wait first, nothing read before it).
 extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_scale,
     const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
     i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
     if (num_splits > MERGE_SPLITS || D > MERGE_DIMS * NT) __trap();  // a launcher bug, never silent corruption
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // launched as a programmatic dependent launch on sm90+ (fp8kv_cuda.runtime.launch): the attention
+    // kernel's partial results are complete and visible only past this point
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const int t = blockIdx.x;
     const int qh = blockIdx.y;
     const int lane = threadIdx.x & 31;
