@@ -91,7 +91,9 @@ def test_probe_notes_explain_toolkit_and_codec():
     assert "decode on CUDA cores" in v100
     h100 = "\n".join(device_notes(simulated("sm90")))
     assert "CUDA 12 or 13" in h100 and "not yet proven bit-exact" in h100 and "no fnuz conversions" in h100
-    assert "run on sm90" in h100 and "not run on sm75 hardware" in "\n".join(device_notes(simulated("sm75")))
+    t4 = "\n".join(device_notes(simulated("sm75")))
+    assert "run on sm90" in h100 and "not run on sm75 hardware" in t4 and "FP8KV_CUDA_ARCH=sm75" in t4
+    assert "decode on tensor cores for float16 queries" in t4 and "FP8KV_CUDA_ARCH" not in v100
     assert "decode on tensor cores" in h100 and "ranked above triton for decode-only steps on sm90" in h100
     assert "ranked above" not in "\n".join(device_notes(simulated("sm80")))
     assert device_notes(simulated("gfx942")) == [] and device_notes(simulated("cpu")) == []

@@ -52,6 +52,9 @@ NATIVE_PROVEN_ARCHES: frozenset[str] = frozenset()
 software codec serves everywhere)."""
 COMPILED_ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 """Architectures every kernel is compiled for in CPU CI (python -m fp8kv_cuda.compile)."""
+CODE_RUN_ON_NEWER: dict[str, str] = {"sm75": "H100"}
+"""Architectures whose code (not hardware) passed tests/test_cuda_gpu.py on a newer GPU through
+``FP8KV_CUDA_ARCH`` (sm75 on the H100, 2026-11-26, ci/reports/archive/cuda_h100_2026-11-26/)."""
 RUN_ARCHES: tuple[str, ...] = ("sm90",)
 """Architectures where tests/test_cuda_gpu.py has passed on real hardware (add one only after a
 recorded run: sm90, H100, 2026-11-23, ci/reports/archive/cuda_h100_2026-11-23/); the others are compiled,
@@ -189,6 +192,9 @@ def device_notes(device: DeviceInfo) -> list[str]:
         ran = f"compiled in CPU CI and run on {device.arch} (tests/test_cuda_gpu.py)"
     else:
         ran = f"compiled for {device.arch} in CPU CI (NVRTC 12.9), not run on {device.arch} hardware"
+        if device.arch in CODE_RUN_ON_NEWER:
+            ran += (f" (its {device.arch} code passed the GPU tests on an {CODE_RUN_ON_NEWER[device.arch]} through "
+                    f"FP8KV_CUDA_ARCH={device.arch})")
     if device.sm >= 80:
         mma = "decode on tensor cores (float16/bfloat16 queries)"
     elif device.sm >= 75:

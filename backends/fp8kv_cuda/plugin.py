@@ -32,7 +32,8 @@ class CudaBackend:
         return BackendInfo(
             "cuda", __version__, priority=PRIORITY, fast=True,
             description="CUDA C++ through CuPy/NVRTC: NVIDIA sm70+ (Volta/Turing included), all formats; "
-                        "decode and chunked prefill on tensor cores (sm80+) or CUDA cores (GQA-packed, split-KV)",
+                        "decode and chunked prefill on tensor cores (float16 queries from sm75, bfloat16 from "
+                        "sm80) or CUDA cores (GQA-packed, split-KV)",
         )
 
     @hookimpl
