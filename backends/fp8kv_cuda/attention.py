@@ -85,7 +85,7 @@ def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stage
     v_chunks = max(1, head_size // 8 // 16)
     chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks + int(token_scales))
     ring = 16 * stages * chunks * 32 * warps
-    epilogue = 4 * (warps * MMA_HEADS * head_size + 3 * warps * MMA_HEADS)
+    epilogue = 4 * (warps * MMA_HEADS * head_size + 4 * warps * MMA_HEADS + 3 * MMA_HEADS)
     return max(ring, epilogue)
 
 

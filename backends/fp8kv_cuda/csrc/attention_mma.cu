@@ -89,6 +89,8 @@ static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 o
 struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
     float o[KWARPS][HEADS][D];  // each warp's unnormalised output
     float m[KWARPS][HEADS], l[KWARPS][HEADS], r[KWARPS][HEADS];
+    float coef[KWARPS][HEADS];  // each warp's weight in a head's output (the row's own maximum)
+    float head_m[HEADS], head_l[HEADS], head_a[HEADS];  // per head: maximum, normaliser, A (token_head)
 };
 constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * KNT > (int)sizeof(MmaShared)
                                ? (int)sizeof(uint4) * STAGES * CHUNKS * KNT : (int)sizeof(MmaShared);
@@ -570,8 +572,8 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     const bool head_live = g0 + g < group;
     const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
     u32 qmax = 0u, qmin = 0xFFFFFFFFu;
-#pragma unroll 4
-    for (int i = 0; i < D / 4; ++i) {
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {  // (every load issued at once)
         const u32 a = head_live ? f2u(load_q(query, qrow + k_dim(c, i >> 2) + (i & 3))) & 0x7FFFFFFFu : 0u;
         qmax = u32_max(qmax, a);
         if (a != 0u && a < qmin) qmin = a;
@@ -624,25 +626,34 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         sh.o[warp][2 * c + 1][d + 1] = o[mt][3];
     }
     __syncthreads();
-    for (int idx = tid; idx < HEADS * D; idx += KNT) {
-        const int hd = idx / D, d = idx - hd * D;
-        if (g0 + hd >= group) continue;
+    if (tid < HEADS) {  // per head, once: the warps' weights w = 2^(m_w - max m) (token_head: w r_w / A)
+        const int hd = tid;
         float m = NEG_INF;
 #pragma unroll
         for (int w = 0; w < KWARPS; ++w) m = fmaxf(m, sh.m[w][hd]);
         const float m_safe = m == NEG_INF ? 0.0f : m;
-        float l = 0.0f, acc = 0.0f, a_max = 0.0f;  // token_head: A = max_w w r_w (O in units of A)
-        if constexpr (TOKEN_SCALES) {
+        float a[KWARPS], l = 0.0f, a_max = 0.0f;  // token_head: A = max_w w r_w (O in units of A)
 #pragma unroll
-            for (int w = 0; w < KWARPS; ++w) a_max = fmaxf(a_max, exp2f(sh.m[w][hd] - m_safe) * sh.r[w][hd]);
+        for (int w = 0; w < KWARPS; ++w) {
+            a[w] = exp2f(sh.m[w][hd] - m_safe);
+            l += a[w] * sh.l[w][hd];
+            if constexpr (TOKEN_SCALES) a_max = fmaxf(a_max, a[w] * sh.r[w][hd]);
         }
         const float a_div = a_max > 0.0f ? a_max : 1.0f;
 #pragma unroll
-        for (int w = 0; w < KWARPS; ++w) {
-            const float a = exp2f(sh.m[w][hd] - m_safe);
-            l += a * sh.l[w][hd];
-            acc += (TOKEN_SCALES ? fdiv(a * sh.r[w][hd], a_div) : a) * sh.o[w][hd][d];
-        }
+        for (int w = 0; w < KWARPS; ++w) sh.coef[w][hd] = TOKEN_SCALES ? fdiv(a[w] * sh.r[w][hd], a_div) : a[w];
+        sh.head_m[hd] = m;
+        sh.head_l[hd] = l;
+        sh.head_a[hd] = a_max;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < HEADS * D; idx += KNT) {
+        const int hd = idx / D, d = idx - hd * D;
+        if (g0 + hd >= group) continue;
+        const float m = sh.head_m[hd], l = sh.head_l[hd], a_max = sh.head_a[hd];
+        float acc = 0.0f;
+#pragma unroll
+        for (int w = 0; w < KWARPS; ++w) acc += sh.coef[w][hd] * sh.o[w][hd][d];
         const i64 row = (i64)t * HQ + (i64)h * group + g0 + hd;
         if (split) {
             const i64 prow = (i64)z * T * HQ + row;
