@@ -28,6 +28,10 @@ variable                    meaning
                             loops at first use with the system C compiler (cached in
                             ``~/.cache/fp8kv``) where one helps; ``0``: PyTorch
                             operations only.
+``FP8KV_CUDA_ARCH``         CUDA backend: compile and plan for this older architecture
+                            (``sm70``... up to the GPU's own) on a newer GPU: its PTX,
+                            JIT-compiled by the driver, with its shared-memory limits
+                            (how Turing's code runs on an H100). Unset: the GPU's own.
 ``TRITON_INTERPRET``        Triton's own: ``1`` runs Triton kernels on the CPU; fp8kv
                             reads it to decide whether the Triton backend serves CPU
                             tensors.
@@ -96,6 +100,12 @@ def triton_codec() -> str:
     return _choice("FP8KV_TRITON_CODEC", "auto", TRITON_CODECS)
 
 
+def cuda_arch() -> str:
+    """``FP8KV_CUDA_ARCH``: the architecture the CUDA backend builds for (``"sm75"``), or ``""`` for the
+    GPU's own (the backend checks the value against the GPU: ``fp8kv_cuda.runtime.device_sm``)."""
+    return os.environ.get("FP8KV_CUDA_ARCH", "").strip()
+
+
 def triton_interpreter() -> bool:
     """``TRITON_INTERPRET``: Triton kernels run on the CPU."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -107,5 +117,5 @@ def torch_native() -> bool:
 
 
 VARIABLES = ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_CHECK", "FP8KV_SIMULATE_DEVICE",
-             "FP8KV_TRITON_CODEC", "FP8KV_TORCH_NATIVE", "TRITON_INTERPRET")
+             "FP8KV_TRITON_CODEC", "FP8KV_TORCH_NATIVE", "FP8KV_CUDA_ARCH", "TRITON_INTERPRET")
 """Every variable read (the README lists them; tests check the two agree)."""

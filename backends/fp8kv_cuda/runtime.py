@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import re
 import threading
 import warnings
 
 import numpy as np
 import torch
+
+from fp8kv import settings
 
 from .variants import Variant, options, source
 
@@ -61,7 +62,7 @@ ARCH_ENV = "FP8KV_CUDA_ARCH"
 def device_sm(index: int) -> int:
     """The architecture the backend compiles and plans for on CUDA device ``index`` (75 for sm75):
     the device's own, or the older one ``FP8KV_CUDA_ARCH`` names (see the module docstring)."""
-    return _device_sm(index, os.environ.get(ARCH_ENV, ""))
+    return _device_sm(index, settings.cuda_arch())
 
 
 @functools.cache
