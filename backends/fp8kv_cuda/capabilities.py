@@ -54,7 +54,8 @@ COMPILED_ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 """Architectures every kernel is compiled for in CPU CI (python -m fp8kv_cuda.compile)."""
 CODE_RUN_ON_NEWER: dict[str, str] = {"sm75": "H100"}
 """Architectures whose code (not hardware) passed tests/test_cuda_gpu.py on a newer GPU through
-``FP8KV_CUDA_ARCH`` (sm75 on the H100, 2026-11-26, ci/reports/archive/cuda_h100_2026-11-26/)."""
+``FP8KV_CUDA_ARCH`` (sm75 on the H100, 2026-11-26, ci/reports/archive/cuda_h100_2026-11-26/; the
+decode epilogue's last change ran on sm90 only)."""
 RUN_ARCHES: tuple[str, ...] = ("sm90",)
 """Architectures where tests/test_cuda_gpu.py has passed on real hardware (add one only after a
 recorded run: sm90, H100, 2026-11-23, ci/reports/archive/cuda_h100_2026-11-23/); the others are compiled,
