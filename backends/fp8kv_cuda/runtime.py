@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from fp8kv import settings
+from fp8kv.errors import InvalidArgument
 
 from .variants import Variant, options, source
 
@@ -74,8 +75,8 @@ def _device_sm(index: int, wanted: str) -> int:
     m = re.fullmatch(r"sm_?(\d{2,3})", wanted.strip().lower())
     sm = int(m.group(1)) if m else -1
     if not 70 <= sm <= real:
-        raise ValueError(f"{ARCH_ENV}: got {wanted!r}, expected an architecture from sm70 to this GPU's sm{real} "
-                         "(an older architecture's code runs on a newer GPU, not the reverse)")
+        raise InvalidArgument(f"{ARCH_ENV}: got {wanted!r}, expected an architecture from sm70 to this GPU's "
+                              f"sm{real} (an older architecture's code runs on a newer GPU, not the reverse)")
     return sm
 
 
