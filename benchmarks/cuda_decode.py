@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
 import torch
+
+from fp8kv import settings as fp8kv_settings
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += bench_shape(B, L, device, bw, splits, args)
     print(table(rows))
     with open(args.out, "w") as f:
-        env = {**kb.environment(device), "copy_gbps": bw, "FP8KV_CUDA_ARCH": os.environ.get("FP8KV_CUDA_ARCH") or None}
+        env = {**kb.environment(device), "copy_gbps": bw, "FP8KV_CUDA_ARCH": fp8kv_settings.cuda_arch() or None}
         json.dump({"environment": env, "rows": rows}, f, indent=1)
     return 0
 

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
+
+from fp8kv import settings as fp8kv_settings
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from fp8kv_bench.kernels import causal_sdpa_bf16, environment, time_graph  # noqa: E402
@@ -113,7 +114,7 @@ def main(argv=None) -> int:
     if args.json:
         env = environment(device)
         env["query_dtype"] = args.qdtype
-        env["FP8KV_CUDA_ARCH"] = os.environ.get("FP8KV_CUDA_ARCH") or None
+        env["FP8KV_CUDA_ARCH"] = fp8kv_settings.cuda_arch() or None
         for mod in ("cupy", "flashinfer"):  # (the CUDA backend's runtime and the peer)
             try:
                 env[mod] = __import__(mod).__version__

@@ -70,9 +70,9 @@ def device_sm(index: int) -> int:
 def _device_sm(index: int, wanted: str) -> int:
     major, minor = torch.cuda.get_device_capability(index)
     real = 10 * major + minor
-    if not wanted.strip():
+    if not wanted:  # (settings.cuda_arch() strips the value)
         return real
-    m = re.fullmatch(r"sm_?(\d{2,3})", wanted.strip().lower())
+    m = re.fullmatch(r"sm_?(\d{2,3})", wanted.lower())
     sm = int(m.group(1)) if m else -1
     if not 70 <= sm <= real:
         raise InvalidArgument(f"{ARCH_ENV}: got {wanted!r}, expected an architecture from sm70 to this GPU's "
@@ -192,6 +192,15 @@ class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
 
 
 @functools.cache
+def _pdl_attribute() -> _LaunchAttribute:
+    """The one launch attribute of every dependent launch (programmatic stream serialization
+    allowed), built once: the launch only reads it."""
+    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
+    ctypes.c_int.from_address(ctypes.addressof(attr) + _LaunchAttribute.value.offset).value = 1  # (allowed)
+    return attr
+
+
+@functools.cache
 def _launch_kernel_ex():
     """The driver's ``cuLaunchKernelEx`` (CUDA 12+), or None."""
     try:
@@ -214,9 +223,8 @@ def pdl_launch(function_ptr: int, grid: tuple[int, int, int], block: int, shared
     (``ptr``, ``i64``, ``i32``, ``f32``). Captured into CUDA graphs as a programmatic edge."""
     values = [_C_TYPES[type(a)](a.item()) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    attr = _LaunchAttribute(id=_CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
-    ctypes.c_int.from_address(ctypes.addressof(attr) + _LaunchAttribute.value.offset).value = 1  # (allowed)
-    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream_ptr, ctypes.pointer(attr), 1)
+    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream_ptr,
+                        ctypes.pointer(_pdl_attribute()), 1)
     err = _launch_kernel_ex()(ctypes.byref(cfg), function_ptr, params, None)
     if err != 0:
         raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
