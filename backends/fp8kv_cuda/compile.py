@@ -110,21 +110,28 @@ def compile_ptx(variant: Variant, arch: str) -> str:
 
 
 def _compile(variant: Variant, gpu_arch: str, ptx: bool) -> tuple[bytes, str]:
+    return compile_text(source(variant.kernel), f"{variant.kernel}.cu", options(variant), gpu_arch, ptx,
+                        variant.label)
+
+
+def compile_text(src: str, name: str, opts, gpu_arch: str, ptx: bool = False, label: str = "") -> tuple[bytes, str]:
+    """Compile CUDA source ``src`` with NVRTC options ``opts`` for ``gpu_arch`` (``"sm_90a"``,
+    ``"compute_75"``): the cubin (with ptxas -v in the log) or the PTX, and NVRTC's log. Other
+    in-tree backends' CPU compile tests use it (fp8kv_hopper's sm_90a kernel)."""
     from cuda.bindings import nvrtc
 
-    src = source(variant.kernel).encode()
-    err, prog = nvrtc.nvrtcCreateProgram(src, f"{variant.kernel}.cu".encode(), 0, [], [])
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), name.encode(), 0, [], [])
     _check(err, "nvrtcCreateProgram")
     try:
         verbose = () if ptx else ("-Xptxas", "-v")
-        opts = [o.encode() for o in (*options(variant), f"--gpu-architecture={gpu_arch}", *verbose)]
+        opts = [o.encode() for o in (*opts, f"--gpu-architecture={gpu_arch}", *verbose)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
         log = b" " * n
         nvrtc.nvrtcGetProgramLog(prog, log)
         text = log.decode(errors="replace").rstrip("\x00")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise RuntimeError(f"{variant.label} for {gpu_arch}: {err}\n{text}")
+            raise RuntimeError(f"{label or name} for {gpu_arch}: {err}\n{text}")
         get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize,
                                                                                 nvrtc.nvrtcGetCUBIN)
         _, size = get_size(prog)
@@ -136,7 +143,7 @@ def _compile(variant: Variant, gpu_arch: str, ptx: bool) -> tuple[bytes, str]:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+)'")
+_ENTRY = re.compile(r"Compiling entry function '(\w+)' for '(sm_\d+a?)'")
 _STACK = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")

@@ -39,7 +39,7 @@ from fp8kv.errors import InvalidArgument
 from .variants import Variant, options, source
 
 _lock = threading.Lock()
-_modules: dict[tuple[Variant, int, int], object] = {}
+_modules: dict[tuple[object, int], object] = {}
 
 
 @functools.cache
@@ -84,49 +84,61 @@ def function(variant: Variant, entry: str, device: torch.device):
     """The compiled kernel ``entry`` of ``variant`` on ``device`` (compiled on first use)."""
     index = device_index(device)
     sm = device_sm(index)
-    key = (variant, index, sm)
-    mod = _modules.get(key)
+    major, minor = torch.cuda.get_device_capability(index)
+    if sm == 10 * major + minor:
+        def build():
+            return compile_cubin(variant, f"sm_{sm}")
+    else:  # an older architecture's PTX, JIT-compiled by the driver for this GPU
+        def build():
+            return compile_ptx(variant, f"compute_{sm}")
+    return module((variant, sm), build, variant.entry_points, index).get_function(entry)
+
+
+def module(key, build, entry_points: tuple[str, ...], index: int):
+    """The CuPy module cached under ``(key, index)``, built on first use by ``build()`` (a cubin or
+    NUL-terminated PTX); its ``entry_points`` are resolved at once (not inside a graph capture)."""
+    mod = _modules.get((key, index))
     if mod is None:
         with _lock:
-            mod = _modules.get(key)
+            mod = _modules.get((key, index))
             if mod is None:
-                major, minor = torch.cuda.get_device_capability(index)
-                if sm == 10 * major + minor:
-                    image = compile_cubin(variant, f"sm_{sm}")
-                else:  # an older architecture's PTX, JIT-compiled by the driver for this GPU
-                    image = compile_ptx(variant, f"compute_{sm}")
+                image = build()
                 cp = cupy()
                 with cp.cuda.Device(index):
                     mod = cp.cuda.function.Module()
                     mod.load(image)
-                    for name in variant.entry_points:
-                        mod.get_function(name)  # resolve now, not inside a graph capture
-                _modules[key] = mod
-    return mod.get_function(entry)
+                    for name in entry_points:
+                        mod.get_function(name)
+                _modules[(key, index)] = mod
+    return mod
 
 
 def compile_cubin(variant: Variant, arch: str) -> bytes:
     """A cubin of ``variant`` for ``arch`` (``"sm_90"``) through CuPy's NVRTC (RuntimeError with
     NVRTC's log on failure)."""
-    return _compile(variant, arch, ptx=False)
+    return compile_source(source(variant.kernel), f"{variant.kernel}.cu", options(variant), arch, variant.label)
 
 
 def compile_ptx(variant: Variant, arch: str) -> bytes:
     """PTX of ``variant`` for a virtual architecture (``"compute_75"``), NUL-terminated for the
     driver's JIT."""
-    ptx = _compile(variant, arch, ptx=True)
+    ptx = compile_source(source(variant.kernel), f"{variant.kernel}.cu", options(variant), arch, variant.label,
+                         ptx=True)
     ptx = ptx.encode() if isinstance(ptx, str) else bytes(ptx)
     return ptx if ptx.endswith(b"\0") else ptx + b"\0"
 
 
-def _compile(variant: Variant, arch: str, ptx: bool):
+def compile_source(text: str, name: str, opts, arch: str, label: str = "", ptx: bool = False):
+    """Compile CUDA source ``text`` with NVRTC options ``opts`` for ``arch`` (``"sm_90a"``,
+    ``"compute_75"``) through CuPy's NVRTC: the cubin, or PTX with ``ptx`` (RuntimeError with
+    NVRTC's log on failure). Public: other in-tree backends compile their sources through it."""
     nvrtc = cupy().cuda.nvrtc
-    prog = nvrtc.createProgram(source(variant.kernel), f"{variant.kernel}.cu", [], [])
+    prog = nvrtc.createProgram(text, name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [*options(variant), f"--gpu-architecture={arch}"])
+            nvrtc.compileProgram(prog, [*opts, f"--gpu-architecture={arch}"])
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC could not compile {variant.label} for {arch}: {exc}\n"
+            raise RuntimeError(f"NVRTC could not compile {label or name} for {arch}: {exc}\n"
                                f"{nvrtc.getProgramLog(prog)}") from exc
         return nvrtc.getPTX(prog) if ptx else nvrtc.getCUBIN(prog)
     finally:
@@ -158,15 +170,47 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     stream = torch.cuda.current_stream(index)
     cp = cupy()
     with cp.cuda.Device(index):
-        if shared_mem > _STATIC_SMEM_LIMIT and (fn.ptr, shared_mem) not in _opted_in:
-            drv = cp.cuda.driver
-            attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
-            drv.funcSetAttribute(fn.ptr, attr, shared_mem)
-            _opted_in.add((fn.ptr, shared_mem))
+        _allow_shared_memory(fn.ptr, shared_mem)
         if dependent and pdl_available(index):
             pdl_launch(fn.ptr, grid, block, shared_mem, stream.cuda_stream, args)
             return
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
+
+
+def _allow_shared_memory(function_ptr: int, shared_mem: int) -> None:
+    """Opt ``function_ptr`` in to ``shared_mem`` bytes of dynamic shared memory (once; needed above
+    48 KiB). Call inside the device's context."""
+    if shared_mem > _STATIC_SMEM_LIMIT and (function_ptr, shared_mem) not in _opted_in:
+        drv = cupy().cuda.driver
+        attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
+        drv.funcSetAttribute(function_ptr, attr, shared_mem)
+        _opted_in.add((function_ptr, shared_mem))
+
+
+def launch_struct(function, index: int, grid: tuple[int, int, int], block: int, params: ctypes.Structure,
+                  shared_mem: int = 0) -> None:
+    """Launch ``function`` (a CuPy kernel function) whose one parameter is a struct passed by value,
+    ``params`` (a ``ctypes.Structure`` laid out as the kernel's C struct), on torch's current stream
+    of CUDA device ``index`` (``cuLaunchKernel``; captured into CUDA graphs like any launch). Public:
+    other in-tree backends launch their kernels through it."""
+    stream = torch.cuda.current_stream(index)
+    with cupy().cuda.Device(index):
+        _allow_shared_memory(function.ptr, shared_mem)
+        arg = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        err = _launch_kernel()(function.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
+                               stream.cuda_stream, arg, None)
+    if err != 0:
+        raise RuntimeError(f"cuLaunchKernel failed: CUresult {err}")
+
+
+@functools.cache
+def _launch_kernel():
+    """The driver's ``cuLaunchKernel``."""
+    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, *(ctypes.c_uint,) * 6, ctypes.c_uint, ctypes.c_void_p,
+                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
+    return fn
 
 
 PDL_MIN_SM = 90

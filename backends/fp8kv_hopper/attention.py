@@ -49,7 +49,10 @@ from fp8kv_triton.kernels import (
     tile_keys,
 )
 
+from fp8kv.errors import InvalidArgument
 from fp8kv.formats import FORMATS
+
+from . import wgmma
 
 E4M3_MAX = tl.constexpr(448.0)
 MIN_DYNAMIC_SCALE = tl.constexpr(2.0**-126)
@@ -275,6 +278,11 @@ class Fp8AttnConfig:
     num_stages: int
     v_mode: int = 2
     """``p @ v`` operands: 0 = e4m3 codes (FP8 wgmma), 2 = P8 and V widened exactly to float16."""
+    kernel: str = "triton"
+    """``"triton"``: this module's kernel; ``"wgmma"``: the warp-specialized CUDA kernel of
+    :mod:`fp8kv_hopper.wgmma` (prefill; InvalidArgument where it does not serve). :func:`choose_config`
+    picks ``"triton"`` until the CUDA kernel's GPU tests have passed on an H100 (it has been compiled,
+    not yet run: docs/fp8_attention.md)."""
 
 
 def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_keys: int,
@@ -356,6 +364,16 @@ def paged_attention_fp8(
     block_q = max(1, config.block_m // group)
     q_blocks = triton.cdiv(max_query_len, block_q)
     sm_mant, sm_exp = _mantissa_exponent(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
+    qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
+    if config.kernel == "wgmma":
+        why = "Triton's CPU interpreter" if interpret else wgmma.why_not(query, out, max_query_len, logits_soft_cap,
+                                                                         config.num_splits, lse)
+        if why:
+            raise InvalidArgument(f"config.kernel: 'wgmma' does not serve this call ({why})")
+        wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,
+                     min(int(sliding_window or NO_WINDOW), NO_WINDOW), out, lse, q_scale, (qs_kv, qs_q),
+                     float(prob_scale))
+        return
     k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
     split = config.num_splits > 1
     if split:
@@ -370,7 +388,6 @@ def paged_attention_fp8(
         q_arg = query.float()
         out_arg = out if out.dtype == torch.float32 else torch.empty_like(q_arg)
     qs_arg = cache.k_scale if q_scale is None else q_scale  # unused when dynamic
-    qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
     page = cache.block_size
     fp8_attention_kernel[(S * q_blocks, H, config.num_splits)](
         q_arg, qs_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),

@@ -1,0 +1,565 @@
+// fp8kv_hopper: the FP8 attention mode's chunked prefill on Hopper's FP8 tensor cores (sm_90a).
+//
+// Definition: docs/fp8_attention.md (fp8kv.fp8_attention is the reference). An e4m3fn cache with
+// per-tensor or per-head scales, head size 128, no soft-cap, one split; the Triton kernel of
+// fp8kv_hopper/attention.py serves the rest.
+//
+// CTA = 3 warpgroups (384 threads), rows and keys as the Triton kernel: 128 query rows of one sequence
+// and KV head (row = token * group + head in the group), tiles of 128 keys.
+//   warpgroup 0, the producer: copies each tile's K and V codes (cp.async, 16 bytes, through the block
+//     table; keys outside the sequence or whose block id is outside the cache are zero-filled and marked
+//     invalid), transposes V in shared memory (4 x 4 byte blocks, PRMT) so that p8 @ v8 is an e4m3 wgmma
+//     too, and hands the tile over on an mbarrier; STAGES tiles in flight.
+//   warpgroups 1 and 2, the consumers, 64 rows each: q8 = e4m3(q / q_scale) once (bit for bit as the
+//     cache's own quantization), then per tile S = q8 k8^T (4 wgmma m64n128k32 e4m3, A and B from
+//     shared memory), the online softmax against an integer running maximum (every rescaling an
+//     exact power of two), l += p (float32, before rounding), p8 = e4m3(p / prob_scale) packed from
+//     the S accumulators straight into wgmma A registers, O += p8 v8 (4 wgmma, A from registers).
+//     The key order of a 32-key slice of p8's A fragment differs from S's accumulator order; the
+//     producer writes V^T's key columns in that order (vt_key), so nothing moves between lanes.
+//
+// Shared-memory operands use wgmma's no-swizzle K-major layout: 8 rows x 16 bytes "core matrices",
+// LBO = 128 bytes between core matrices along K, SBO between 8-row groups (1024; 1040 for V^T, whose
+// padding makes the producer's transposed stores free of bank conflicts).
+//
+// Memory safety without host checks: query_start_loc and seq_lens clamped as the Triton kernel,
+// block ids outside [0, num_blocks) never loaded, rows past a sequence's queries never written.
+//
+// Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES.
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#ifndef FP8KV_QT
+#define FP8KV_QT 2
+#endif
+#ifndef FP8KV_STAGES
+#define FP8KV_STAGES 3
+#endif
+
+// The 64 float32 accumulator registers of an m64n128 wgmma, as asm operands.
+#define ACC64_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define ACC64_OPS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+namespace fp8kv {
+
+constexpr int D = 128;
+constexpr int BLOCK_M = 128;      // rows per CTA (two consumer warpgroups of 64)
+constexpr int BLOCK_N = 128;      // keys per tile
+constexpr int STAGES = FP8KV_STAGES;
+constexpr int THREADS = 384;
+constexpr int QT = FP8KV_QT;
+constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
+constexpr int VR_PITCH = 144;     // bytes per key row of the raw V tile (128 + 16: conflict-free loads)
+constexpr float E4M3_MAX = 448.0f;
+constexpr float FLOAT32_MAX = 3.4028234663852886e38f;
+constexpr float LN2 = 0.6931471805599453f;
+#define NEG_INF __int_as_float(0xff800000)
+
+struct __align__(128) Smem {
+    u8 q[BLOCK_M * D];                 // q8, K-major (a consumer's 64 rows: 8192 bytes)
+    u8 k[STAGES][BLOCK_N * D];         // K tiles, K-major
+    u8 vt[STAGES][(D / 8) * VT_SBO];   // V^T tiles: rows = dims, K = keys in vt_key order
+    u8 vr[STAGES][BLOCK_N * VR_PITCH]; // raw V tiles as copied
+    u8 valid[STAGES][BLOCK_N];         // 1 where the key is in the sequence and its block id in the cache
+    double row_f[BLOCK_M];             // per row: q_scale * k_scale * softmax_scale * log2(e)
+    u64 full[STAGES], empty[STAGES];   // mbarriers: tile landed (producer), tile consumed (consumers)
+};
+constexpr int SMEM_BYTES = (int)sizeof(Smem);
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// The launcher's shared-memory size must hold Smem (fp8kv_hopper.wgmma.smem_bytes mirrors it).
+__device__ __forceinline__ void check_smem() {
+    u32 bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    if (bytes < (u32)SMEM_BYTES) __trap();
+}
+
+// ---- K-major no-swizzle layout: byte (row, kb) of a tile with SBO bytes between 8-row groups ----
+__device__ __forceinline__ u32 kmajor(int row, int kb, int sbo) {
+    return (u32)((row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15));
+}
+
+// wgmma shared-memory matrix descriptor: no swizzle, LBO 128 bytes (along K), SBO (along M/N).
+__device__ __forceinline__ u64 desc(u32 addr, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(128u >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+// ---- synchronization ----
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// bar.sync of `count` threads that also returns whether `pred` holds in all of them
+__device__ __forceinline__ bool named_sync_and(int id, int count, bool pred) {
+    u32 r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(r) : "r"((u32)pred), "r"(id), "r"(count) : "memory");
+    return r != 0u;
+}
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// ---- wgmma ----
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// keeps the compiler from touching accumulators across an asynchronous wgmma
+__device__ __forceinline__ void fence_acc(float (&d)[64]) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= A B^T, A [64 x 32] and B [128 x 32] e4m3 from shared memory (descriptors); accumulate unless first
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 da, u64 db, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ACC64_REGS ", %64, %65, p, 1, 1;\n}\n"
+        : ACC64_OPS(d)
+        : "l"(da), "l"(db), "r"((int)accumulate));
+}
+// d += A B^T, A [64 x 32] e4m3 from registers (4 words per thread), B [128 x 32] from shared memory
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : ACC64_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// ---- conversions ----
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+// e4m3 bytes (lo, hi) of two floats: round to nearest even after saturation to +-448 (satfinite)
+__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
+    u16 r;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+    return (u32)r;
+}
+__device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) { return e4m3x2(a, b) | (e4m3x2(c, d) << 16); }
+
+__device__ __forceinline__ float load_q(const void* Q, i64 i) {
+    if constexpr (QT == 0) {
+        return static_cast<const float*>(Q)[i];
+    } else if constexpr (QT == 1) {
+        float f;
+        asm("{.reg .b16 h; ld.global.nc.b16 h, [%1]; cvt.f32.f16 %0, h;}" : "=f"(f) : "l"(static_cast<const u16*>(Q) + i));
+        return f;
+    } else {
+        return __uint_as_float((u32) static_cast<const u16*>(Q)[i] << 16);
+    }
+}
+// two outputs as the output type (float32 as two floats), saturated to its finite range
+__device__ __forceinline__ void store_out2(void* O, i64 i, float a, float b) {
+    if constexpr (QT == 0) {
+        *reinterpret_cast<float2*>(static_cast<float*>(O) + i) = make_float2(fminf(fmaxf(a, -FLOAT32_MAX), FLOAT32_MAX),
+                                                                            fminf(fmaxf(b, -FLOAT32_MAX), FLOAT32_MAX));
+    } else {
+        const float hi = QT == 1 ? 65504.0f : 3.3895313892515355e38f;
+        a = fminf(fmaxf(a, -hi), hi);
+        b = fminf(fmaxf(b, -hi), hi);
+        u32 r;
+        if constexpr (QT == 1) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+        else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+        *reinterpret_cast<u32*>(static_cast<u16*>(O) + i) = r;
+    }
+}
+
+// 2^k for an integer (or -inf) k <= 0, exactly (subnormals included)
+__device__ __forceinline__ float pow2(float k) { return k < -200.0f ? 0.0f : ldexpf(1.0f, (int)k); }
+
+// ---- the producer's pieces ----
+
+// Key (within the tile) whose V row the p8 A fragment's k position `kpos` multiplies: the S
+// accumulator holds keys 8j + 2c + {0, 1} in lane c of a quad, the e4m3 A fragment positions
+// 4c + {0..3} and 16 + 4c + {0..3} of each 32-key slice.
+__device__ __forceinline__ int vt_key(int kpos) {
+    const int i = kpos & 3, c = (kpos >> 2) & 3;
+    return (kpos & ~15) + 8 * (i >> 1) + 2 * c + (i & 1);
+}
+
+// V^T[dim][kpos] = V[vt_key(kpos)][dim] for a 128 x 128 tile, by the 128 threads of a warpgroup:
+// a lane moves a 4 x 4 byte block (4 keys of one V^T word, 4 dims) per step, 8 steps.
+__device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt) {
+    const int warp = wt >> 5, lane = wt & 31, a = lane & 7, w = lane >> 3;
+    const u32 src = smem_addr(vr), dst = smem_addr(vt);
+#pragma unroll
+    for (int step = 0; step < 8; ++step) {
+        const int combo = warp * 8 + step, dg = combo & 3, chunk = combo >> 2;
+        const int dim0 = 4 * (a + 8 * dg);
+        u32 x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int key = vt_key(16 * chunk + 4 * w + i);
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + (u32)(key * VR_PITCH + dim0)));
+        }
+        const u32 t0 = prmt(x[0], x[1], 0x5140u), t1 = prmt(x[0], x[1], 0x7362u);
+        const u32 t2 = prmt(x[2], x[3], 0x5140u), t3 = prmt(x[2], x[3], 0x7362u);
+        const u32 y[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + kmajor(dim0 + j, 16 * chunk + 4 * w, VT_SBO)), "r"(y[j]));
+    }
+}
+
+}  // namespace fp8kv
+
+namespace fp8kv {
+
+// Per-CTA geometry, as fp8kv_triton's _program_rows / _key_range (one split).
+struct Cta {
+    int seq, qb, kvh, q_start, q_len, seq_len;
+    int lo, hi;          // the keys the CTA visits: [lo, hi), lo tile-aligned
+    int all_lo, all_hi;  // keys visible to every row (tiles inside need no mask)
+    int ntiles;
+};
+
+struct Params {
+    const void* q;
+    const float *qs, *ks, *vs;
+    const u8 *kc, *vc;
+    const int *bt, *seq_lens, *qsl;
+    void* out;
+    float* lse;
+    float sm_mant, prob_scale, inv_prob_scale;
+    int sm_exp, window, causal;
+    i64 stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh;
+    int stride_qs_kv, stride_qs_q, stride_ksh, stride_vsh;
+    int T, HQ, group, block_q, q_blocks, page, page_shift, num_blocks, max_keys;
+    int q_dynamic, write_lse, scale_p;
+};
+
+// The producer warpgroup (threads 0..127): thread (key row krow, chunk ch) copies chunk ch of keys
+// krow + 16 i of K and V; then, a tile behind, waits for them, transposes V, and hands the tile over.
+__device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
+    const int pt = threadIdx.x, ch = pt & 7, krow = pt >> 3;
+    const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
+    const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
+    const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
+    for (int t = 0; t <= cta.ntiles; ++t) {
+        if (t < cta.ntiles) {
+            const int s = t % STAGES;
+            mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
+            const int n0 = cta.lo + t * BLOCK_N;
+            const u32 kdst = smem_addr(sh.k[s]), vdst = smem_addr(sh.vr[s]);
+#pragma unroll
+            for (int i = 0; i < BLOCK_N / 16; ++i) {
+                const int key = krow + 16 * i, n = n0 + key;
+                const int pg = P.page_shift >= 0 ? n >> P.page_shift : n / P.page;
+                const int in_page = n - pg * P.page;
+                int blk = n < cta.hi ? bt_row[pg] : -1;
+                const bool ok = blk >= 0 && blk < P.num_blocks;
+                blk = ok ? blk : 0;
+                cp_async16(kdst + kmajor(key, 16 * ch, 1024), kbase + blk * P.stride_kb + in_page * P.stride_kt, ok);
+                cp_async16(vdst + key * VR_PITCH + 16 * ch, vbase + blk * P.stride_vb + in_page * P.stride_vt, ok);
+                if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
+            }
+            cp_async_commit();
+        }
+        if (t >= 1) {
+            const int su = (t - 1) % STAGES;
+            if (t < cta.ntiles) cp_async_wait<1>();
+            else cp_async_wait<0>();
+            named_sync(1, 128);  // every thread's copies of the tile have landed
+            transpose_v(sh.vr[su], sh.vt[su], pt);
+            fence_async_shared();  // ordinary and cp.async stores, read next by wgmma (the async proxy)
+            mbar_arrive(&sh.full[su]);
+        }
+    }
+}
+
+// A consumer warpgroup (cw = 0, 1: rows 64 cw .. 64 cw + 63 of the CTA).
+__device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
+    const int ct = threadIdx.x - 128 * (cw + 1);
+    const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
+    const float k_scale = P.ks[cta.kvh * P.stride_ksh];
+    bool fast_row;
+    {  // q8 = e4m3(q / q_scale): thread ct quantizes half (64 dims) of row ct / 2
+        const int ql = ct >> 1, half = ct & 1, row = 64 * cw + ql;
+        const int qi = row / P.group, tin = cta.qb * P.block_q + qi;
+        const bool valid = qi < P.block_q && tin < cta.q_len;
+        const int qh = cta.kvh * P.group + row % P.group;
+        const i64 base = ((i64)(cta.q_start + (valid ? tin : 0)) * P.HQ + qh) * D + 64 * half;
+        float x[64];
+#pragma unroll
+        for (int i = 0; i < 64; ++i) x[i] = valid ? load_q(P.q, base + i) : 0.0f;
+        float qs;
+        if (P.q_dynamic) {  // max(amax|q| / 448, 2^-126), NaN as 0 and inf as the largest float
+            float a = 0.0f;
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const float v = fabsf(x[i]);
+                a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
+            }
+            a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+            qs = fmaxf(__fdiv_rn(a, E4M3_MAX), 1.1754943508222875e-38f);
+        } else {
+            qs = P.qs[cta.kvh * P.stride_qs_kv + qh * P.stride_qs_q];
+        }
+        u8* qdst = sh.q + 8192 * cw;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            u32 w[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const float* v = x + 16 * j + 4 * k;
+                w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));
+            }
+            *reinterpret_cast<uint4*>(qdst + kmajor(ql, 64 * half + 16 * j, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        const double F = (double)qs * (double)k_scale * (double)P.sm_mant * ldexp(1.0, P.sm_exp);
+        if (half == 0) sh.row_f[row] = F;
+        fast_row = !valid || (F > 0x1p-96 && F < 0x1p96);
+    }
+    fence_async_shared();
+    const bool fast = named_sync_and(2 + cw, 128, fast_row);  // q8 and row_f written (the warpgroup's rows)
+
+    // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
+    int pos[2];
+    bool rv[2];
+    float f[2];
+    double F[2];
+    i64 orow[2];
+    int lse_idx[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = 64 * cw + 16 * warp + r + 8 * h, qi = row / P.group, tin = cta.qb * P.block_q + qi;
+        const int qh = cta.kvh * P.group + row % P.group;
+        rv[h] = qi < P.block_q && tin < cta.q_len;
+        pos[h] = cta.seq_len - cta.q_len + tin;
+        F[h] = sh.row_f[row];
+        f[h] = (float)F[h];
+        lse_idx[h] = (cta.q_start + (rv[h] ? tin : 0)) * P.HQ + qh;
+        orow[h] = (i64)lse_idx[h] * D;
+    }
+
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
+    for (int t = 0; t < cta.ntiles; ++t) {
+        const int s = t % STAGES;
+        mbar_wait(&sh.full[s], (t / STAGES) & 1);
+        const int n0 = cta.lo + t * BLOCK_N;
+        float sa[64];
+        const u64 dk = desc(smem_addr(sh.k[s]), 1024);
+        wgmma_fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) wgmma_ss(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);  // +256 bytes per k step
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc(sa);
+
+        const bool all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[s])[lane] == 0x01010101u);
+        if (!(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi)) {  // an edge tile: mask
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, h = e >> 1;
+                    const bool vis = sh.valid[s][key] && rv[h] && n > pos[h] - P.window && (!P.causal || n <= pos[h]);
+                    sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
+                }
+        }
+        float mx[2] = {NEG_INF, NEG_INF};
+        if (!fast) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const float v = sa[i];
+                sa[i] = v == NEG_INF ? v : (float)fmin(fmax((double)v * F[(i >> 1) & 1], -3.4028234663852886e38),
+                                                         3.4028234663852886e38);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
+        float msafe[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+            const float mnew = fmaxf(m[h], ceilf(fast ? mx[h] * f[h] : mx[h]));  // an integer (or -inf)
+            msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
+            const float alpha = pow2(m[h] - msafe[h]);  // exact (0 from -inf)
+            m[h] = mnew;
+            l[h] *= alpha;
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                o[4 * j + 2 * h] *= alpha;
+                o[4 * j + 2 * h + 1] *= alpha;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            const int h = (i >> 1) & 1;
+            float x = fast ? fmaf(sa[i], f[h], -msafe[h]) : sa[i] - msafe[h];
+            asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(x) : "f"(x));
+            l[h] += x;
+            sa[i] = P.scale_p ? x * P.inv_prob_scale : x;
+        }
+        // p8 as the A fragments of 4 k32 slices: word 0 / 1 = rows r / r + 8, positions 4c..4c+3 =
+        // keys 2c, 2c + 1, 2c + 8, 2c + 9 (n-tiles 4 kk, 4 kk + 1); words 2 / 3 the same 16 keys on
+        u32 pa[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
+                pa[kk][w] = e4m3x4(sa[4 * j + e], sa[4 * j + e + 1], sa[4 * j + 4 + e], sa[4 * j + 4 + e + 1]);
+            }
+        const u64 dv = desc(smem_addr(sh.vt[s]), VT_SBO);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
+        wgmma_commit();
+        wgmma_wait0();
+        fence_acc(o);
+        mbar_arrive(&sh.empty[s]);
+    }
+
+    const float v_scale = P.vs[cta.kvh * P.stride_vsh];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
+        l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
+        if (!rv[h]) continue;
+        const float ls = l[h] > 0.0f ? l[h] : 1.0f;
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+            store_out2(P.out, orow[h] + 8 * j + 2 * c, (__fdiv_rn(o[4 * j + 2 * h], ls) * v_scale) * P.prob_scale,
+                       (__fdiv_rn(o[4 * j + 2 * h + 1], ls) * v_scale) * P.prob_scale);
+        if (P.write_lse && c == 0)
+            P.lse[lse_idx[h]] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : NEG_INF;
+    }
+}
+
+}  // namespace fp8kv
+
+using namespace fp8kv;
+
+// One CTA per (query block, KV head): grid (num_seqs * q_blocks, H), THREADS threads, SMEM_BYTES.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const Params P) {
+    extern __shared__ __align__(128) u8 smem_raw[];
+    check_smem();
+    Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
+    Cta cta;
+    cta.seq = blockIdx.x / P.q_blocks;
+    cta.qb = P.q_blocks - 1 - (int)(blockIdx.x % P.q_blocks);  // the longest rows first
+    cta.kvh = blockIdx.y;
+    const int qs0 = min(max(P.qsl[cta.seq], 0), P.T), qs1 = min(max(P.qsl[cta.seq + 1], 0), P.T);
+    cta.q_start = qs0;
+    cta.q_len = max(qs1 - qs0, 0);
+    if (cta.qb * P.block_q >= cta.q_len) return;
+    cta.seq_len = min(max(P.seq_lens[cta.seq], 0), P.max_keys);
+    const int first_pos = cta.seq_len - cta.q_len + cta.qb * P.block_q;
+    const int last_pos = cta.seq_len - cta.q_len + min(cta.qb * P.block_q + P.block_q, cta.q_len) - 1;
+    cta.hi = P.causal ? last_pos + 1 : cta.seq_len;
+    cta.lo = max(first_pos - P.window + 1, 0) / BLOCK_N * BLOCK_N;
+    cta.all_lo = last_pos - P.window + 1;
+    cta.all_hi = P.causal ? first_pos + 1 : cta.seq_len;
+    cta.ntiles = cta.hi > cta.lo ? (cta.hi - cta.lo + BLOCK_N - 1) / BLOCK_N : 0;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(&sh.full[s], 128);
+            mbar_init(&sh.empty[s], 256);
+        }
+    }
+    __syncthreads();
+    // (no setmaxnreg: the consumers fit the 168 registers of 384 threads, about 156 in use)
+    if (threadIdx.x < 128) produce(sh, P, cta);
+    else consume(sh, P, cta, threadIdx.x >= 256 ? 1 : 0);
+}
+
+// The layout test (tests/test_hopper_gpu.py): one warpgroup runs the kernel's shared-memory layouts,
+// V transpose and both wgmma forms on A [64 x 128], B [128 x 128], V [128 x 128] (e4m3 bytes):
+// S = A B^T (float32), P8 = e4m3(S * p_scale) through the A-register packing, O = P8 V.
+struct LayoutTestArgs {
+    const u8 *a, *b, *v;
+    float* s;
+    u8* p8;
+    float* o;
+    float p_scale;
+};
+
+extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(const LayoutTestArgs args) {
+    extern __shared__ __align__(128) u8 smem_raw[];
+    check_smem();
+    Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
+    const u8 *A = args.a, *B = args.b, *V = args.v;
+    float *S_out = args.s, *O_out = args.o;
+    u8* P_out = args.p8;
+    const float p_scale = args.p_scale;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
+    for (int i = tid; i < 64 * 8; i += 128)
+        *reinterpret_cast<uint4*>(sh.q + kmajor(i >> 3, 16 * (i & 7), 1024)) = reinterpret_cast<const uint4*>(A)[i];
+    for (int i = tid; i < 128 * 8; i += 128) {
+        *reinterpret_cast<uint4*>(sh.k[0] + kmajor(i >> 3, 16 * (i & 7), 1024)) = reinterpret_cast<const uint4*>(B)[i];
+        *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * VR_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
+    }
+    __syncthreads();
+    transpose_v(sh.vr[0], sh.vt[0], tid);
+    fence_async_shared();
+    __syncthreads();
+    float sa[64];
+    const u64 dq = desc(smem_addr(sh.q), 1024), dk = desc(smem_addr(sh.k[0]), 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_ss(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_acc(sa);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
+        S_out[row * 128 + col] = sa[i];
+        sa[i] *= p_scale;
+        P_out[row * 128 + col] = (u8)(e4m3x2(sa[i], 0.0f) & 0xFFu);
+    }
+    u32 pa[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
+            pa[kk][w] = e4m3x4(sa[4 * j + e], sa[4 * j + e + 1], sa[4 * j + 4 + e], sa[4 * j + 4 + e + 1]);
+        }
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    const u64 dv = desc(smem_addr(sh.vt[0]), VT_SBO);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_acc(o);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
+        O_out[row * 128 + col] = o[i];
+    }
+}

@@ -1,0 +1,161 @@
+"""The FP8-mode chunked prefill in CUDA on sm_90a (``csrc/fp8_prefill.cu``): warp-specialized,
+e4m3 wgmma for both products.
+
+Why CUDA here when the rest of the backend is Triton: Triton 3.6 waits for each wgmma right after
+issuing it and offers no warp specialization on sm90, so its kernel is latency-bound at 0.56x
+FlashInfer's FA3 (docs/fp8_attention.md). This kernel gives a producer warpgroup the copies and
+the V transpose (so ``p8 @ v8`` runs on e4m3 tensor cores too) and two consumer warpgroups the
+products and the softmax, and is compiled through the CUDA backend's public runtime
+(:mod:`fp8kv_cuda.runtime`: NVRTC through CuPy, cached per process; ``sm_90a``, which ``wgmma``
+needs).
+
+Serves (:func:`why_not` says why not): prefill steps (``max_query_len > 1``, one split) of an e4m3fn cache with
+per-tensor or per-head scales, head size 128, no soft-cap, float16/bfloat16/float32 queries with the
+output in the same type, on an sm90 GPU with CuPy. Everything else goes to the Triton kernel of
+:mod:`fp8kv_hopper.attention`, which computes the same definition. Not yet the default: it is compiled
+(CPU CI, sm_90a) and its layouts are checked against CUTLASS's documented fragments, but it has not
+run on a GPU yet (``Fp8AttnConfig(kernel="wgmma")`` selects it; tests/test_hopper_gpu.py holds its
+GPU tests).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from importlib import resources
+
+import torch
+
+THREADS = 384
+BLOCK_M = 128
+BLOCK_N = 128
+STAGES = 3
+HEAD_SIZE = 128
+QUERY_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+ENTRY = "fp8kv_fp8_prefill"
+LAYOUT_TEST = "fp8kv_wgmma_layout_test"
+OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+"""IEEE division (``q / q_scale`` must round as the cache's quantization) and float32 subnormals."""
+
+
+def smem_bytes(stages: int = STAGES) -> int:
+    """``sizeof(Smem)`` of the kernel (it traps if launched with less)."""
+    per_stage = BLOCK_N * HEAD_SIZE + (HEAD_SIZE // 8) * 1040 + BLOCK_N * 144 + BLOCK_N
+    size = BLOCK_M * HEAD_SIZE + stages * per_stage + 8 * BLOCK_M + 16 * stages
+    return (size + 127) // 128 * 128
+
+
+class Params(ctypes.Structure):
+    """The kernel's ``Params`` struct, field for field (passed by value)."""
+
+    _fields_ = [
+        *[(n, ctypes.c_void_p) for n in ("q", "qs", "ks", "vs", "kc", "vc", "bt", "seq_lens", "qsl", "out", "lse")],
+        *[(n, ctypes.c_float) for n in ("sm_mant", "prob_scale", "inv_prob_scale")],
+        *[(n, ctypes.c_int) for n in ("sm_exp", "window", "causal")],
+        *[(n, ctypes.c_int64) for n in ("stride_bt", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
+                                        "stride_vt", "stride_vh")],
+        *[(n, ctypes.c_int) for n in ("stride_qs_kv", "stride_qs_q", "stride_ksh", "stride_vsh", "T", "HQ", "group",
+                                      "block_q", "q_blocks", "page", "page_shift", "num_blocks", "max_keys",
+                                      "q_dynamic", "write_lse", "scale_p")],
+    ]
+
+
+@functools.cache
+def source() -> str:
+    return resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text()
+
+
+def options(query_dtype: torch.dtype, stages: int = STAGES) -> tuple[str, ...]:
+    return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_STAGES={stages}")
+
+
+def function(entry: str, query_dtype: torch.dtype, device: torch.device):
+    """The compiled ``entry`` for ``query_dtype`` on ``device`` (sm_90a cubin, built on first use)."""
+    from fp8kv_cuda import runtime
+
+    opts = options(query_dtype)
+    index = runtime.device_index(device)
+    mod = runtime.module(("fp8kv_hopper.fp8_prefill", opts), lambda: runtime.compile_source(
+        source(), "fp8_prefill.cu", opts, "sm_90a"), (ENTRY, LAYOUT_TEST), index)
+    return mod.get_function(entry)
+
+
+def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_soft_cap, num_splits: int,
+            lse: torch.Tensor | None) -> str | None:
+    """Why this kernel cannot take the call (None: it can); host-known facts only. The cache is the
+    FP8 mode's (e4m3fn, tensor or head scales), checked at plan time."""
+    T, HQ, D = query.shape
+    checks = (
+        (query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) == (9, 0),
+         "needs an sm90 GPU (sm_90a code)"),
+        (max_query_len > 1 and num_splits == 1, "prefill steps without split-KV only"),
+        (logits_soft_cap is None, "no soft-cap"),
+        (D == HEAD_SIZE, f"head size {HEAD_SIZE} only"),
+        (query.dtype in QUERY_TYPES and out.dtype == query.dtype, "float16/bfloat16/float32 queries, out alike"),
+        (query.is_contiguous() and out.is_contiguous() and (lse is None or lse.is_contiguous()),
+         "contiguous query, out and lse"),
+        (T * HQ < 2**31 // HEAD_SIZE, "fewer than 2^24 query rows"),
+        (_has_cupy(), "needs CuPy"),
+    )
+    return next((why for ok, why in checks if not ok), None)
+
+
+@functools.cache
+def _has_cupy() -> bool:
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
+           causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float) -> None:
+    """Enqueue the kernel for ``query [T, Hq, 128]`` into ``out`` (and ``lse [T, Hq]``); arguments as
+    :func:`fp8kv_hopper.attention.paged_attention_fp8` prepares them (no host sync)."""
+    from fp8kv_cuda import runtime
+    from fp8kv_triton.kernels import cache_strides, scale_strides
+
+    T, HQ, _ = query.shape
+    H = cache.num_kv_heads
+    group = HQ // H
+    block_q = max(1, BLOCK_M // group)
+    q_blocks = -(-max_query_len // block_q)
+    S = seq_lens.shape[0]
+    page = cache.block_size
+    kb, kt, kh = cache_strides(cache, "key")
+    vb, vt, vh = cache_strides(cache, "value")
+    p = Params(
+        q=query.data_ptr(), qs=(cache.k_scale if q_scale is None else q_scale).data_ptr(),
+        ks=cache.k_scale.data_ptr(), vs=cache.v_scale.data_ptr(), kc=cache.key_cache.data_ptr(),
+        vc=cache.value_cache.data_ptr(), bt=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(),
+        qsl=query_start_loc.data_ptr(), out=out.data_ptr(), lse=(out if lse is None else lse).data_ptr(),
+        sm_mant=sm_mant, prob_scale=prob_scale, inv_prob_scale=1.0 / prob_scale, sm_exp=sm_exp, window=window,
+        causal=int(causal), stride_bt=block_tables.stride(0), stride_kb=kb, stride_kt=kt, stride_kh=kh,
+        stride_vb=vb, stride_vt=vt, stride_vh=vh, stride_qs_kv=qs_strides[0], stride_qs_q=qs_strides[1],
+        stride_ksh=scale_strides(cache, "key")[2], stride_vsh=scale_strides(cache, "value")[2], T=T, HQ=HQ,
+        group=group, block_q=block_q, q_blocks=q_blocks, page=page,
+        page_shift=page.bit_length() - 1 if page & (page - 1) == 0 else -1, num_blocks=cache.key_cache.shape[0],
+        max_keys=block_tables.shape[1] * page, q_dynamic=int(q_scale is None), write_lse=int(lse is not None),
+        scale_p=int(prob_scale != 1.0))
+    fn = function(ENTRY, query.dtype, query.device)
+    runtime.launch_struct(fn, runtime.device_index(query.device), (S * q_blocks, H, 1), THREADS, p, smem_bytes())
+
+
+def layout_test(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, p_scale: float):
+    """Run the kernel's layouts and both wgmma forms on e4m3 codes ``a [64, 128]``, ``b [128, 128]``,
+    ``v [128, 128]`` (uint8, CUDA): returns ``(s, p8, o)``, ``s = a b^T`` (float32), ``p8 =
+    e4m3(s * p_scale)`` (uint8) and ``o = p8 v`` (float32)."""
+    from fp8kv_cuda import runtime
+
+    s = torch.empty(64, 128, dtype=torch.float32, device=a.device)
+    p8 = torch.empty(64, 128, dtype=torch.uint8, device=a.device)
+    o = torch.empty(64, 128, dtype=torch.float32, device=a.device)
+    fn = function(LAYOUT_TEST, torch.bfloat16, a.device)
+
+    class Args(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_void_p) for n in ("a", "b", "v", "s", "p8", "o")] + [("p_scale", ctypes.c_float)]
+
+    args = Args(a.data_ptr(), b.data_ptr(), v.data_ptr(), s.data_ptr(), p8.data_ptr(), o.data_ptr(), p_scale)
+    runtime.launch_struct(fn, runtime.device_index(a.device), (1, 1, 1), 128, args, smem_bytes())
+    return s, p8, o

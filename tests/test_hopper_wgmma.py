@@ -1,0 +1,132 @@
+"""The Hopper backend's CUDA prefill kernel (``fp8kv_hopper/csrc/fp8_prefill.cu``) on the CPU.
+
+* It compiles for sm_90a with NVRTC 12 from PyPI (``cuda-compile`` extra), for every query type,
+  without spills, within the 168 registers of a 384-thread CTA, and its PTX has both e4m3 wgmma forms
+  (A from shared memory for ``q8 @ k8^T``, A from registers for ``p8 @ v8``).
+* The host's mirrors of the kernel's structs (``Params`` passed by value, the shared-memory size) have
+  the kernel's sizes (checked by ``static_assert`` in a compile).
+* The index maps: the producer's V transpose writes every byte of V^T once with the right V byte,
+  and the consumers' packing of p8 into wgmma A registers agrees with the key order of V^T, both
+  evaluated through CUTLASS's documented fragment layouts of an m64nNk32 wgmma
+  (``cute/atom/mma_traits_sm90_gmma.hpp``: ``CLayout_64xN`` for the accumulator, ``ALayout_64x32``
+  for an 8-bit A operand in registers).
+
+Running it is tests/test_hopper_gpu.py's job (sm90 only).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="needs NVRTC from PyPI: pip install -e '.[cuda-compile]'")
+
+from fp8kv_hopper import wgmma  # noqa: E402
+
+WGMMA_SS = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+MAX_REGS = 65536 // wgmma.THREADS // 8 * 8  # one CTA of 384 threads per SM: 168
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_compiles_for_sm90a_without_spills(dtype):
+    from fp8kv_cuda import compile as cc
+
+    _, log = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype), "sm_90a")
+    info = cc.parse_ptxas(log)
+    assert set(info) == {wgmma.ENTRY, wgmma.LAYOUT_TEST}, log[-2000:]
+    for entry, x in info.items():
+        assert x["spill_stores"] == 0 and x["spill_loads"] == 0 and x["stack"] == 0, (entry, x)
+    assert info[wgmma.ENTRY]["regs"] <= MAX_REGS, info
+    ptx, _ = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype), "compute_90a", ptx=True)
+    ptx = ptx.decode(errors="replace")
+    body = ptx[ptx.index(f".entry {wgmma.ENTRY}"):]
+    ss = len(re.findall(re.escape(WGMMA_SS) + r"[^}]*\}, %rd\d+, %rd\d+", body))
+    rs = len(re.findall(re.escape(WGMMA_SS) + r"[^}]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", body))
+    assert ss >= 4 and rs >= 4, (ss, rs)  # the 4 k32 steps of each product (more where paths are unrolled twice)
+
+
+def test_host_structs_have_the_kernels_sizes():
+    from fp8kv_cuda import compile as cc
+
+    checks = f"""
+static_assert(sizeof(fp8kv::Params) == {ctypes.sizeof(wgmma.Params)}, "Params");
+static_assert(sizeof(fp8kv::Smem) == {wgmma.smem_bytes()}, "Smem");
+static_assert(fp8kv::STAGES == {wgmma.STAGES} && fp8kv::BLOCK_M == {wgmma.BLOCK_M}, "stages, rows");
+static_assert(fp8kv::BLOCK_N == {wgmma.BLOCK_N} && fp8kv::THREADS == {wgmma.THREADS}, "keys, threads");
+"""
+    cc.compile_text(wgmma.source() + checks, "probe.cu", wgmma.options(torch.bfloat16), "compute_90a", ptx=True)
+    with pytest.raises(RuntimeError, match="static assertion failed"):  # the probe can fail
+        cc.compile_text(wgmma.source() + checks.replace("Params) ==", "Params) == 8 +"), "probe.cu",
+                        wgmma.options(torch.bfloat16), "compute_90a", ptx=True)
+
+
+# ---- the index maps, as the kernel computes them (csrc/fp8_prefill.cu) ----
+
+def kmajor(row, kb, sbo):
+    return (row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15)
+
+
+def vt_key(kpos):
+    i, c = kpos & 3, (kpos >> 2) & 3
+    return (kpos & ~15) + 8 * (i >> 1) + 2 * c + (i & 1)
+
+
+def test_v_transpose_writes_every_byte_of_vt_once():
+    rng = np.random.default_rng(0)
+    v = rng.integers(0, 256, size=(128, 128), dtype=np.uint8)  # [key, dim]
+    vr = np.zeros(128 * 144, np.uint8)
+    for key in range(128):
+        vr[key * 144: key * 144 + 128] = v[key]
+    vt = np.zeros(16 * 1040, np.uint8)
+    written = np.zeros(16 * 1040, np.int32)
+    banks_ok = True
+    for warp in range(4):
+        for step in range(8):
+            stores = {j: [] for j in range(4)}
+            for lane in range(32):
+                a, w = lane & 7, lane >> 3
+                combo = warp * 8 + step
+                dg, chunk = combo & 3, combo >> 2
+                dim0 = 4 * (a + 8 * dg)
+                x = [vr[vt_key(16 * chunk + 4 * w + i) * 144 + dim0: vt_key(16 * chunk + 4 * w + i) * 144 + dim0 + 4]
+                     for i in range(4)]
+                for j in range(4):  # y_j = byte j of x_0..x_3 (the PRMT pairs)
+                    addr = kmajor(dim0 + j, 16 * chunk + 4 * w, 1040)
+                    vt[addr: addr + 4] = [x[i][j] for i in range(4)]
+                    written[addr: addr + 4] += 1
+                    stores[j].append(addr)
+            for addrs in stores.values():  # a warp's 32-bit stores: 32 distinct banks
+                banks_ok &= len({(ad // 4) % 32 for ad in addrs}) == 32
+    for dim in range(128):
+        for kpos in range(128):
+            assert vt[kmajor(dim, kpos, 1040)] == v[vt_key(kpos), dim]
+    assert written.sum() == 128 * 128 and written.max() == 1
+    assert banks_ok
+
+
+def test_p8_packing_matches_the_key_order_of_vt():
+    """For every thread of a warpgroup and every byte of its p8 A registers, the S accumulator entry
+    packed there (CLayout_64xN) is the (row, key) that the A fragment's (row, k) (ALayout_64x32) and
+    V^T's key order (vt_key) say it must be."""
+    for t in range(128):
+        warp, lane = t // 32, t % 32
+        r, c = lane // 4, lane % 4
+        for kk in range(4):
+            for w in range(4):
+                j, e = 4 * kk + 2 * (w >> 1), 2 * (w & 1)
+                packed = [4 * j + e, 4 * j + e + 1, 4 * j + 4 + e, 4 * j + 4 + e + 1]  # the kernel's pa[kk][w]
+                for byte, i in enumerate(packed):
+                    v1, v2 = w & 1, w >> 1  # ALayout_64x32: register w = v1 + 2 v2, byte = v0
+                    a_row, a_k = 16 * warp + r + 8 * v1, 4 * c + byte + 16 * v2
+                    assert accumulator_entry(t, i) == (a_row, 32 * kk + vt_key(a_k)), (t, kk, w, byte)
+
+
+def accumulator_entry(t: int, i: int) -> tuple[int, int]:
+    """CLayout_64xN: (row, column) of register ``i`` of warpgroup thread ``t``."""
+    warp, r, c = t // 32, (t % 32) // 4, t % 4
+    v0, v1, v2 = i & 1, (i >> 1) & 1, i >> 2
+    return 16 * warp + r + 8 * v1, 8 * v2 + 2 * c + v0
