@@ -152,6 +152,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
                               (128, 64, 4, 3), (256, 64, 8, 2)):
             grid.append((dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st), True))
     grid += [(dataclasses.replace(c, v_mode=2 - c.v_mode), dyn) for c, dyn in grid]
+    if new > 1:  # the warp-specialized CUDA kernel (fp8kv_hopper.wgmma; prefill only)
+        grid += [(dataclasses.replace(base, kernel="wgmma"), True), (dataclasses.replace(base, kernel="wgmma"), False)]
     for cfg, dyn in grid:
         qs = None if dyn else torch.full((HKV,), 0.02, device=device)
 
@@ -166,9 +168,10 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or fit
             print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        record(f"hopper fp8 {'dyn-q' if dyn else 'head-q'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} "
-               f"s{cfg.num_stages} v{cfg.v_mode}", ms, config=dataclasses.asdict(cfg), dynamic_q=dyn,
-               default=cfg == base, **extra)
+        name = (f"hopper fp8 {'dyn-q' if dyn else 'head-q'} wgmma (CUDA, warp-specialized)" if cfg.kernel == "wgmma"
+                else f"hopper fp8 {'dyn-q' if dyn else 'head-q'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} "
+                f"s{cfg.num_stages} v{cfg.v_mode}")
+        record(name, ms, config=dataclasses.asdict(cfg), dynamic_q=dyn, default=cfg == base, **extra)
     if args.flashinfer:
         bench_flashinfer(device, cache, tables, query, qsl, seqs, args, record)
 

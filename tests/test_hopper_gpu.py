@@ -25,6 +25,7 @@ DEV = torch.device("cuda")
 
 
 def _case(seqs, new, cached, H=8, HQ=32, D=128, page=16, granularity="head", seed=0):
+    """An e4m3 cache with random K/V and ``seqs`` sequences of ``new`` queries over ``cached`` keys."""
     g = torch.Generator().manual_seed(seed)
     L = new + cached
     nblk = -(-L // page)
@@ -113,3 +114,130 @@ def test_the_kernel_uses_fp8_wgmma():
                                   q_scale=None, prob_scale=1.0)
     kernels = [k for cache_ in attention.fp8_attention_kernel.device_caches.values() for k in cache_[0].values()]
     assert any("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in k.asm["ptx"] for k in kernels)
+
+
+# ---- the warp-specialized CUDA prefill kernel (fp8kv_hopper.wgmma; opt-in until these pass) ----
+
+def _wgmma_check(case, dtype=torch.bfloat16, **kw):
+    """The CUDA kernel (``Fp8AttnConfig(kernel="wgmma")``) against the reference within the mode's
+    tolerance; returns the output."""
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    cache, q, tables, lens, qsl, new = case
+    q = q.to(dtype)
+    args = dict(block_tables=tables, seq_lens=lens, query_start_loc=qsl, max_query_len=new, fp8_attention=True, **kw)
+    ref_meta = fp8kv.plan_attention(cache, num_q_heads=q.shape[1], query_dtype=q.dtype, backend="reference", **args)
+    ref, ref_lse = fp8kv.paged_attention(q, cache, ref_meta, return_lse=True)
+    o = ref_meta.options
+    cfg = attention.choose_config(group=q.shape[1] // cache.num_kv_heads, num_seqs=lens.shape[0],
+                                  num_kv_heads=cache.num_kv_heads, max_query_len=new,
+                                  max_keys=tables.shape[1] * cache.block_size, num_sms=132)
+    out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+    attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, o.softmax_scale, o.causal, o.sliding_window,
+                                  o.logits_soft_cap, out, q_scale=o.q_scale, prob_scale=o.prob_scale, lse=lse,
+                                  config=dataclasses.replace(cfg, kernel="wgmma"))
+    tol, lse_tol = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, softmax_scale=o.softmax_scale,
+                                           causal=o.causal, sliding_window=o.sliding_window,
+                                           logits_soft_cap=o.logits_soft_cap, q_scale=o.q_scale,
+                                           prob_scale=o.prob_scale)
+    assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+    return out
+
+
+def test_wgmma_layouts():
+    """The kernel's shared-memory layouts, V transpose and both wgmma forms on raw e4m3 codes."""
+    from fp8kv_hopper import wgmma
+
+    g = torch.Generator().manual_seed(0)
+    a, b, v = (torch.randint(0, 256, s, generator=g, dtype=torch.uint8) for s in ((64, 128), (128, 128), (128, 128)))
+    for x in (a, b, v):
+        x[(x & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    a, b, v = a.to(DEV), b.to(DEV), v.to(DEV)
+    s, p8, o = wgmma.layout_test(a, b, v, 2.0**-14)
+    e4 = torch.float8_e4m3fn
+    af, bf, vf = (x.view(e4).double() for x in (a, b, v))
+    # the mode's accumulator model (fp8kv.testing.fp8_tolerance): >= 13 bits kept per 32-term step,
+    # (ceil(K / 32) + 1) 2^-13 of sum |a b| over K = 128
+    u = (128 // 32 + 1) * 2.0**-13
+    assert ((s.double() - af @ bf.T).abs() <= u * (af.abs() @ bf.abs().T) + 1e-30).all()
+    assert torch.equal(p8, (s * 2.0**-14).clamp(-448, 448).to(e4).view(torch.uint8))
+    pf = p8.view(e4).double()
+    assert ((o.double() - pf @ vf).abs() <= u * (pf.abs() @ vf.abs()) + 1e-30).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(2, 100, 60), (3, 300, 1000), (2, 129, 0)])
+def test_wgmma_prefill(dtype, shape):
+    _wgmma_check(_case(*shape), dtype)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(sliding_window=200), dict(causal=False), dict(prob_scale=1 / 448), dict(prob_scale=4.0),
+    dict(q_scale="tensor"), dict(q_scale="kv_head"), dict(q_scale="q_head"),
+], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+def test_wgmma_prefill_options(kw):
+    qs = {"tensor": torch.tensor(0.02, device=DEV), "kv_head": torch.full((8,), 0.01, device=DEV),
+          "q_head": torch.linspace(0.005, 0.02, 32, device=DEV)}
+    if "q_scale" in kw:
+        kw = dict(kw, q_scale=qs[kw["q_scale"]])
+    _wgmma_check(_case(2, 300, 700, seed=2), **kw)
+
+
+@pytest.mark.parametrize("layout", ["tensor", "mha", "group6", "page32", "page12"])
+def test_wgmma_prefill_layouts(layout):
+    kw = dict(tensor=dict(granularity="tensor"), mha=dict(HQ=8), group6=dict(HQ=48), page32=dict(page=32),
+              page12=dict(page=12))[layout]
+    _wgmma_check(_case(2, 200, 333, seed=3, **kw))
+
+
+@pytest.mark.parametrize("scale", [1e31, 1e-30])
+def test_wgmma_prefill_extreme_scales(scale):
+    """Logit factors outside (2^-96, 2^96): the kernel's saturating float64 path."""
+    g = torch.Generator().manual_seed(4)
+    H, HQ, D, page, seqs, new, cached = 8, 32, 128, 16, 2, 150, 100
+    L = new + cached
+    nblk = -(-L // page)
+    cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
+                                   k_scale=torch.full((H,), scale, device=DEV),
+                                   v_scale=torch.full((H,), 0.05, device=DEV), device=DEV)
+    n = seqs * nblk * page
+    fp8kv.write_kv(cache, (torch.randn(n, H, D, generator=g) * 100 * scale).to(DEV, torch.bfloat16),
+                   torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
+    tables = torch.randperm(seqs * nblk, generator=g).to(torch.int32).view(seqs, nblk).to(DEV)
+    q = (torch.randn(seqs * new, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
+    lens = torch.full((seqs,), L, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device=DEV)
+    out = _wgmma_check((cache, q, tables, lens, qsl, new))
+    assert torch.isfinite(out).all()
+
+
+def test_wgmma_prefill_at_size_and_under_graph_capture():
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    case = _case(4, 2048, 2048)
+    eager = _wgmma_check(case)
+    cache, q, tables, lens, qsl, new = case
+    cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
+                                                      max_keys=tables.shape[1] * 16, num_sms=132), kernel="wgmma")
+    out = torch.empty_like(q)
+
+    def run():
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
+                                      q_scale=None, prob_scale=1.0, config=cfg)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), eager.view(torch.int16))

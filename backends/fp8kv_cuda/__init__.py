@@ -14,7 +14,13 @@ and in CuPy's on-disk kernel cache). Modules:
   12.x from PyPI, every architecture sm70..sm90, registers and spills from ptxas).
 
 CuPy is imported only when a kernel is launched, so the plugin loads (and says why it cannot
-serve) where CuPy is missing. Nothing here is a public module for other backends yet.
+serve) where CuPy is missing.
+
+Public for other in-tree backends (the Hopper backend's CUDA kernel uses them): in
+:mod:`~fp8kv_cuda.runtime`, ``compile_source`` (NVRTC through CuPy), ``module`` (compile once per
+process and device), ``launch_struct`` (a kernel whose one parameter is a struct, on torch's stream)
+and ``device_index``; in :mod:`~fp8kv_cuda.compile`, ``compile_text`` and ``parse_ptxas`` (CPU
+compile cells through NVRTC 12 from PyPI). Everything else is private.
 """
 
 from fp8kv._version import __version__

@@ -366,8 +366,10 @@ def paged_attention_fp8(
     sm_mant, sm_exp = _mantissa_exponent(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
     if config.kernel == "wgmma":
-        why = "Triton's CPU interpreter" if interpret else wgmma.why_not(query, out, max_query_len, logits_soft_cap,
-                                                                         config.num_splits, lse)
+        scales = (cache.k_scale, cache.v_scale) + (() if q_scale is None else (q_scale,))
+        why = "Triton's CPU interpreter" if interpret else wgmma.why_not(
+            query, out, max_query_len, logits_soft_cap, config.num_splits, lse,
+            (block_tables, seq_lens, query_start_loc), scales)
         if why:
             raise InvalidArgument(f"config.kernel: 'wgmma' does not serve this call ({why})")
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,

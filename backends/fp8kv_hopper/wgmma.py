@@ -81,11 +81,16 @@ def function(entry: str, query_dtype: torch.dtype, device: torch.device):
 
 
 def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_soft_cap, num_splits: int,
-            lse: torch.Tensor | None) -> str | None:
+            lse: torch.Tensor | None, indices: tuple[torch.Tensor, ...],
+            scales: tuple[torch.Tensor, ...]) -> str | None:
     """Why this kernel cannot take the call (None: it can); host-known facts only. The cache is the
-    FP8 mode's (e4m3fn, tensor or head scales), checked at plan time."""
+    FP8 mode's (e4m3fn, tensor or head scales), checked at plan time; ``indices`` (block tables,
+    sequence lengths, query offsets) must be int32 and ``scales`` (k, v and a given q scale) float32,
+    as the plan makes them."""
     T, HQ, D = query.shape
     checks = (
+        (all(t.dtype == torch.int32 and t.stride(-1) == 1 for t in indices), "int32 block tables, lengths, offsets"),
+        (all(t.dtype == torch.float32 for t in scales), "float32 scales"),
         (query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) == (9, 0),
          "needs an sm90 GPU (sm_90a code)"),
         (max_query_len > 1 and num_splits == 1, "prefill steps without split-KV only"),
