@@ -153,7 +153,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
             grid.append((dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st), True))
     grid += [(dataclasses.replace(c, v_mode=2 - c.v_mode), dyn) for c, dyn in grid]
     if new > 1:  # the warp-specialized CUDA kernel (fp8kv_hopper.wgmma; prefill only)
-        grid += [(dataclasses.replace(base, kernel="wgmma"), True), (dataclasses.replace(base, kernel="wgmma"), False)]
+        grid += [(dataclasses.replace(base, kernel="wgmma", wgmma_pingpong=pp), dyn) for pp in (True, False)
+                 for dyn in (True, False)]
     for cfg, dyn in grid:
         qs = None if dyn else torch.full((HKV,), 0.02, device=device)
 
@@ -168,7 +169,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         except Exception as exc:  # noqa: BLE001 - a configuration that does not compile or fit
             print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
-        name = (f"hopper fp8 {'dyn-q' if dyn else 'head-q'} wgmma (CUDA, warp-specialized)" if cfg.kernel == "wgmma"
+        name = (f"hopper fp8 {'dyn-q' if dyn else 'head-q'} wgmma (CUDA){' ping-pong' if cfg.wgmma_pingpong else ''}"
+                if cfg.kernel == "wgmma"
                 else f"hopper fp8 {'dyn-q' if dyn else 'head-q'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} "
                 f"s{cfg.num_stages} v{cfg.v_mode}")
         record(name, ms, config=dataclasses.asdict(cfg), dynamic_q=dyn, default=cfg == base, **extra)

@@ -118,7 +118,7 @@ def test_the_kernel_uses_fp8_wgmma():
 
 # ---- the warp-specialized CUDA prefill kernel (fp8kv_hopper.wgmma; opt-in until these pass) ----
 
-def _wgmma_check(case, dtype=torch.bfloat16, **kw):
+def _wgmma_check(case, dtype=torch.bfloat16, pingpong=True, **kw):
     """The CUDA kernel (``Fp8AttnConfig(kernel="wgmma")``) against the reference within the mode's
     tolerance; returns the output."""
     import dataclasses
@@ -137,7 +137,7 @@ def _wgmma_check(case, dtype=torch.bfloat16, **kw):
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
     attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, o.softmax_scale, o.causal, o.sliding_window,
                                   o.logits_soft_cap, out, q_scale=o.q_scale, prob_scale=o.prob_scale, lse=lse,
-                                  config=dataclasses.replace(cfg, kernel="wgmma"))
+                                  config=dataclasses.replace(cfg, kernel="wgmma", wgmma_pingpong=pingpong))
     tol, lse_tol = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, softmax_scale=o.softmax_scale,
                                            causal=o.causal, sliding_window=o.sliding_window,
                                            logits_soft_cap=o.logits_soft_cap, q_scale=o.q_scale,
@@ -167,10 +167,11 @@ def test_wgmma_layouts():
     assert ((o.double() - pf @ vf).abs() <= u * (pf.abs() @ vf.abs()) + 1e-30).all()
 
 
+@pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", [(2, 100, 60), (3, 300, 1000), (2, 129, 0)])
-def test_wgmma_prefill(dtype, shape):
-    _wgmma_check(_case(*shape), dtype)
+def test_wgmma_prefill(dtype, shape, pingpong):
+    _wgmma_check(_case(*shape), dtype, pingpong)
 
 
 @pytest.mark.parametrize("kw", [

@@ -1,8 +1,9 @@
 """The Hopper backend's CUDA prefill kernel (``fp8kv_hopper/csrc/fp8_prefill.cu``) on the CPU.
 
-* It compiles for sm_90a with NVRTC 12 from PyPI (``cuda-compile`` extra), for every query type,
-  without spills, within the 168 registers of a 384-thread CTA, and its PTX has both e4m3 wgmma forms
-  (A from shared memory for ``q8 @ k8^T``, A from registers for ``p8 @ v8``).
+* It compiles for sm_90a with NVRTC 12 from PyPI (``cuda-compile`` extra), for every query type, with
+  and without the ping-pong schedule, without spills, without ptxas serializing the wgmma for lack of
+  registers, and its PTX has both e4m3 wgmma forms (A from shared memory for ``q8 @ k8^T``, A from
+  registers for ``p8 @ v8``).
 * The host's mirrors of the kernel's structs (``Params`` passed by value, the shared-memory size) have
   the kernel's sizes (checked by ``static_assert`` in a compile).
 * The index maps: the producer's V transpose writes every byte of V^T once with the right V byte,
@@ -31,17 +32,21 @@ WGMMA_SS = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
 MAX_REGS = 65536 // wgmma.THREADS // 8 * 8  # one CTA of 384 threads per SM: 168
 
 
+@pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_compiles_for_sm90a_without_spills(dtype):
+def test_compiles_for_sm90a_without_spills(dtype, pingpong):
     from fp8kv_cuda import compile as cc
 
-    _, log = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype), "sm_90a")
+    _, log = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype, pingpong), "sm_90a")
     info = cc.parse_ptxas(log)
     assert set(info) == {wgmma.ENTRY, wgmma.LAYOUT_TEST}, log[-2000:]
+    assert "C7512" not in log, log  # "wgmma.mma_async instructions are serialized" (too few registers)
+    assert "C7508" not in log, log  # setmaxnreg ignored
     for entry, x in info.items():
         assert x["spill_stores"] == 0 and x["spill_loads"] == 0 and x["stack"] == 0, (entry, x)
     assert info[wgmma.ENTRY]["regs"] <= MAX_REGS, info
-    ptx, _ = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype), "compute_90a", ptx=True)
+    ptx, _ = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype, pingpong), "compute_90a",
+                             ptx=True)
     ptx = ptx.decode(errors="replace")
     body = ptx[ptx.index(f".entry {wgmma.ENTRY}"):]
     ss = len(re.findall(re.escape(WGMMA_SS) + r"[^}]*\}, %rd\d+, %rd\d+", body))

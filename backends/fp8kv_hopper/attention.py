@@ -283,6 +283,8 @@ class Fp8AttnConfig:
     :mod:`fp8kv_hopper.wgmma` (prefill; InvalidArgument where it does not serve). :func:`choose_config`
     picks ``"triton"`` until the CUDA kernel's GPU tests have passed on an H100 (it has been compiled,
     not yet run: docs/fp8_attention.md)."""
+    wgmma_pingpong: bool = True
+    """``"wgmma"`` only: the two consumer warpgroups take turns issuing their products (FA3's schedule)."""
 
 
 def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_keys: int,
@@ -374,7 +376,7 @@ def paged_attention_fp8(
             raise InvalidArgument(f"config.kernel: 'wgmma' does not serve this call ({why})")
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,
                      min(int(sliding_window or NO_WINDOW), NO_WINDOW), out, lse, q_scale, (qs_kv, qs_q),
-                     float(prob_scale))
+                     float(prob_scale), pingpong=config.wgmma_pingpong)
         return
     k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
     split = config.num_splits > 1

@@ -65,15 +65,18 @@ def source() -> str:
     return resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text()
 
 
-def options(query_dtype: torch.dtype, stages: int = STAGES) -> tuple[str, ...]:
-    return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_STAGES={stages}")
+def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES) -> tuple[str, ...]:
+    """NVRTC options of a variant: the query type, whether the consumer warpgroups take turns issuing
+    their products (``FP8KV_PINGPONG``), the pipeline depth."""
+    return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_PINGPONG={int(pingpong)}",
+            f"-DFP8KV_STAGES={stages}")
 
 
-def function(entry: str, query_dtype: torch.dtype, device: torch.device):
+def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = True):
     """The compiled ``entry`` for ``query_dtype`` on ``device`` (sm_90a cubin, built on first use)."""
     from fp8kv_cuda import runtime
 
-    opts = options(query_dtype)
+    opts = options(query_dtype, pingpong)
     index = runtime.device_index(device)
     mod = runtime.module(("fp8kv_hopper.fp8_prefill", opts), lambda: runtime.compile_source(
         source(), "fp8_prefill.cu", opts, "sm_90a"), (ENTRY, LAYOUT_TEST), index)
@@ -115,7 +118,8 @@ def _has_cupy() -> bool:
 
 
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
-           causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float) -> None:
+           causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float,
+           pingpong: bool = True) -> None:
     """Enqueue the kernel for ``query [T, Hq, 128]`` into ``out`` (and ``lse [T, Hq]``); arguments as
     :func:`fp8kv_hopper.attention.paged_attention_fp8` prepares them (no host sync)."""
     from fp8kv_cuda import runtime
@@ -143,7 +147,7 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         page_shift=page.bit_length() - 1 if page & (page - 1) == 0 else -1, num_blocks=cache.key_cache.shape[0],
         max_keys=block_tables.shape[1] * page, q_dynamic=int(q_scale is None), write_lse=int(lse is not None),
         scale_p=int(prob_scale != 1.0))
-    fn = function(ENTRY, query.dtype, query.device)
+    fn = function(ENTRY, query.dtype, query.device, pingpong)
     runtime.launch_struct(fn, runtime.device_index(query.device), (S * q_blocks, H, 1), THREADS, p, smem_bytes())
 
 

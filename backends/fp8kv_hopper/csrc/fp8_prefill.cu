@@ -25,7 +25,8 @@
 // Memory safety without host checks: query_start_loc and seq_lens clamped as the Triton kernel,
 // block ids outside [0, num_blocks) never loaded, rows past a sequence's queries never written.
 //
-// Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES.
+// Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES,
+// FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn).
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -37,6 +38,9 @@ typedef long long i64;
 #endif
 #ifndef FP8KV_STAGES
 #define FP8KV_STAGES 3
+#endif
+#ifndef FP8KV_PINGPONG
+#define FP8KV_PINGPONG 1
 #endif
 
 // The 64 float32 accumulator registers of an m64n128 wgmma, as asm operands.
@@ -50,7 +54,10 @@ constexpr int BLOCK_M = 128;      // rows per CTA (two consumer warpgroups of 64
 constexpr int BLOCK_N = 128;      // keys per tile
 constexpr int STAGES = FP8KV_STAGES;
 constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (the launch's pool)
+constexpr int CONSUMER_REGS = 224;
 constexpr int QT = FP8KV_QT;
+constexpr bool PINGPONG = FP8KV_PINGPONG != 0;  // the consumer warpgroups issue their products in turn
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
 constexpr int VR_PITCH = 144;     // bytes per key row of the raw V tile (128 + 16: conflict-free loads)
 constexpr float E4M3_MAX = 448.0f;
@@ -103,6 +110,9 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
 }
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
 // bar.sync of `count` threads that also returns whether `pred` holds in all of them
 __device__ __forceinline__ bool named_sync_and(int id, int count, bool pred) {
@@ -206,7 +216,7 @@ __device__ __forceinline__ int vt_key(int kpos) {
 __device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt) {
     const int warp = wt >> 5, lane = wt & 31, a = lane & 7, w = lane >> 3;
     const u32 src = smem_addr(vr), dst = smem_addr(vt);
-#pragma unroll
+#pragma unroll 2
     for (int step = 0; step < 8; ++step) {
         const int combo = warp * 8 + step, dg = combo & 3, chunk = combo >> 2;
         const int dim0 = 4 * (a + 8 * dg);
@@ -265,7 +275,7 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
             mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
             const int n0 = cta.lo + t * BLOCK_N;
             const u32 kdst = smem_addr(sh.k[s]), vdst = smem_addr(sh.vr[s]);
-#pragma unroll
+#pragma unroll 1
             for (int i = 0; i < BLOCK_N / 16; ++i) {
                 const int key = krow + 16 * i, n = n0 + key;
                 const int pg = P.page_shift >= 0 ? n >> P.page_shift : n / P.page;
@@ -289,6 +299,78 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
             mbar_arrive(&sh.full[su]);
         }
     }
+}
+
+// A consumer thread's online-softmax state for its two rows (h = 0, 1: rows r and r + 8 of its warp).
+struct Softmax {
+    float m[2], l[2];  // running maximum (an integer or -inf) and the partial row sum of this thread's keys
+    float f[2];        // the rows' logit factors (fast path)
+    double F[2];       // the same in float64 (saturating path)
+    int pos[2];
+    bool rv[2];
+    bool fast;         // every row's factor in (2^-96, 2^96): a logit is one FFMA in the exp2 argument
+};
+
+// Tile at n0 in stage s: mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
+// (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments: word 0 / 1 =
+// rows r / r + 8, positions 4c..4c+3 = keys 2c, 2c + 1, 2c + 8, 2c + 9 (n-tiles 4 kk, 4 kk + 1); words
+// 2 / 3 the same 16 keys on.
+__device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
+                                             const Cta& cta, int lane, int c, float (&sa)[64], float (&o)[64],
+                                             u32 (&pa)[4][4]) {
+    const bool all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[s])[lane] == 0x01010101u);
+    if (!(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi)) {  // an edge tile: mask
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, h = e >> 1;
+                const bool vis = sh.valid[s][key] && sm.rv[h] && n > sm.pos[h] - P.window &&
+                                 (!P.causal || n <= sm.pos[h]);
+                sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
+            }
+    }
+    if (!sm.fast) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            const float v = sa[i];
+            sa[i] = v == NEG_INF ? v : (float)fmin(fmax((double)v * sm.F[(i >> 1) & 1], -3.4028234663852886e38),
+                                                     3.4028234663852886e38);
+        }
+    }
+    float mx[2] = {NEG_INF, NEG_INF}, msafe[2];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+        const float mnew = fmaxf(sm.m[h], ceilf(sm.fast ? mx[h] * sm.f[h] : mx[h]));  // an integer (or -inf)
+        msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
+        const float alpha = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
+        sm.m[h] = mnew;
+        sm.l[h] *= alpha;
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
+            o[4 * j + 2 * h] *= alpha;
+            o[4 * j + 2 * h + 1] *= alpha;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int h = (i >> 1) & 1;
+        float x = sm.fast ? fmaf(sa[i], sm.f[h], -msafe[h]) : sa[i] - msafe[h];
+        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(x) : "f"(x));
+        sm.l[h] += x;
+        sa[i] = P.scale_p ? x * P.inv_prob_scale : x;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
+            pa[kk][w] = e4m3x4(sa[4 * j + e], sa[4 * j + e + 1], sa[4 * j + 4 + e], sa[4 * j + 4 + e + 1]);
+        }
 }
 
 // A consumer warpgroup (cw = 0, 1: rows 64 cw .. 64 cw + 63 of the CTA).
@@ -356,89 +438,53 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         orow[h] = (i64)lse_idx[h] * D;
     }
 
+    Softmax sm{};
+    sm.fast = fast;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        sm.m[h] = NEG_INF;
+        sm.l[h] = 0.0f;
+        sm.f[h] = f[h];
+        sm.F[h] = F[h];
+        sm.pos[h] = pos[h];
+        sm.rv[h] = rv[h];
+    }
     float o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.0f, 0.0f};
+    float sa[64];
+    u32 pa[4][4];
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
-    for (int t = 0; t < cta.ntiles; ++t) {
+    // Phases: phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, waits
+    // for both, releases tile t-1's stage, and runs the softmax of tile t. With FP8KV_PINGPONG the two
+    // warpgroups issue their phases in turn (named barriers 4 + cw), so one's softmax runs while the
+    // other's products occupy the tensor cores (FA3's inter-warpgroup schedule).
+    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
+    for (int t = 0; t <= cta.ntiles; ++t) {
         const int s = t % STAGES;
-        mbar_wait(&sh.full[s], (t / STAGES) & 1);
-        const int n0 = cta.lo + t * BLOCK_N;
-        float sa[64];
-        const u64 dk = desc(smem_addr(sh.k[s]), 1024);
+        if (t < cta.ntiles) mbar_wait(&sh.full[s], (t / STAGES) & 1);
+        if (PINGPONG) named_sync(4 + cw, 256);
         wgmma_fence();
+        if (t >= 1) {
+            const u64 dv = desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO);
 #pragma unroll
-        for (int ks = 0; ks < 4; ++ks) wgmma_ss(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);  // +256 bytes per k step
+            for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
+        }
+        if (t < cta.ntiles) {
+            const u64 dk = desc(smem_addr(sh.k[s]), 1024);
+#pragma unroll
+            for (int ks = 0; ks < 4; ++ks) wgmma_ss(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);  // +256 bytes a k step
+        }
         wgmma_commit();
-        wgmma_wait0();
-        fence_acc(sa);
-
-        const bool all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[s])[lane] == 0x01010101u);
-        if (!(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi)) {  // an edge tile: mask
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, h = e >> 1;
-                    const bool vis = sh.valid[s][key] && rv[h] && n > pos[h] - P.window && (!P.causal || n <= pos[h]);
-                    sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
-                }
-        }
-        float mx[2] = {NEG_INF, NEG_INF};
-        if (!fast) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
-#pragma unroll
-            for (int i = 0; i < 64; ++i) {
-                const float v = sa[i];
-                sa[i] = v == NEG_INF ? v : (float)fmin(fmax((double)v * F[(i >> 1) & 1], -3.4028234663852886e38),
-                                                         3.4028234663852886e38);
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 64; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
-        float msafe[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
-            mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
-            const float mnew = fmaxf(m[h], ceilf(fast ? mx[h] * f[h] : mx[h]));  // an integer (or -inf)
-            msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
-            const float alpha = pow2(m[h] - msafe[h]);  // exact (0 from -inf)
-            m[h] = mnew;
-            l[h] *= alpha;
-#pragma unroll
-            for (int j = 0; j < 16; ++j) {
-                o[4 * j + 2 * h] *= alpha;
-                o[4 * j + 2 * h + 1] *= alpha;
-            }
-        }
-#pragma unroll
-        for (int i = 0; i < 64; ++i) {
-            const int h = (i >> 1) & 1;
-            float x = fast ? fmaf(sa[i], f[h], -msafe[h]) : sa[i] - msafe[h];
-            asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(x) : "f"(x));
-            l[h] += x;
-            sa[i] = P.scale_p ? x * P.inv_prob_scale : x;
-        }
-        // p8 as the A fragments of 4 k32 slices: word 0 / 1 = rows r / r + 8, positions 4c..4c+3 =
-        // keys 2c, 2c + 1, 2c + 8, 2c + 9 (n-tiles 4 kk, 4 kk + 1); words 2 / 3 the same 16 keys on
-        u32 pa[4][4];
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
-                pa[kk][w] = e4m3x4(sa[4 * j + e], sa[4 * j + e + 1], sa[4 * j + 4 + e], sa[4 * j + 4 + e + 1]);
-            }
-        const u64 dv = desc(smem_addr(sh.vt[s]), VT_SBO);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
-        wgmma_commit();
+        if (PINGPONG) named_arrive(4 + (1 - cw), 256);
         wgmma_wait0();
         fence_acc(o);
-        mbar_arrive(&sh.empty[s]);
+        fence_acc(sa);
+        if (t >= 1) mbar_arrive(&sh.empty[(t - 1) % STAGES]);  // tile t-1's K and V are read
+        if (t < cta.ntiles) softmax_tile(sh, P, sm, s, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
     }
+    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
+    float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
     const float v_scale = P.vs[cta.kvh * P.stride_vsh];
 #pragma unroll
@@ -489,9 +535,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const
         }
     }
     __syncthreads();
-    // (no setmaxnreg: the consumers fit the 168 registers of 384 threads, about 156 in use)
-    if (threadIdx.x < 128) produce(sh, P, cta);
-    else consume(sh, P, cta, threadIdx.x >= 256 ? 1 : 0);
+    // Registers: 168 per thread at launch (384 threads); the producer gives most of its share to the
+    // consumers, whose phases keep S, O and p8 live at once (else ptxas serializes the wgmma).
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        produce(sh, P, cta);
+    } else {
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+        consume(sh, P, cta, threadIdx.x >= 256 ? 1 : 0);
+    }
 }
 
 // The layout test (tests/test_hopper_gpu.py): one warpgroup runs the kernel's shared-memory layouts,
