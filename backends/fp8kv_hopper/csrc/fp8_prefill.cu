@@ -157,6 +157,17 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+// S = q8 k8^T: 4 k32 steps over D = 128 (+256 bytes a step: descriptor + 16)
+__device__ __forceinline__ void issue_qk(float (&s)[64], u64 dq, u64 dk) {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma_ss(s, dq + 16 * ks, dk + 16 * ks, ks > 0);
+}
+// O += p8 v8: 4 k32 steps over the tile's 128 keys
+__device__ __forceinline__ void issue_pv(float (&o)[64], const u32 (&pa)[4][4], u64 dv) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
+}
+
 // ---- conversions ----
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;
@@ -170,6 +181,19 @@ __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
     return (u32)r;
 }
 __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) { return e4m3x2(a, b) | (e4m3x2(c, d) << 16); }
+
+// p (an m64n128 accumulator) as e4m3 wgmma A fragments of 4 k32 slices: word 0 / 1 = rows r / r + 8,
+// positions 4c..4c+3 = keys 2c, 2c + 1, 2c + 8, 2c + 9 (n-tiles 4 kk, 4 kk + 1); words 2 / 3 the same
+// 16 keys on (V^T's columns are in this key order: vt_key)
+__device__ __forceinline__ void pack_p8(const float (&p)[64], u32 (&pa)[4][4]) {
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
+            pa[kk][w] = e4m3x4(p[4 * j + e], p[4 * j + e + 1], p[4 * j + 4 + e], p[4 * j + 4 + e + 1]);
+        }
+}
 
 __device__ __forceinline__ float load_q(const void* Q, i64 i) {
     if constexpr (QT == 0) {
@@ -312,9 +336,7 @@ struct Softmax {
 };
 
 // Tile at n0 in stage s: mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
-// (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments: word 0 / 1 =
-// rows r / r + 8, positions 4c..4c+3 = keys 2c, 2c + 1, 2c + 8, 2c + 9 (n-tiles 4 kk, 4 kk + 1); words
-// 2 / 3 the same 16 keys on.
+// (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments (pack_p8).
 __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
                                              const Cta& cta, int lane, int c, float (&sa)[64], float (&o)[64],
                                              u32 (&pa)[4][4]) {
@@ -364,13 +386,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
         sm.l[h] += x;
         sa[i] = P.scale_p ? x * P.inv_prob_scale : x;
     }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
-            pa[kk][w] = e4m3x4(sa[4 * j + e], sa[4 * j + e + 1], sa[4 * j + 4 + e], sa[4 * j + 4 + e + 1]);
-        }
+    pack_p8(sa, pa);
 }
 
 // A consumer warpgroup (cw = 0, 1: rows 64 cw .. 64 cw + 63 of the CTA).
@@ -465,16 +481,8 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         if (t < cta.ntiles) mbar_wait(&sh.full[s], (t / STAGES) & 1);
         if (PINGPONG) named_sync(4 + cw, 256);
         wgmma_fence();
-        if (t >= 1) {
-            const u64 dv = desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO);
-#pragma unroll
-            for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
-        }
-        if (t < cta.ntiles) {
-            const u64 dk = desc(smem_addr(sh.k[s]), 1024);
-#pragma unroll
-            for (int ks = 0; ks < 4; ++ks) wgmma_ss(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);  // +256 bytes a k step
-        }
+        if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO));
+        if (t < cta.ntiles) issue_qk(sa, dq, desc(smem_addr(sh.k[s]), 1024));
         wgmma_commit();
         if (PINGPONG) named_arrive(4 + (1 - cw), 256);
         wgmma_wait0();
@@ -576,11 +584,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(con
     transpose_v(sh.vr[0], sh.vt[0], tid);
     fence_async_shared();
     __syncthreads();
-    float sa[64];
-    const u64 dq = desc(smem_addr(sh.q), 1024), dk = desc(smem_addr(sh.k[0]), 1024);
+    float sa[64], o[64];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_ss(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
+    issue_qk(sa, desc(smem_addr(sh.q), 1024), desc(smem_addr(sh.k[0]), 1024));
     wgmma_commit();
     wgmma_wait0();
     fence_acc(sa);
@@ -590,22 +596,12 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(con
         S_out[row * 128 + col] = sa[i];
         sa[i] *= p_scale;
         P_out[row * 128 + col] = (u8)(e4m3x2(sa[i], 0.0f) & 0xFFu);
+        o[i] = 0.0f;
     }
     u32 pa[4][4];
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-            const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
-            pa[kk][w] = e4m3x4(sa[4 * j + e], sa[4 * j + e + 1], sa[4 * j + 4 + e], sa[4 * j + 4 + e + 1]);
-        }
-    float o[64];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    const u64 dv = desc(smem_addr(sh.vt[0]), VT_SBO);
+    pack_p8(sa, pa);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
+    issue_pv(o, pa, desc(smem_addr(sh.vt[0]), VT_SBO));
     wgmma_commit();
     wgmma_wait0();
     fence_acc(o);
