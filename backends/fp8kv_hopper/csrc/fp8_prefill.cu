@@ -234,8 +234,11 @@ __device__ __forceinline__ void store_out2(void* O, i64 i, float a, float b) {
     }
 }
 
-// 2^k for an integer (or -inf) k <= 0, exactly (subnormals included)
-__device__ __forceinline__ float pow2(float k) { return k < -200.0f ? 0.0f : ldexpf(1.0f, (int)k); }
+// 2^k for an integer (or -inf) k <= 0, exactly, from the bits (subnormals included; below 2^-149: 0)
+__device__ __forceinline__ float pow2(float k) {
+    const int e = (int)fmaxf(k, -150.0f);
+    return e >= -126 ? __int_as_float((e + 127) << 23) : (e >= -149 ? __int_as_float(1 << (e + 149)) : 0.0f);
+}
 
 // ---- the producer's pieces ----
 
@@ -372,7 +375,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
                                                      3.4028234663852886e38);
         }
     }
-    float mx[2] = {NEG_INF, NEG_INF}, msafe[2];
+    float mx[2] = {NEG_INF, NEG_INF}, msafe[2], alpha[2];
 #pragma unroll
     for (int i = 0; i < 64; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
 #pragma unroll
@@ -381,22 +384,28 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
         const float mnew = fmaxf(sm.m[h], ceilf(sm.fast ? mx[h] * sm.f[h] : mx[h]));  // an integer (or -inf)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
-        const float alpha = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
+        alpha[h] = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
         sm.m[h] = mnew;
-        sm.l[h] *= alpha;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-            o[4 * j + 2 * h] *= alpha;
-            o[4 * j + 2 * h + 1] *= alpha;
-        }
+        sm.l[h] *= alpha[h];
     }
+    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // (the maximum moved: rarely)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+    float lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // (two chains a row)
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         const int h = (i >> 1) & 1;
         float x = sm.fast ? fmaf(sa[i], sm.f[h], -msafe[h]) : sa[i] - msafe[h];
         asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(x) : "f"(x));
-        sm.l[h] += x;
-        sa[i] = P.scale_p ? x * P.inv_prob_scale : x;
+        lsum[h][i & 1] += x;
+        sa[i] = x;
+    }
+    sm.l[0] += lsum[0][0] + lsum[0][1];
+    sm.l[1] += lsum[1][0] + lsum[1][1];
+    if (P.scale_p) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) sa[i] *= P.inv_prob_scale;
     }
     pack_p8(sa, pa);
 }
