@@ -126,8 +126,11 @@ def compile_text(src: str, name: str, opts, gpu_arch: str, ptx: bool = False, la
         verbose = () if ptx else ("-Xptxas", "-v")
         opts = [o.encode() for o in (*opts, f"--gpu-architecture={gpu_arch}", *verbose)]
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        # NVRTC writes into the buffers it is given: they must be mutable. (`b" " * n` was used here:
+        # for n == 1, an empty log, that is CPython's cached one-byte object b" ", which NVRTC then
+        # overwrote with a NUL, turning every later space written through bytes into a NUL.)
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * n
+        log = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, log)
         text = log.decode(errors="replace").rstrip("\x00")
         if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -135,10 +138,10 @@ def compile_text(src: str, name: str, opts, gpu_arch: str, ptx: bool = False, la
         get_size, get = (nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if ptx else (nvrtc.nvrtcGetCUBINSize,
                                                                                 nvrtc.nvrtcGetCUBIN)
         _, size = get_size(prog)
-        image = b" " * size
+        image = bytearray(size)
         (err,) = get(prog, image)
         _check(err, "nvrtcGetPTX" if ptx else "nvrtcGetCUBIN")
-        return image, text
+        return bytes(image), text
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 
