@@ -120,3 +120,25 @@ def test_supports_says_why_on_simulated_devices(monkeypatch):
     assert "fp8_e4m3 cache" in plugin.supports(h100, _req(fmt="fp8_e5m2"))
     assert "tensor or head" in plugin.supports(h100, _req(gran="token_head"))
     assert "head_size 80" in plugin.supports(h100, _req(D=80))
+
+
+@interpreted
+@pytest.mark.parametrize("kernel, match", [("wgmma", "'wgmma' does not serve this call"),
+                                           ("cutlass", "expected 'triton' or 'wgmma'")])
+def test_a_kernel_that_cannot_serve_is_refused_by_name(kernel, match):
+    """``Fp8AttnConfig.kernel``: the CUDA kernel says why it cannot take a call (here: the CPU
+    interpreter, head size 32), an unknown name is refused; neither writes ``out``."""
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    from fp8kv.errors import InvalidArgument
+
+    cache, q, tables, lens, qsl = _case()
+    cfg = attention.choose_config(group=4, num_seqs=2, num_kv_heads=2, max_query_len=3, max_keys=28, num_sms=1,
+                                  interpret=True)
+    out = torch.full_like(q, 7.0)
+    with pytest.raises(InvalidArgument, match=match):
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, 3, 32**-0.5, True, None, None, out, q_scale=None,
+                                      prob_scale=1.0, config=dataclasses.replace(cfg, kernel=kernel), interpret=True)
+    assert (out == 7.0).all()

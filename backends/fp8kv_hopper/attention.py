@@ -367,6 +367,8 @@ def paged_attention_fp8(
     q_blocks = triton.cdiv(max_query_len, block_q)
     sm_mant, sm_exp = _mantissa_exponent(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
+    if config.kernel not in ("triton", "wgmma"):
+        raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'triton' or 'wgmma'")
     if config.kernel == "wgmma":
         scales = (cache.k_scale, cache.v_scale) + (() if q_scale is None else (q_scale,))
         why = "Triton's CPU interpreter" if interpret else wgmma.why_not(
