@@ -142,3 +142,16 @@ def test_a_kernel_that_cannot_serve_is_refused_by_name(kernel, match):
         attention.paged_attention_fp8(q, cache, tables, lens, qsl, 3, 32**-0.5, True, None, None, out, q_scale=None,
                                       prob_scale=1.0, config=dataclasses.replace(cfg, kernel=kernel), interpret=True)
     assert (out == 7.0).all()
+
+
+@pytest.mark.parametrize("group", [1, 4, 6, 64, 128, 200, 256])
+@pytest.mark.parametrize("max_query_len", [1, 7, 2048])
+def test_every_query_head_of_a_group_has_a_row(group, max_query_len):
+    """A program's rows are ``block_q`` tokens times the GQA group (row = token * group + head): a
+    block smaller than the group would leave heads without a program (prefill used 128 rows for any
+    group, so heads 128.. of a 256-head group were never written)."""
+    from fp8kv_hopper.attention import choose_config
+
+    cfg = choose_config(group=group, num_seqs=2, num_kv_heads=1, max_query_len=max_query_len, max_keys=4096,
+                        num_sms=132)
+    assert cfg.block_m >= group

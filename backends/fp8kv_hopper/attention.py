@@ -298,8 +298,8 @@ def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len
     1607-3760 us for the other tiles). Decode (one query token): ``max(16, group)`` rows and split-KV
     so that every SM holds two programs, pieces of at most 2048 keys.
     """
-    if max_query_len > 1:
-        block_m, block_n, warps, stages = 128, 128, 8, 3
+    if max_query_len > 1:  # (a GQA group of more than 128 query heads takes a block of its own size)
+        block_m, block_n, warps, stages = max(128, triton.next_power_of_2(group)), 128, 8, 3
     else:
         block_m, block_n, warps, stages = max(16, triton.next_power_of_2(group)), 128, 4, 2
     if interpret:  # Triton's CPU interpreter: small tiles
@@ -373,7 +373,7 @@ def paged_attention_fp8(
         scales = (cache.k_scale, cache.v_scale) + (() if q_scale is None else (q_scale,))
         why = "Triton's CPU interpreter" if interpret else wgmma.why_not(
             query, out, max_query_len, logits_soft_cap, config.num_splits, lse,
-            (block_tables, seq_lens, query_start_loc), scales)
+            (block_tables, seq_lens, query_start_loc), scales, group)
         if why:
             raise InvalidArgument(f"config.kernel: 'wgmma' does not serve this call ({why})")
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,

@@ -84,12 +84,12 @@ def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpon
 
 
 def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_soft_cap, num_splits: int,
-            lse: torch.Tensor | None, indices: tuple[torch.Tensor, ...],
-            scales: tuple[torch.Tensor, ...]) -> str | None:
+            lse: torch.Tensor | None, indices: tuple[torch.Tensor, ...], scales: tuple[torch.Tensor, ...],
+            group: int) -> str | None:
     """Why this kernel cannot take the call (None: it can); host-known facts only. The cache is the
     FP8 mode's (e4m3fn, tensor or head scales), checked at plan time; ``indices`` (block tables,
     sequence lengths, query offsets) must be int32 and ``scales`` (k, v and a given q scale) float32,
-    as the plan makes them."""
+    as the plan makes them; ``group`` is the query heads per KV head (a CTA's 128 rows hold them all)."""
     T, HQ, D = query.shape
     checks = (
         (all(t.dtype == torch.int32 and t.stride(-1) == 1 for t in indices), "int32 block tables, lengths, offsets"),
@@ -99,6 +99,7 @@ def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_s
         (max_query_len > 1 and num_splits == 1, "prefill steps without split-KV only"),
         (logits_soft_cap is None, "no soft-cap"),
         (D == HEAD_SIZE, f"head size {HEAD_SIZE} only"),
+        (group <= BLOCK_M, f"GQA groups of at most {BLOCK_M} query heads (got {group})"),
         (query.dtype in QUERY_TYPES and out.dtype == query.dtype, "float16/bfloat16/float32 queries, out alike"),
         (query.is_contiguous() and out.is_contiguous() and (lse is None or lse.is_contiguous()),
          "contiguous query, out and lse"),
