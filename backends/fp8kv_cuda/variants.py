@@ -194,6 +194,15 @@ def _read(name: str) -> str:
 def source(kernel: str) -> str:
     """The kernel family's CUDA source with every ``#include "x.cuh"`` of ``csrc/`` inlined, each
     header once (so that a compile cache keyed on the source text sees every change)."""
+    text = _read(KERNELS[kernel][0])
+    if _INCLUDE.search(text) is None:
+        raise RuntimeError(f"{KERNELS[kernel][0]}: expected an #include of codec.cuh")
+    return inline_headers(text)
+
+
+def inline_headers(text: str) -> str:
+    """``text`` (CUDA source) with every ``#include "x.cuh"`` of this backend's ``csrc/`` inlined, each
+    header once. Public: another in-tree backend's kernel includes ``wgmma_common.cuh`` this way."""
     seen: set[str] = set()
 
     def inline(text: str) -> str:
@@ -207,9 +216,6 @@ def source(kernel: str) -> str:
                 lines.append(inline(_read(m.group(1))))
         return "\n".join(lines)
 
-    text = _read(KERNELS[kernel][0])
-    if _INCLUDE.search(text) is None:
-        raise RuntimeError(f"{KERNELS[kernel][0]}: expected an #include of codec.cuh")
     return inline(text) + "\n"
 
 

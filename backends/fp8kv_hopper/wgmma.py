@@ -62,7 +62,10 @@ class Params(ctypes.Structure):
 
 @functools.cache
 def source() -> str:
-    return resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text()
+    """The kernel's source with the CUDA backend's ``wgmma_common.cuh`` inlined (its public helpers)."""
+    from fp8kv_cuda.variants import inline_headers
+
+    return inline_headers(resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text())
 
 
 def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES) -> tuple[str, ...]:

@@ -27,12 +27,6 @@
 //
 // Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES,
 // FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn).
-typedef unsigned char u8;
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-typedef long long i64;
-
 #ifndef FP8KV_QT
 #define FP8KV_QT 2
 #endif
@@ -43,21 +37,7 @@ typedef long long i64;
 #define FP8KV_PINGPONG 1
 #endif
 
-// The 64 float32 accumulator registers of an m64n128 wgmma, as asm operands.
-#define ACC64_REGS \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define ACC64_OPS(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#include "wgmma_common.cuh"
 
 namespace fp8kv {
 
@@ -88,8 +68,6 @@ struct __align__(128) Smem {
 };
 constexpr int SMEM_BYTES = (int)sizeof(Smem);
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
 // The launcher's shared-memory size must hold Smem (fp8kv_hopper.wgmma.smem_bytes mirrors it).
 __device__ __forceinline__ void check_smem() {
     u32 bytes;
@@ -97,95 +75,18 @@ __device__ __forceinline__ void check_smem() {
     if (bytes < (u32)SMEM_BYTES) __trap();
 }
 
-// ---- K-major no-swizzle layout: byte (row, kb) of a tile with SBO bytes between 8-row groups ----
-__device__ __forceinline__ u32 kmajor(int row, int kb, int sbo) {
-    return (u32)((row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15));
-}
-
-// wgmma shared-memory matrix descriptor: no swizzle, LBO 128 bytes (along K), SBO (along M/N).
-__device__ __forceinline__ u64 desc(u32 addr, u32 sbo) {
-    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(128u >> 4) << 16) | ((u64)(sbo >> 4) << 32);
-}
-
-// ---- synchronization ----
-__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\nLAB_WAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
-__device__ __forceinline__ void named_sync(int id, int count) {
-    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int count) {
-    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
-}
-// bar.sync of `count` threads that also returns whether `pred` holds in all of them
-__device__ __forceinline__ bool named_sync_and(int id, int count, bool pred) {
-    u32 r;
-    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}"
-                 : "=r"(r) : "r"((u32)pred), "r"(id), "r"(count) : "memory");
-    return r != 0u;
-}
-__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-// ---- wgmma ----
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// keeps the compiler from touching accumulators across an asynchronous wgmma
-__device__ __forceinline__ void fence_acc(float (&d)[64]) {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// d (+)= A B^T, A [64 x 32] and B [128 x 32] e4m3 from shared memory (descriptors); accumulate unless first
-__device__ __forceinline__ void wgmma_ss(float (&d)[64], u64 da, u64 db, bool accumulate) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ACC64_REGS ", %64, %65, p, 1, 1;\n}\n"
-        : ACC64_OPS(d)
-        : "l"(da), "l"(db), "r"((int)accumulate));
-}
-// d += A B^T, A [64 x 32] e4m3 from registers (4 words per thread), B [128 x 32] from shared memory
-__device__ __forceinline__ void wgmma_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : ACC64_OPS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
 // S = q8 k8^T: 4 k32 steps over D = 128 (+256 bytes a step: descriptor + 16)
 __device__ __forceinline__ void issue_qk(float (&s)[64], u64 dq, u64 dk) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_ss(s, dq + 16 * ks, dk + 16 * ks, ks > 0);
+    for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_ss(s, dq + 16 * ks, dk + 16 * ks, ks > 0);
 }
 // O += p8 v8: 4 k32 steps over the tile's 128 keys
 __device__ __forceinline__ void issue_pv(float (&o)[64], const u32 (&pa)[4][4], u64 dv) {
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) wgmma_rs(o, pa[kk], dv + 16 * kk);
+    for (int kk = 0; kk < 4; ++kk) wgmma_e4m3_rs(o, pa[kk], dv + 16 * kk);
 }
 
 // ---- conversions ----
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
-    return r;
-}
 // e4m3 bytes (lo, hi) of two floats: round to nearest even after saturation to +-448 (satfinite)
 __device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
     u16 r;

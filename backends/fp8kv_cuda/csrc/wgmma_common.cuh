@@ -1,0 +1,162 @@
+// fp8kv_cuda: Hopper (sm_90a) building blocks shared by the warp-specialized wgmma kernels
+// (prefill_wgmma.cu here, fp8_prefill.cu of fp8kv_hopper through fp8kv_cuda.variants.inline_headers):
+// mbarriers and named barriers, cp.async, fences, wgmma shared-memory descriptors for the no-swizzle
+// K-major layout, and the wgmma forms the kernels issue (64 rows per warpgroup, float32 accumulators).
+//
+// Layout: a K-major tile is made of 8-row x 16-byte "core matrices" (128 contiguous bytes); LBO = 128
+// bytes between core matrices along K, SBO bytes between 8-row groups (kmajor, desc). A k step of 32
+// bytes (k32 for 8-bit, k16 for 16-bit operands) is two core matrices: the descriptor + 16.
+// Accumulators (CLayout_64xN): thread t of the warpgroup holds d[4 j + 2 h + e] = (row 16 (t / 32) +
+// (t % 32) / 4 + 8 h, column 8 j + 2 (t % 4) + e).
+#pragma once
+
+typedef unsigned int fp8kv_u32;
+typedef int fp8kv_i32;
+typedef long long fp8kv_i64;
+typedef unsigned long long fp8kv_u64;
+typedef unsigned short fp8kv_u16;
+typedef unsigned char fp8kv_u8;
+
+namespace fp8kv {
+
+typedef fp8kv_u32 u32;
+typedef fp8kv_i32 i32;
+typedef fp8kv_i64 i64;
+typedef fp8kv_u64 u64;
+typedef fp8kv_u16 u16;
+typedef fp8kv_u8 u8;
+
+// The float32 accumulator registers of an m64n64 / m64n128 wgmma, as asm operands.
+#define FP8KV_ACC32_REGS \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define FP8KV_ACC32_OPS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FP8KV_ACC64_REGS \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+    " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define FP8KV_ACC64_OPS(d) \
+    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+    "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+    "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+    "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+// Byte (row, kb) of a K-major no-swizzle tile with SBO bytes between 8-row groups.
+__device__ __forceinline__ u32 kmajor(int row, int kb, int sbo) {
+    return (u32)((row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15));
+}
+
+// wgmma shared-memory matrix descriptor: no swizzle, LBO 128 bytes (along K), SBO (along M/N).
+__device__ __forceinline__ u64 desc(u32 addr, u32 sbo) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(128u >> 4) << 16) | ((u64)(sbo >> 4) << 32);
+}
+
+// ---- synchronization ----
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    asm volatile(
+        "{\n.reg .pred P1;\nLAB_WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int id, int count) {
+    asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(count) : "memory");
+}
+// bar.sync of `count` threads that also returns whether `pred` holds in all of them
+__device__ __forceinline__ bool named_sync_and(int id, int count, bool pred) {
+    u32 r;
+    asm volatile("{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred p, %2, %3, q;\nselp.u32 %0, 1, 0, p;\n}"
+                 : "=r"(r) : "r"((u32)pred), "r"(id), "r"(count) : "memory");
+    return r != 0u;
+}
+// ordinary and cp.async stores to shared memory, read next by wgmma (the async proxy)
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {  // zero-filled unless ok
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// ---- wgmma ----
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// keeps the compiler from touching accumulators across an asynchronous wgmma
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d (+)= A B^T, A [64 x 32] and B [128 x 32] e4m3 from shared memory (descriptors); accumulate unless first
+__device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], u64 da, u64 db, bool accumulate) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FP8KV_ACC64_REGS ", %64, %65, p, 1, 1;\n}\n"
+        : FP8KV_ACC64_OPS(d)
+        : "l"(da), "l"(db), "r"((int)accumulate));
+}
+// d += A B^T, A [64 x 32] e4m3 from registers (4 words per thread), B [128 x 32] from shared memory
+__device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FP8KV_ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : FP8KV_ACC64_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+// d (+)= A B^T, A [64 x 16] and B [64 x 16] 16-bit (BF16: bfloat16, else float16), both K-major in
+// shared memory; accumulate unless first
+template <bool BF16>
+__device__ __forceinline__ void wgmma_16_ss_n64(float (&d)[32], u64 da, u64 db, bool accumulate) {
+    if constexpr (BF16) {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FP8KV_ACC32_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : FP8KV_ACC32_OPS(d)
+            : "l"(da), "l"(db), "r"((int)accumulate));
+    } else {
+        asm volatile(
+            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP8KV_ACC32_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+            : FP8KV_ACC32_OPS(d)
+            : "l"(da), "l"(db), "r"((int)accumulate));
+    }
+}
+// d += A B^T, A [64 x 16] float16 from registers (4 words: CLayout's pairs), B [128 x 16] float16
+// K-major in shared memory
+__device__ __forceinline__ void wgmma_f16_rs_n128(float (&d)[64], const u32 (&a)[4], u64 db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FP8KV_ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : FP8KV_ACC64_OPS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+}  // namespace fp8kv
