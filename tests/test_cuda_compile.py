@@ -131,3 +131,31 @@ def test_the_merge_waits_for_the_attention_kernel_only_where_launched_dependent(
     merge = lambda ptx: ptx.split(".entry fp8kv_merge", 1)[1]  # noqa: E731
     assert "griddepcontrol.wait" in merge(cc.compile_ptx(v, "sm90"))
     assert "griddepcontrol" not in cc.compile_ptx(v, "sm80")
+
+
+@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("io_dtype", ["bfloat16", "float16"])
+def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong):
+    """``csrc/prefill_wgmma.cu`` for sm_90a: no spills, ptxas keeps the wgmma asynchronous (no C7512,
+    no ignored setmaxnreg C7508), both products are wgmma in the PTX (16-bit Q K^T from shared memory,
+    float16 P V with P from registers), and the host's shared-memory size is the kernel's."""
+    import re
+
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.attention import wgmma_smem_bytes
+    from fp8kv_cuda.variants import arch_target, options, prefill_wgmma_variant, source
+
+    v = prefill_wgmma_variant(io_dtype, pingpong)
+    assert arch_target(v.kernel, 90) == "sm_90a"
+    _, log = cc.compile_text(source(v.kernel), "prefill_wgmma.cu", options(v), "sm_90a")
+    info = cc.parse_ptxas(log)["fp8kv_prefill_wgmma"]
+    assert info["spill_stores"] == 0 and info["spill_loads"] == 0 and info["stack"] == 0, info
+    assert "C7512" not in log and "C7508" not in log, log
+    ptx, _ = cc.compile_text(source(v.kernel), "prefill_wgmma.cu", options(v), "compute_90a", ptx=True)
+    ptx = ptx.decode(errors="replace")
+    qk = "bf16.bf16" if io_dtype == "bfloat16" else "f16.f16"
+    assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{qk} \{{[^}}]*\}}, %rd\d+, %rd\d+", ptx)
+    assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.f16\.f16 \{[^}]*\}, \{%r\d+, %r\d+, %r\d+, "
+                     r"%r\d+\}, %rd\d+", ptx)
+    probe = f'static_assert(sizeof(fp8kv::WgmmaShared) == {wgmma_smem_bytes()}, "WgmmaShared");\n'
+    cc.compile_text(source(v.kernel) + probe, "probe.cu", options(v), "compute_90a", ptx=True)

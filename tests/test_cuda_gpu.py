@@ -529,21 +529,28 @@ PREFILL_CASES = {
 
 
 @pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core prefill kernel needs sm75+ (mma.sync)")
+@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
 @pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-codes"])
 @pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
-def test_tensor_core_prefill(fmt, dtype, case, specials):
+def test_tensor_core_prefill(fmt, dtype, case, specials, wgmma, monkeypatch):
     """The tensor-core prefill kernel (``csrc/prefill_mma.cu``) on caches of raw random bytes (every
     finite code), GQA rows packed, causal/non-causal, window, soft-cap, a block-table hole, a split
     plan; with ``specials``, a NaN code in K (the rows that see it are NaN) and NaN/inf codes in V
     (those dims of the rows that see it), which send the CTAs on the bit-level path to the exact
-    kernel. bfloat16 queries beyond a 2^31 range take the exact kernel's bfloat16-K path."""
+    kernel. bfloat16 queries beyond a 2^31 range take the exact kernel's bfloat16-K path. ``wgmma``:
+    the same with the sm90 kernel (``csrc/prefill_wgmma.cu``) as the fast kernel (e4m3 only; the
+    soft-capped and split cases keep ``fp8kv_prefill_mma``), a V NaN code in an edge tile handed back."""
+    from fp8kv_cuda import attention as cuda_attention
     from fp8kv_cuda.attention import plan
-    from fp8kv_cuda.variants import prefill_arch_serves
+    from fp8kv_cuda.variants import WGMMA_PREFILL_FORMATS, prefill_arch_serves
 
     if not prefill_arch_serves(BUILT_SM, fmt.name, 128, str(dtype).removeprefix("torch.")):
         pytest.skip(f"the tensor-core prefill kernel does not serve {dtype} queries on sm{BUILT_SM}")
+    if wgmma and (BUILT_SM != 90 or fmt.name not in WGMMA_PREFILL_FORMATS):
+        pytest.skip(f"the wgmma prefill kernel needs sm90 (here sm{BUILT_SM}) and an e4m3 cache")
+    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", wgmma)
     lens, q_lens, Hq, H, causal, window, cap, hole = PREFILL_CASES[case]
     D, bs, B = 128, 16, len(lens)
     g = torch.Generator().manual_seed(sum(lens) + int(specials))
@@ -600,3 +607,60 @@ def test_tensor_core_prefill(fmt, dtype, case, specials):
         ref = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="reference", **kw)
         assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl, causal=causal,
                                                                    sliding_window=window, logits_soft_cap=cap))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
+@pytest.mark.parametrize("pingpong", [True, False])
+@pytest.mark.parametrize("query_scale", [1.0, 1e30, 1e-30], ids=["normal", "huge", "tiny"])
+def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch):
+    """The sm90 wgmma prefill (opt-in) at a real size: causal chunks over cached keys, GQA 4, bfloat16;
+    huge queries (a logit could overflow float32) are handed back to the exact kernel; tiny ones stay;
+    CUDA-graph replay gives the same bits."""
+    from fp8kv_cuda import attention as cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", True)
+    monkeypatch.setattr(cuda_attention, "WGMMA_PINGPONG", pingpong)
+    g = torch.Generator().manual_seed(11)
+    H, Hq, D, bs = 8, 32, 128, 16
+    lens, q_lens = [2048 + 512, 1300, 700], [512, 300, 700]
+    need = [-(-n // bs) for n in lens]
+    tables = torch.randperm(sum(need), generator=g).int()
+    table = torch.zeros((len(lens), max(need)), dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(need):
+        table[i, :k] = tables[at:at + k]
+        at += k
+    cache = fp8kv.KVCache.allocate(sum(need), bs, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
+                                   k_scale=torch.linspace(0.01, 0.03, H), v_scale=torch.linspace(0.03, 0.01, H),
+                                   device="cuda")
+    n = sum(need) * bs
+    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+                   torch.arange(n, device="cuda"))
+    T = sum(q_lens)
+    query = ((torch.randn(T, Hq, D, generator=g) * 2) * query_scale).to(torch.bfloat16).cuda()
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    table = table.cuda()
+    kw = dict(query_start_loc=qsl, max_query_len=max(q_lens))
+    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=query.dtype, block_tables=table, seq_lens=lens_t,
+                                backend="cuda", **kw)
+    out, lse = fp8kv.paged_attention(query, cache, meta, return_lse=True)
+    ref, ref_lse = fp8kv.paged_attention(query, cache, table, lens_t, backend="reference", return_lse=True, **kw)
+    bounds = paged_attention_bounds(query, cache, table, lens_t, qsl, causal=True, sliding_window=None,
+                                    logits_soft_cap=None)
+    assert_attention_close(out, ref, **bounds)
+    assert_lse_close(lse, ref_lse, **bounds)
+    graph_out = torch.empty_like(out)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fp8kv.paged_attention(query, cache, meta, out=graph_out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8kv.paged_attention(query, cache, meta, out=graph_out)
+    graph_out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out.view(torch.int16), out.view(torch.int16))

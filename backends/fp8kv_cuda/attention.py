@@ -22,6 +22,9 @@ from . import runtime
 from .variants import (
     ATTN_THREADS,
     MMA_TILES,
+    WGMMA_PREFILL_FORMATS,
+    WGMMA_STAGES,
+    WGMMA_THREADS,
     attention_mma_variant,
     attention_tile,
     attention_variant,
@@ -30,6 +33,7 @@ from .variants import (
     prefill_arch_serves,
     prefill_mma_variant,
     prefill_stages,
+    prefill_wgmma_variant,
 )
 from .write import cache_strides, scale_strides
 
@@ -192,6 +196,34 @@ def prefill_smem_bytes(head_size: int = 128, warps: int = PREFILL_WARPS, stages:
     return q + ring + 16 * stages + 80 + 8 * warps + 16
 
 
+WGMMA_PREFILL = False
+"""Opt-in (tests and benchmarks set it): on sm90 the warp-specialized wgmma kernel
+(``csrc/prefill_wgmma.cu``) takes the place of ``fp8kv_prefill_mma`` where it serves
+(:func:`wgmma_prefill_serves`). Off until its GPU tests have passed on an H100: it is compiled and
+checked on the CPU, not yet run (docs/cuda.md)."""
+WGMMA_PINGPONG = True
+"""The wgmma prefill's two consumer warpgroups issue their products in turn (FA3's schedule)."""
+
+
+def wgmma_smem_bytes(head_size: int = 128, block_n: int = 64, stages: int = WGMMA_STAGES) -> int:
+    """``sizeof(WgmmaShared)`` of ``csrc/prefill_wgmma.cu`` (it traps if launched with less): Q and the
+    widened K in the query's 16-bit type, V^T in float16 (rows padded by 16 bytes every 8 dims), the
+    raw K and V codes (rows of 144 bytes), the key bits, flags and mbarriers."""
+    per_stage = block_n * 2 * head_size + (head_size // 8) * (16 * block_n + 16) + 2 * block_n * 144 + block_n
+    size = 128 * 2 * head_size + stages * per_stage + 4 * stages + 4 + 16 * stages
+    return (size + 127) // 128 * 128
+
+
+def wgmma_prefill_serves(sm: int, fmt: str, query: torch.Tensor, logits_soft_cap, num_splits: int) -> bool:
+    """Whether the sm90 wgmma prefill takes this step (when :data:`WGMMA_PREFILL` is on): sm90 (not
+    an older ``FP8KV_CUDA_ARCH``), an e4m3 cache, head size 128, float16/bfloat16 queries whose
+    storage is 16-byte aligned (it loads them 16 bytes at a time), no soft-cap, one split. Anything
+    it cannot do exactly at run time goes to the exact kernel (redo)."""
+    return (WGMMA_PREFILL and sm == 90 and fmt in WGMMA_PREFILL_FORMATS and query.shape[-1] == 128
+            and query.dtype in MMA_QUERY_DTYPES and query.data_ptr() % 16 == 0 and logits_soft_cap is None
+            and num_splits == 1)
+
+
 def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
                    fmt: str) -> bool:
     """Whether the tensor-core prefill kernel serves this step (before the launch's alignment check):
@@ -347,8 +379,13 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         grid = (p.row_tiles, H, S * p.num_splits)
         redo = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=dev)
         smem = prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
-        for name in (entry, "fp8kv_prefill_mma_exact"):
-            runtime.launch(variant, name, dev, grid, 32 * p.warps, [*args, r.ptr(redo)], shared_mem=smem)
+        if wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap, p.num_splits):  # (same contract)
+            runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG), "fp8kv_prefill_wgmma", dev, grid,
+                           WGMMA_THREADS, [*args, r.ptr(redo)], shared_mem=wgmma_smem_bytes(D))
+        else:
+            runtime.launch(variant, entry, dev, grid, 32 * p.warps, [*args, r.ptr(redo)], shared_mem=smem)
+        runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, [*args, r.ptr(redo)],
+                       shared_mem=smem)
     elif p.mma:
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))

@@ -36,7 +36,7 @@ import torch
 from fp8kv import settings
 from fp8kv.errors import InvalidArgument
 
-from .variants import Variant, options, source
+from .variants import Variant, arch_target, options, source
 
 _lock = threading.Lock()
 _modules: dict[tuple[object, int], object] = {}
@@ -87,7 +87,7 @@ def function(variant: Variant, entry: str, device: torch.device):
     major, minor = torch.cuda.get_device_capability(index)
     if sm == 10 * major + minor:
         def build():
-            return compile_cubin(variant, f"sm_{sm}")
+            return compile_cubin(variant, arch_target(variant.kernel, sm))
     else:  # an older architecture's PTX, JIT-compiled by the driver for this GPU
         def build():
             return compile_ptx(variant, f"compute_{sm}")

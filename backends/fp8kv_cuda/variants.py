@@ -24,6 +24,7 @@ KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
            "attention_mma": ("attention_mma.cu", ("fp8kv_paged_attention_mma", "fp8kv_merge")),
            "prefill_mma": ("prefill_mma.cu", ("fp8kv_prefill_mma", "fp8kv_prefill_mma_exact", "fp8kv_merge")),
+           "prefill_wgmma": ("prefill_wgmma.cu", ("fp8kv_prefill_wgmma",)),
            "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16", "fp8kv_widen_native"))}
 """kernel family -> (source file in csrc/, entry points)."""
 
@@ -158,6 +159,28 @@ def prefill_mma_variant(fmt: str, io_dtype: str, head_size: int = 128, warps: in
     return Variant("prefill_mma", fmt, (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
                                         ("FP8KV_D", head_size), ("FP8KV_STAGES", prefill_stages(sm)),
                                         ("FP8KV_PREFILL_WARPS", warps), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS)))
+
+
+WGMMA_PREFILL_FORMATS = ("fp8_e4m3",)
+"""Cache formats of the sm90 prefill kernel (``csrc/prefill_wgmma.cu``)."""
+WGMMA_STAGES = 3
+WGMMA_THREADS = 384
+SM90A_KERNELS = ("prefill_wgmma",)
+"""Kernel families built for ``sm_90a`` (wgmma and setmaxnreg need the architecture-specific target)."""
+
+
+def arch_target(kernel: str, sm: int) -> str:
+    """The ``--gpu-architecture`` of kernel family ``kernel`` on architecture ``sm``: ``sm_XY``, or
+    ``sm_90a`` for the sm90-only wgmma kernels."""
+    return f"sm_{sm}a" if kernel in SM90A_KERNELS else f"sm_{sm}"
+
+
+def prefill_wgmma_variant(io_dtype: str, pingpong: bool = True) -> Variant:
+    """The sm90 (wgmma) chunked-prefill kernel: e4m3 cache, static scales, head size 128, float16 or
+    bfloat16 queries; ``pingpong``: its two consumer warpgroups issue their products in turn."""
+    return Variant("prefill_wgmma", "fp8_e4m3", (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
+                                                 ("FP8KV_FULL_P_KEYS", FULL_P_KEYS), ("FP8KV_STAGES", WGMMA_STAGES),
+                                                 ("FP8KV_PINGPONG", int(pingpong))))
 
 
 def codec_variant(fmt: str) -> Variant:

@@ -85,17 +85,6 @@ __device__ __forceinline__ u32 widen(u32 x) {
     else return widen_fast<TEXP>(x);
 }
 
-// 0x80 in each byte of w that is a NaN or inf code of the format.
-__device__ __forceinline__ u32 nonfinite_bytes(u32 w) {
-    if constexpr (FNUZ) {  // 0x80
-        const u32 v = w ^ 0x80808080u;
-        return (v - 0x01010101u) & ~v & 0x80808080u;
-    } else if constexpr (HASINF) {  // e5m2: exponent all ones
-        return ((w & 0x7C7C7C7Cu) + 0x04040404u) & 0x80808080u;
-    } else {  // e4m3: 0x7F/0xFF
-        return ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-    }
-}
 
 // Nonzero when a byte of w is a code that widen_fast<TEXP> gets wrong.
 template <int TEXP>

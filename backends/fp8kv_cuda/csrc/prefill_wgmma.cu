@@ -1,0 +1,445 @@
+// fp8kv_cuda: chunked prefill on Hopper's tensor cores (sm_90a wgmma), warp-specialized, for an
+// e4m3 (OCP) cache with static (tensor or head) scales, head size 128, float16/bfloat16 queries.
+//
+// The fast kernel of prefill_mma.cu's two-kernel scheme, taking its place on sm90: the same
+// parameters, grid (row tiles of 128 rows, H, S; one split) and redo[] contract. A CTA whose rows it
+// cannot do exactly (a logit that could overflow float32, a NaN V code in a tile some row does not
+// fully see) sets redo[cta] = 1 and writes nothing; fp8kv_prefill_mma_exact, launched after it over
+// the same grid, redoes those CTAs.
+//
+// CTA = 3 warpgroups, rows as prefill_mma.cu (row = (token - first token) * group + query head, 128
+// rows from the end of the sequence's rows first), tiles of 64 keys, STAGES in flight:
+//   warpgroup 0, the producer: copies each tile's K and V codes (cp.async, 16 bytes, through the block
+//     table; keys past the CTA's range or with a block id outside the cache zero-filled and marked
+//     invalid), widens K to the query's 16-bit type (exact: every e4m3 value is a float16 and a
+//     bfloat16) and V to float16 transposed (V^T, K-major, as wgmma's B wants it), flags tiles with a
+//     NaN V code, and hands the tile over on an mbarrier;
+//   warpgroups 1 and 2, the consumers, 64 rows each: Q staged once as it is (16-bit), then per tile
+//     S = Q K^T (8 wgmma m64n64k16, exact products, float32 accumulation), the online softmax
+//     (p = 2^(s f - m), l += p in float32), P as float16 (hi + lo where a row sees fewer than
+//     FP8KV_FULL_P_KEYS keys, as prefill_mma.cu) straight from the accumulators into wgmma A
+//     registers, O += P V (4 or 8 wgmma m64n128k16). Phase t issues O += P(t-1) V(t-1) with S(t); with
+//     FP8KV_PINGPONG the two warpgroups issue their phases in turn (named barriers 4 + cw).
+//
+// Memory safety without host checks: query_start_loc and seq_lens clamped as in prefill_mma.cu, block
+// ids outside [0, num_blocks) never loaded (the keys masked), rows past a sequence's queries neither
+// read nor written.
+//
+// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_FULL_P_KEYS, FP8KV_STAGES, FP8KV_PINGPONG, and
+// the format's (e4m3 only).
+#include "attention_common.cuh"
+#include "wgmma_common.cuh"
+
+#ifndef FP8KV_STAGES
+#define FP8KV_STAGES 3
+#endif
+#ifndef FP8KV_PINGPONG
+#define FP8KV_PINGPONG 1
+#endif
+
+namespace fp8kv {
+
+constexpr int D = 128;
+constexpr int BLOCK_M = 128;        // rows per CTA (two consumer warpgroups of 64)
+constexpr int BLOCK_N = 64;         // keys per tile
+constexpr int STAGES = FP8KV_STAGES;
+constexpr int THREADS = 384;
+constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (the launch's pool)
+constexpr int CONSUMER_REGS = 224;
+constexpr bool PINGPONG = FP8KV_PINGPONG != 0;
+constexpr bool BF16 = QT == 2;
+constexpr int ROW16 = 2 * D;        // bytes of a 16-bit Q or K row
+constexpr int SBO16 = 8 * ROW16;    // 8-row groups of the 16-bit Q and K tiles
+constexpr int VT_SBO = 8 * 2 * BLOCK_N + 16;  // 8-dim groups of V^T (64 keys x 2 bytes a dim, + 16)
+constexpr int RAW_PITCH = 144;      // bytes a raw key row (128 + 16: conflict-free reads)
+
+static_assert(QT == 1 || QT == 2, "prefill_wgmma.cu: float16 or bfloat16 queries");
+static_assert(FP8KV_MANT == 3 && FP8KV_BIAS == 7 && !FP8KV_FNUZ, "prefill_wgmma.cu: the OCP e4m3 format");
+
+struct __align__(128) WgmmaShared {
+    u8 q[BLOCK_M * ROW16];                // Q, K-major (consumer cw's 64 rows at 16384 cw)
+    u8 k[STAGES][BLOCK_N * ROW16];        // K in the query's type, K-major
+    u8 vt[STAGES][(D / 8) * VT_SBO];      // V^T in float16, K-major (rows = dims)
+    u8 kr[STAGES][BLOCK_N * RAW_PITCH];   // raw K and V codes as copied
+    u8 vr[STAGES][BLOCK_N * RAW_PITCH];
+    u8 valid[STAGES][BLOCK_N];            // 1: the key is in the CTA's range and its block id in the cache
+    u32 vnan[STAGES];                     // nonzero: the tile has a NaN V code
+    u32 abort;                            // nonzero: the CTA hands back (redo[cta] = 1)
+    u64 full[STAGES], empty[STAGES];      // mbarriers: tile ready (producer), tile consumed (consumers)
+};
+constexpr int WGMMA_SMEM_BYTES = (int)sizeof(WgmmaShared);
+
+// What producer and consumers agree on about the CTA.
+struct Cta {
+    int row0, rows, q_lo, h, group;
+    int kb, ke;          // keys visited: [kb, ke); tiles from kb rounded down to BLOCK_N
+    int lo_max, hi_min;  // keys every row sees (tiles inside need no mask)
+    int n_start, ntiles;
+    i64 seq_len;
+};
+
+// bfloat16 pair of a float16 pair (exact for the e4m3 values widen_native gives).
+__device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
+    float lo, hi;
+    asm("{.reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;}" : "=f"(lo), "=f"(hi) : "r"(h));
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// float16 pair (a low, b high), rounded to nearest
+__device__ __forceinline__ u32 pack_f16x2(float a, float b) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+__device__ __forceinline__ float f16_lo(u32 x) {
+    float f;
+    asm("{.reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a;}" : "=f"(f) : "r"(x));
+    return f;
+}
+__device__ __forceinline__ float f16_hi(u32 x) {
+    float f;
+    asm("{.reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b;}" : "=f"(f) : "r"(x));
+    return f;
+}
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: <= 2 ulp; -inf: 0)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+
+// ---- the producer ----
+
+// Tile t's copies into its stage: thread (key row krow, chunk ch) copies chunk ch of keys krow + 16 i.
+__device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int t, const int* bt_row, const u8* kbase,
+                                           const u8* vbase, i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size,
+                                           int bs_shift, int num_blocks) {
+    const int pt = threadIdx.x, ch = pt & 7, krow = pt >> 3, s = t % STAGES;
+    const int n0 = cta.n_start + t * BLOCK_N;
+    const u32 kdst = smem_addr(sh.kr[s]), vdst = smem_addr(sh.vr[s]);
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 16; ++i) {
+        const int key = krow + 16 * i, n = n0 + key;
+        const int page = bs_shift >= 0 ? n >> bs_shift : n / block_size;
+        int blk = n >= cta.kb && n < cta.ke ? bt_row[page] : -1;
+        const bool ok = blk >= 0 && blk < num_blocks;
+        blk = ok ? blk : 0;
+        const i64 in_block = n - (i64)page * block_size;
+        cp_async16(kdst + key * RAW_PITCH + 16 * ch, kbase + blk * k_sb + in_block * k_st + 16 * ch, ok);
+        cp_async16(vdst + key * RAW_PITCH + 16 * ch, vbase + blk * v_sb + in_block * v_st + 16 * ch, ok);
+        if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
+    }
+    cp_async_commit();
+}
+
+// Stage s's raw codes (landed) to K in the query's type and V^T in float16; returns this thread's
+// NaN-V-byte bits.
+__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
+    const int pt = threadIdx.x, warp = pt >> 5, lane = pt & 31;
+    // K: thread (krow, ch) widens chunk ch (16 codes) of keys krow + 16 i into 32 bytes
+    {
+        const int ch = pt & 7, krow = pt >> 3;
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 16; ++i) {
+            const int key = krow + 16 * i;
+            const uint4 x = *reinterpret_cast<const uint4*>(sh.kr[s] + key * RAW_PITCH + 16 * ch);
+            const u32 w[4] = {x.x, x.y, x.z, x.w};
+            u32 o[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // codes 4 j .. 4 j + 3: exact in float16 (codec.cuh), then bfloat16
+                widen_native(w[j], o[2 * j], o[2 * j + 1]);
+                if constexpr (BF16) {
+                    o[2 * j] = f16x2_to_bf16x2(o[2 * j]);
+                    o[2 * j + 1] = f16x2_to_bf16x2(o[2 * j + 1]);
+                }
+            }
+            *reinterpret_cast<uint4*>(sh.k[s] + kmajor(key, 32 * ch, SBO16)) = make_uint4(o[0], o[1], o[2], o[3]);
+            *reinterpret_cast<uint4*>(sh.k[s] + kmajor(key, 32 * ch + 16, SBO16)) = make_uint4(o[4], o[5], o[6], o[7]);
+        }
+    }
+    // V^T: a lane moves a 4 x 4 byte block (keys 4 w .. 4 w + 3 of a 16-key chunk, dims 4 a' .. 4 a' + 3)
+    // per step, widened: V^T[dim][key] at kmajor(dim, 2 key, VT_SBO)
+    int nan = 0;
+    const int a = lane & 7, w = lane >> 3;
+#pragma unroll 2
+    for (int step = 0; step < 4; ++step) {
+        const int combo = warp * 4 + step, dg = combo & 3, chunk = combo >> 2;
+        const int dim0 = 4 * (a + 8 * dg), key0 = 16 * chunk + 4 * w;
+        u32 x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            x[i] = *reinterpret_cast<const u32*>(sh.vr[s] + (key0 + i) * RAW_PITCH + dim0);
+            nan |= (int)nonfinite_bytes(x[i]);
+        }
+        const u32 t0 = prmt(x[0], x[1], 0x5140u), t1 = prmt(x[0], x[1], 0x7362u);
+        const u32 t2 = prmt(x[2], x[3], 0x5140u), t3 = prmt(x[2], x[3], 0x7362u);
+        const u32 y[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {  // dim dim0 + j, keys key0 .. key0 + 3, in float16
+            uint2 v;
+            widen_native(y[j], v.x, v.y);
+            *reinterpret_cast<uint2*>(sh.vt[s] + kmajor(dim0 + j, 2 * key0, VT_SBO)) = v;
+        }
+    }
+    return nan;
+}
+
+__device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, const u8* kbase, const u8* vbase,
+                        i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size, int num_blocks) {
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    for (int t = 0; t <= cta.ntiles; ++t) {
+        if (t < cta.ntiles) {
+            mbar_wait(&sh.empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
+            if (threadIdx.x == 0) sh.vnan[t % STAGES] = 0u;  // (read by the consumers of tile t - STAGES: done)
+            issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
+        }
+        if (t >= 1) {
+            const int su = (t - 1) % STAGES;
+            if (t < cta.ntiles) cp_async_wait<1>();
+            else cp_async_wait<0>();
+            named_sync(1, 128);  // every thread's copies of the tile have landed (and vnan was reset)
+            const int nan = widen_tile(sh, su);
+            if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[su], 1u);
+            fence_async_shared();  // ordinary stores, read next by wgmma (the async proxy)
+            mbar_arrive(&sh.full[su]);
+        }
+    }
+}
+
+// ---- the consumers ----
+
+struct RowState {
+    float m[2], l[2];  // running maximum (base-2 logits) and this thread's partial row sums
+    int lo[2], hi[2];  // the keys each of the thread's two rows sees
+};
+
+// Tile at n0 in stage s: mask an edge tile, logits s * fs, the running maximum, p = 2^(logit - m)
+// (l += p), O *= 2^(m_old - m_new) where the maximum moved, P as float16 A fragments: word 0 / 1 =
+// rows r / r + 8, keys 16 kk + 2c, + 1; words 2 / 3 the same 8 keys on (CLayout_64x16 = ALayout_64x16).
+template <bool SPLIT_P>
+__device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n0, const Cta& cta, float fs,
+                                             RowState& rs, float (&sa)[32], float (&o)[64], u32 (&pa)[4][4],
+                                             u32 (&pl)[4][4]) {
+    const int lane = threadIdx.x & 31, c = lane & 3;
+    const bool all_valid =
+        __all_sync(0xFFFFFFFFu, lane >= BLOCK_N / 4 || reinterpret_cast<const u32*>(sh.valid[s])[lane] == 0x01010101u);
+    const bool interior = all_valid && n0 >= cta.lo_max && n0 + BLOCK_N <= cta.hi_min;
+    if (!interior) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, h = e >> 1;
+                const bool vis = sh.valid[s][key] && n >= rs.lo[h] && n < rs.hi[h];
+                sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
+            }
+    }
+    float mx[2] = {NEG_INF, NEG_INF}, msafe[2], alpha[2];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+        const float mnew = fmaxf(rs.m[h], mx[h] * fs);  // (fs > 0: the maximum of the logits)
+        msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
+        alpha[h] = ex2(rs.m[h] - msafe[h]);  // (0 from -inf)
+        rs.m[h] = mnew;
+        rs.l[h] *= alpha[h];
+    }
+    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+    float lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int h = (i >> 1) & 1;
+        sa[i] = ex2(fmaf(sa[i], fs, -msafe[h]));  // (masked: 2^-inf = 0)
+        lsum[h][i & 1] += sa[i];
+    }
+    rs.l[0] += lsum[0][0] + lsum[0][1];
+    rs.l[1] += lsum[1][0] + lsum[1][1];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {  // n-tile 2 kk + (w >> 1), rows r + 8 (w & 1)
+            const float* p = sa + 4 * (2 * kk + (w >> 1)) + 2 * (w & 1);
+            pa[kk][w] = pack_f16x2(p[0], p[1]);
+            if constexpr (SPLIT_P) pl[kk][w] = pack_f16x2(p[0] - f16_lo(pa[kk][w]), p[1] - f16_hi(pa[kk][w]));
+        }
+}
+
+template <bool SPLIT_P>
+__device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float (&o)[64], RowState& rs) {
+    const int ct = threadIdx.x - 128 * (cw + 1);
+    float sa[32];
+    u32 pa[4][4], pl[4][4];
+    const u64 dq = desc(smem_addr(sh.q + 16384 * cw), SBO16);
+    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
+    for (int t = 0; t <= cta.ntiles; ++t) {
+        const int s = t % STAGES;
+        if (t < cta.ntiles) mbar_wait(&sh.full[s], (t / STAGES) & 1);
+        if (PINGPONG) named_sync(4 + cw, 256);
+        wgmma_fence();
+        if (t >= 1) {
+            const u64 dv = desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO);
+#pragma unroll
+            for (int kk = 0; kk < 4; ++kk) {  // 16 keys a k step: 32 bytes, two core matrices (+256 bytes)
+                wgmma_f16_rs_n128(o, pa[kk], dv + 16 * kk);
+                if constexpr (SPLIT_P) wgmma_f16_rs_n128(o, pl[kk], dv + 16 * kk);
+            }
+        }
+        if (t < cta.ntiles) {
+            const u64 dk = desc(smem_addr(sh.k[s]), SBO16);
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) wgmma_16_ss_n64<BF16>(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
+        }
+        wgmma_commit();
+        if (PINGPONG) named_arrive(4 + (1 - cw), 256);
+        wgmma_wait0();
+        fence_acc(o);
+        fence_acc(sa);
+        if (t >= 1) mbar_arrive(&sh.empty[(t - 1) % STAGES]);  // tile t-1's K and V are read
+        if (t < cta.ntiles) {
+            const int n0 = cta.n_start + t * BLOCK_N;
+            if (n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) {  // a NaN V code where some row does not see it all
+                if (sh.vnan[s] && (ct & 127) == 0) atomicOr(&sh.abort, 1u);
+            }
+            softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, o, pa, pl);
+        }
+    }
+    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
+}
+
+}  // namespace fp8kv
+
+// Parameters and grid as fp8kv_prefill_mma (split == 0, use_cap == 0: the launcher's choice).
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8KV_ATTENTION_PARAMS(D_arg),
+                                                                              int* __restrict__ redo) {
+    extern __shared__ __align__(128) u8 wgmma_smem[];
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < (u32)WGMMA_SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
+    WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
+    const i64 cta_id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const int s = blockIdx.z;  // one split: grid z = num_seqs
+    Cta cta;
+    cta.h = blockIdx.y;
+    cta.group = group;
+    cta.q_lo = i32_min(i32_max(qsl[s], 0), T);
+    const int q_hi = i32_max(i32_min(i32_max(qsl[s + 1], 0), T), cta.q_lo);
+    cta.rows = (q_hi - cta.q_lo) * group;
+    cta.row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest rows (causal) start first
+    if (cta.row0 >= cta.rows) {  // uniform over the CTA
+        if (threadIdx.x == 0) redo[cta_id] = 0;
+        return;
+    }
+    const i64 max_keys = (i64)max_blocks * block_size;
+    const i64 len = (i64)i32_max(seq_lens[s], 0);
+    cta.seq_len = len < max_keys ? len : max_keys;
+    const int q_len = q_hi - cta.q_lo;
+    auto span = [&](int row, int& lo, int& hi) {  // the keys row sees (none past the rows)
+        if (row >= cta.rows) { lo = hi = 0; return; }
+        const i64 pos = cta.seq_len - q_len + row / group;
+        const i64 a = pos - window + 1 > 0 ? pos - window + 1 : 0;
+        const i64 b = causal ? (pos + 1 < cta.seq_len ? pos + 1 : cta.seq_len) : cta.seq_len;
+        lo = (int)a;
+        hi = (int)(b > a ? b : a);
+    };
+    const int last = i32_min(cta.row0 + BLOCK_M, cta.rows) - 1;
+    int lo0, hi0, lo1, hi1;
+    span(cta.row0, lo0, hi0);
+    span(last, lo1, hi1);
+    cta.kb = i32_min(lo0, lo1);  // (spans are monotone in the row; empty ones are [0, 0))
+    cta.ke = i32_max(hi0, hi1);
+    cta.lo_max = i32_max(cta.kb, lo1);
+    cta.hi_min = i32_min(cta.ke, hi0);
+    cta.n_start = cta.kb / BLOCK_N * BLOCK_N;
+    cta.ntiles = cta.ke > cta.n_start ? (cta.ke - cta.n_start + BLOCK_N - 1) / BLOCK_N : 0;
+    const bool split_p = hi0 - lo0 < FP8KV_FULL_P_KEYS || hi1 - lo1 < FP8KV_FULL_P_KEYS;
+
+    if (threadIdx.x == 0) {
+        for (int st = 0; st < STAGES; ++st) {
+            mbar_init(&sh.full[st], 128);
+            mbar_init(&sh.empty[st], 256);
+        }
+        sh.abort = 0u;
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        produce(sh, cta, block_tables + (i64)s * bt_stride, key_cache + (i64)cta.h * k_sh, value_cache + (i64)cta.h * v_sh,
+                k_sb, k_st, v_sb, v_st, block_size, num_blocks);
+        return;
+    }
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+    const int cw = threadIdx.x >= 256 ? 1 : 0, ct = threadIdx.x - 128 * (cw + 1);
+    const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
+
+    // Q as it is (16-bit) into shared memory: thread ct stages half (64 dims) of row ct / 2; the row's
+    // max |q| decides whether every logit is s * fs without overflow (else the CTA hands back)
+    float f1, f2;
+    scale_factors(k_scale[(i64)cta.h * ks_sh], g_mant, g_exp, f1, f2);
+    const float fs = f1 * f2;
+    bool simple;
+    {
+        const int ql = ct >> 1, half = ct & 1, row = cta.row0 + 64 * cw + ql;
+        const bool valid = row < cta.rows;
+        const i64 base = ((i64)(cta.q_lo + (valid ? row / group : 0)) * HQ + (i64)cta.h * group + row % group) * D + 64 * half;
+        const uint4* src = reinterpret_cast<const uint4*>(query + base);
+        float amax = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+            const uint4 x = valid ? src[j] : make_uint4(0u, 0u, 0u, 0u);
+            const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const q_t lo = (q_t)(w[k] & 0xFFFFu), hi = (q_t)(w[k] >> 16);
+                amax = fmaxf(amax, fmaxf(fabsf(load_q(&lo, 0)), fabsf(load_q(&hi, 0))));  // (NaN: ignored)
+            }
+            *reinterpret_cast<uint4*>(sh.q + 16384 * cw + kmajor(ql, 128 * half + 16 * j, SBO16)) = x;
+        }
+        // |q . k| <= D max|q| max|code|: the logit s * fs cannot overflow, and fs is a normal float
+        simple = !use_cap && fs >= 1.1754943508222875e-38f && fs < FLOAT32_MAX &&
+                 (float)D * amax * u2f(FP8KV_MAXBITS) * fs <= 0x1p126f;
+    }
+    fence_async_shared();
+    if (!named_sync_and(2 + cw, 128, simple) && ct == 0) atomicOr(&sh.abort, 1u);
+
+    RowState rs;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        rs.m[h] = NEG_INF;
+        rs.l[h] = 0.0f;
+        span(cta.row0 + 64 * cw + 16 * warp + r + 8 * h, rs.lo[h], rs.hi[h]);
+    }
+    float o[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    if (split_p) consume<true>(sh, cta, cw, fs, o, rs);
+    else consume<false>(sh, cta, cw, fs, o, rs);
+
+    named_sync(6, 256);  // every consumer's abort flags are set
+    const bool abort = sh.abort != 0u;
+    if (threadIdx.x == 128) redo[cta_id] = abort ? 1 : 0;
+    if (abort) return;
+    const float vs = v_scale[(i64)cta.h * vs_sh];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float l = rs.l[h];
+        l += __shfl_xor_sync(0xFFFFFFFFu, l, 1);
+        l += __shfl_xor_sync(0xFFFFFFFFu, l, 2);
+        const int row = cta.row0 + 64 * cw + 16 * warp + r + 8 * h;
+        if (row >= cta.rows) continue;
+        const i64 orow = (i64)(cta.q_lo + row / group) * HQ + (i64)cta.h * group + row % group;
+        const float mul = fdiv(1.0f, l > 0.0f ? l : 1.0f);
+#pragma unroll
+        for (int j = 0; j < 16; ++j)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) store_out(out, orow * D + 8 * j + 2 * c + e, o[4 * j + 2 * h + e] * mul * vs);
+        if (write_lse && c == 0) lse[orow] = l > 0.0f ? (rs.m[h] + log2f(l)) * LN2 : NEG_INF;
+    }
+}
