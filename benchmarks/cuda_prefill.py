@@ -40,6 +40,7 @@ from hopper_prefill import (  # noqa: E402
 
 
 def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]) -> None:
+    from fp8kv_cuda import attention as cuda_attention
     from fp8kv_cuda.attention import paged_attention, plan
 
     import fp8kv
@@ -68,14 +69,23 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     vd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
     record("sdpa bf16", time_graph(lambda: causal_sdpa_bf16(q4, kd, vd), calls=3, reps=args.reps))
     outs = {}
-    for name in ("triton", "cuda"):
+    runs = [("triton", "triton", None), ("cuda", "cuda tensor-core prefill", None)]
+    if args.wgmma and torch.cuda.get_device_capability(device) == (9, 0):  # the opt-in sm90 kernel
+        runs += [("cuda", "cuda wgmma prefill (ping-pong)", True), ("cuda", "cuda wgmma prefill", False)]
+    for name, label, pingpong in runs:
+        cuda_attention.WGMMA_PREFILL = pingpong is not None
+        cuda_attention.WGMMA_PINGPONG = bool(pingpong)
         meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=qdtype, block_tables=tables,
                                     seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
                                     max_query_len=new, max_seq_len=L, validate=False, backend=name)
         be, out = meta.attention.backend, torch.empty_like(query)
-        be.paged_attention(query, cache, meta, out, None)
-        torch.cuda.synchronize()
-        outs[name] = out
+        try:
+            be.paged_attention(query, cache, meta, out, None)
+            torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - a kernel that fails is reported, the rest still timed
+            print(f"  {label} failed: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+            continue
+        outs[label] = out
         extra = {}
         if name == "cuda":
             extra = {"plan": str(meta.backend_plan),
@@ -83,7 +93,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
                                                            / vmax, 6)}
         ms = time_graph(lambda be=be, meta=meta, out=out: be.paged_attention(query, cache, meta, out, None),
                         calls=3, reps=args.reps)
-        record("fp8kv " + ("cuda tensor-core prefill" if name == "cuda" else "triton"), ms, **extra)
+        record("fp8kv " + label, ms, **extra)
+    cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG = False, True
     if args.per_token and seqs * new <= 8192:
         p = plan(device, num_tokens=query.shape[0], num_kv_heads=HKV, group=HQ // HKV, head_size=D, max_keys=L,
                  query_dtype=qdtype, fmt="fp8_e4m3")  # the decode plan: one CTA row per token
@@ -100,6 +111,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
+    ap.add_argument("--wgmma", action="store_true", help="also time the opt-in sm90 wgmma prefill kernel")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")
     ap.add_argument("--qdtype", choices=("bfloat16", "float16"), default="bfloat16",
                     help="query dtype of the fp8kv backends (SDPA stays bf16; FlashInfer only with bfloat16)")
