@@ -159,3 +159,38 @@ def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong):
                      r"%r\d+\}, %rd\d+", ptx)
     probe = f'static_assert(sizeof(fp8kv::WgmmaShared) == {wgmma_smem_bytes()}, "WgmmaShared");\n'
     cc.compile_text(source(v.kernel) + probe, "probe.cu", options(v), "compute_90a", ptx=True)
+
+
+def test_the_wgmma_prefill_producer_maps_cover_each_byte_once():
+    """``csrc/prefill_wgmma.cu``'s producer, as the kernel indexes it: the K widening writes every
+    (key, 16-byte chunk) of a 64-key tile once, the V transpose every (dim, key) of V^T once with the
+    V byte of that key and dim; K-major tiles as wgmma reads them (8-row x 16-byte core matrices)."""
+    def kmajor(row, kb, sbo):
+        return (row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15)
+
+    seen = {}
+    for pt in range(128):
+        kq, ch, kg = pt & 7, (pt >> 3) & 7, pt >> 6
+        for i in range(4):
+            key = 8 * (2 * i + kg) + kq
+            for half in range(2):
+                seen.setdefault(kmajor(key, 32 * ch + 16 * half, 2048), []).append((key, ch, half))
+    assert len(seen) == 64 * 8 * 2 and all(len(v) == 1 for v in seen.values())
+
+    vt = {}
+    for pt in range(128):
+        warp, lane = pt >> 5, pt & 31
+        a, w = lane & 7, lane >> 3
+        for step in range(4):
+            combo = warp * 4 + step
+            dg, chunk = combo & 3, combo >> 2
+            dim0, key0 = 4 * (a + 8 * dg), 16 * chunk + 4 * w
+            for j in range(4):  # y_j holds byte j (dim dim0 + j) of keys key0 .. key0 + 3, widened to 8 bytes
+                for i in range(4):
+                    addr = kmajor(dim0 + j, 2 * key0, 1040) + 2 * i
+                    assert addr not in vt
+                    vt[addr] = (key0 + i, dim0 + j)
+    assert len(vt) == 64 * 128
+    for dim in range(128):
+        for key in range(64):
+            assert vt[kmajor(dim, 2 * key, 1040)] == (key, dim)

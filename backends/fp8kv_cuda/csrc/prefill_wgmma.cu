@@ -138,12 +138,13 @@ __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int 
 // NaN-V-byte bits.
 __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
     const int pt = threadIdx.x, warp = pt >> 5, lane = pt & 31;
-    // K: thread (krow, ch) widens chunk ch (16 codes) of keys krow + 16 i into 32 bytes
+    // K: thread (kq, ch, kg) widens chunk ch (16 codes) of keys 8 (2 i + kg) + kq into 32 bytes (the 8
+    // lanes of a quarter warp take 8 keys of one chunk: conflict-free reads and stores)
     {
-        const int ch = pt & 7, krow = pt >> 3;
+        const int kq = pt & 7, ch = (pt >> 3) & 7, kg = pt >> 6;
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 16; ++i) {
-            const int key = krow + 16 * i;
+            const int key = 8 * (2 * i + kg) + kq;
             const uint4 x = *reinterpret_cast<const uint4*>(sh.kr[s] + key * RAW_PITCH + 16 * ch);
             const u32 w[4] = {x.x, x.y, x.z, x.w};
             u32 o[8];
