@@ -12,6 +12,7 @@
 // Macros: those of attention_common.cuh and the format's (codec.cuh).
 #pragma once
 #include "attention_common.cuh"
+#include "f16.cuh"
 
 // Rows that see at least this many keys (over all splits) may enter p @ v with P as one float16
 // (fp8kv.testing.tolerance.FULL_P_KEYS, passed by fp8kv_cuda.variants); fewer keep P = hi + lo.
@@ -135,17 +136,6 @@ __device__ __forceinline__ u32 transpose8x8(u32 x) {
     return r;
 }
 
-__device__ __forceinline__ float f16_lo(u32 x) {
-    float r;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, l; }" : "=f"(r) : "r"(x));
-    return r;
-}
-
-__device__ __forceinline__ float f16_hi(u32 x) {
-    float r;
-    asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "r"(x));
-    return r;
-}
 
 __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     u32 r;

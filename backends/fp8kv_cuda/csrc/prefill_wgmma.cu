@@ -30,12 +30,6 @@
 #include "attention_common.cuh"
 #include "wgmma_common.cuh"
 
-#ifndef FP8KV_STAGES
-#define FP8KV_STAGES 3
-#endif
-#ifndef FP8KV_PINGPONG
-#define FP8KV_PINGPONG 1
-#endif
 
 namespace fp8kv {
 
@@ -43,9 +37,7 @@ constexpr int D = 128;
 constexpr int BLOCK_M = 128;        // rows per CTA (two consumer warpgroups of 64)
 constexpr int BLOCK_N = 64;         // keys per tile
 constexpr int STAGES = FP8KV_STAGES;
-constexpr int THREADS = 384;
-constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (the launch's pool)
-constexpr int CONSUMER_REGS = 224;
+constexpr int THREADS = WS_THREADS;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;
 constexpr bool BF16 = QT == 2;
 constexpr int ROW16 = 2 * D;        // bytes of a 16-bit Q or K row
@@ -80,28 +72,9 @@ struct Cta {
 
 // bfloat16 pair of a float16 pair (exact for the e4m3 values widen_native gives).
 __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
-    float lo, hi;
-    asm("{.reg .b16 a, b; mov.b32 {a, b}, %2; cvt.f32.f16 %0, a; cvt.f32.f16 %1, b;}" : "=f"(lo), "=f"(hi) : "r"(h));
     u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f16_hi(h)), "f"(f16_lo(h)));
     return r;
-}
-
-// float16 pair (a low, b high), rounded to nearest
-__device__ __forceinline__ u32 pack_f16x2(float a, float b) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
-__device__ __forceinline__ float f16_lo(u32 x) {
-    float f;
-    asm("{.reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, a;}" : "=f"(f) : "r"(x));
-    return f;
-}
-__device__ __forceinline__ float f16_hi(u32 x) {
-    float f;
-    asm("{.reg .b16 a, b; mov.b32 {a, b}, %1; cvt.f32.f16 %0, b;}" : "=f"(f) : "r"(x));
-    return f;
 }
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: <= 2 ulp; -inf: 0)
@@ -174,9 +147,8 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
             x[i] = *reinterpret_cast<const u32*>(sh.vr[s] + (key0 + i) * RAW_PITCH + dim0);
             nan |= (int)nonfinite_bytes(x[i]);
         }
-        const u32 t0 = prmt(x[0], x[1], 0x5140u), t1 = prmt(x[0], x[1], 0x7362u);
-        const u32 t2 = prmt(x[2], x[3], 0x5140u), t3 = prmt(x[2], x[3], 0x7362u);
-        const u32 y[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+        u32 y[4];
+        transpose4x4(x, y);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {  // dim dim0 + j, keys key0 .. key0 + 3, in float16
             uint2 v;
@@ -190,23 +162,15 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
 __device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, const u8* kbase, const u8* vbase,
                         i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size, int num_blocks) {
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-    for (int t = 0; t <= cta.ntiles; ++t) {
-        if (t < cta.ntiles) {
-            mbar_wait(&sh.empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
-            if (threadIdx.x == 0) sh.vnan[t % STAGES] = 0u;  // (read by the consumers of tile t - STAGES: done)
-            issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
-        }
-        if (t >= 1) {
-            const int su = (t - 1) % STAGES;
-            if (t < cta.ntiles) cp_async_wait<1>();
-            else cp_async_wait<0>();
-            named_sync(1, 128);  // every thread's copies of the tile have landed (and vnan was reset)
-            const int nan = widen_tile(sh, su);
-            if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[su], 1u);
-            fence_async_shared();  // ordinary stores, read next by wgmma (the async proxy)
-            mbar_arrive(&sh.full[su]);
-        }
-    }
+    auto issue = [&](int t) {
+        if (threadIdx.x == 0) sh.vnan[t % STAGES] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
+        issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
+    };
+    auto finish = [&](int t) {  // (after the producer's barrier: vnan's reset is seen)
+        const int nan = widen_tile(sh, t % STAGES);
+        if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[t % STAGES], 1u);
+    };
+    producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
 }
 
 // ---- the consumers ----
@@ -279,40 +243,31 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float
     float sa[32];
     u32 pa[4][4], pl[4][4];
     const u64 dq = desc(smem_addr(sh.q + 16384 * cw), SBO16);
-    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
-    for (int t = 0; t <= cta.ntiles; ++t) {
-        const int s = t % STAGES;
-        if (t < cta.ntiles) mbar_wait(&sh.full[s], (t / STAGES) & 1);
-        if (PINGPONG) named_sync(4 + cw, 256);
-        wgmma_fence();
+    auto issue = [&](int t) {  // O += P(t-1) V(t-1), S = Q K(t)^T (16 keys / 16 dims a k step: +256 bytes)
         if (t >= 1) {
             const u64 dv = desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO);
 #pragma unroll
-            for (int kk = 0; kk < 4; ++kk) {  // 16 keys a k step: 32 bytes, two core matrices (+256 bytes)
+            for (int kk = 0; kk < 4; ++kk) {
                 wgmma_f16_rs_n128(o, pa[kk], dv + 16 * kk);
                 if constexpr (SPLIT_P) wgmma_f16_rs_n128(o, pl[kk], dv + 16 * kk);
             }
         }
         if (t < cta.ntiles) {
-            const u64 dk = desc(smem_addr(sh.k[s]), SBO16);
+            const u64 dk = desc(smem_addr(sh.k[t % STAGES]), SBO16);
 #pragma unroll
             for (int ks = 0; ks < D / 16; ++ks) wgmma_16_ss_n64<BF16>(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
         }
-        wgmma_commit();
-        if (PINGPONG) named_arrive(4 + (1 - cw), 256);
-        wgmma_wait0();
+    };
+    auto done = [&](int t) {
         fence_acc(o);
         fence_acc(sa);
-        if (t >= 1) mbar_arrive(&sh.empty[(t - 1) % STAGES]);  // tile t-1's K and V are read
-        if (t < cta.ntiles) {
-            const int n0 = cta.n_start + t * BLOCK_N;
-            if (n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) {  // a NaN V code where some row does not see it all
-                if (sh.vnan[s] && (ct & 127) == 0) atomicOr(&sh.abort, 1u);
-            }
-            softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, o, pa, pl);
-        }
-    }
-    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
+        if (t == cta.ntiles) return;
+        const int s = t % STAGES, n0 = cta.n_start + t * BLOCK_N;
+        if ((n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) && sh.vnan[s] && (ct & 127) == 0)
+            atomicOr(&sh.abort, 1u);  // a NaN V code where some row does not see the whole tile
+        softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, o, pa, pl);
+    };
+    consumer_pipeline<STAGES, PINGPONG>(sh.full, sh.empty, cta.ntiles, cw, issue, done);
 }
 
 }  // namespace fp8kv
@@ -371,12 +326,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     }
     __syncthreads();
     if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        producer_registers();
         produce(sh, cta, block_tables + (i64)s * bt_stride, key_cache + (i64)cta.h * k_sh, value_cache + (i64)cta.h * v_sh,
                 k_sb, k_st, v_sb, v_st, block_size, num_blocks);
         return;
     }
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+    consumer_registers();
     const int cw = threadIdx.x >= 256 ? 1 : 0, ct = threadIdx.x - 128 * (cw + 1);
     const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
 

@@ -9,22 +9,12 @@
 // Accumulators (CLayout_64xN): thread t of the warpgroup holds d[4 j + 2 h + e] = (row 16 (t / 32) +
 // (t % 32) / 4 + 8 h, column 8 j + 2 (t % 4) + e).
 #pragma once
-
-typedef unsigned int fp8kv_u32;
-typedef int fp8kv_i32;
-typedef long long fp8kv_i64;
-typedef unsigned long long fp8kv_u64;
-typedef unsigned short fp8kv_u16;
-typedef unsigned char fp8kv_u8;
+#include "f16.cuh"
 
 namespace fp8kv {
 
-typedef fp8kv_u32 u32;
-typedef fp8kv_i32 i32;
-typedef fp8kv_i64 i64;
-typedef fp8kv_u64 u64;
-typedef fp8kv_u16 u16;
-typedef fp8kv_u8 u8;
+typedef unsigned int u32;  // (as codec.cuh's, where both are included)
+typedef unsigned long long u64;
 
 // The float32 accumulator registers of an m64n64 / m64n128 wgmma, as asm operands.
 #define FP8KV_ACC32_REGS \
@@ -104,6 +94,23 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 
+// A 4 x 4 byte transpose: y[j] holds byte j of x[0], x[1], x[2], x[3] (in that order).
+__device__ __forceinline__ void transpose4x4(const u32 (&x)[4], u32 (&y)[4]) {
+    const u32 t0 = prmt(x[0], x[1], 0x5140u), t1 = prmt(x[0], x[1], 0x7362u);
+    const u32 t2 = prmt(x[2], x[3], 0x5140u), t3 = prmt(x[2], x[3], 0x7362u);
+    y[0] = prmt(t0, t2, 0x5410u);
+    y[1] = prmt(t0, t2, 0x7632u);
+    y[2] = prmt(t1, t3, 0x5410u);
+    y[3] = prmt(t1, t3, 0x7632u);
+}
+
+// float16 pair (a low, b high), rounded to nearest (f16.cuh: the halves back as float32)
+__device__ __forceinline__ u32 pack_f16x2(float a, float b) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+    return r;
+}
+
 // ---- wgmma ----
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -133,21 +140,15 @@ __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const u32 (&a)[4],
 }
 // d (+)= A B^T, A [64 x 16] and B [64 x 16] 16-bit (BF16: bfloat16, else float16), both K-major in
 // shared memory; accumulate unless first
+#define FP8KV_WGMMA_16_SS_N64(TYPES)                                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                                               \
+                 "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " " FP8KV_ACC32_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n" \
+                 : FP8KV_ACC32_OPS(d)                                                                         \
+                 : "l"(da), "l"(db), "r"((int)accumulate))
 template <bool BF16>
 __device__ __forceinline__ void wgmma_16_ss_n64(float (&d)[32], u64 da, u64 db, bool accumulate) {
-    if constexpr (BF16) {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " FP8KV_ACC32_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : FP8KV_ACC32_OPS(d)
-            : "l"(da), "l"(db), "r"((int)accumulate));
-    } else {
-        asm volatile(
-            "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-            "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP8KV_ACC32_REGS ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-            : FP8KV_ACC32_OPS(d)
-            : "l"(da), "l"(db), "r"((int)accumulate));
-    }
+    if constexpr (BF16) FP8KV_WGMMA_16_SS_N64("bf16.bf16");
+    else FP8KV_WGMMA_16_SS_N64("f16.f16");
 }
 // d += A B^T, A [64 x 16] float16 from registers (4 words: CLayout's pairs), B [128 x 16] float16
 // K-major in shared memory
@@ -157,6 +158,65 @@ __device__ __forceinline__ void wgmma_f16_rs_n128(float (&d)[64], const u32 (&a)
         "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FP8KV_ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
         : FP8KV_ACC64_OPS(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+}
+
+// ---- the warp-specialized pipeline (one producer warpgroup, threads 0..127; two consumer warpgroups) ----
+constexpr int WS_THREADS = 384;
+constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool)
+constexpr int CONSUMER_REGS = 224;
+__device__ __forceinline__ void producer_registers() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+}
+__device__ __forceinline__ void consumer_registers() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+}
+
+// Tiles t = 0..ntiles-1 go through STAGES shared-memory stages; full[s] (128 arrivals) says stage s holds
+// a tile, empty[s] (256 arrivals) that its consumers are done with it. Named barriers: 1 (the producer),
+// 4 and 5 (the consumers' turns).
+
+// The producer: issue(t) starts tile t's copies into stage t % STAGES (one cp.async group) once the
+// stage is free; a tile later, when its copies have landed, finish(t) prepares it in shared memory
+// (ordinary stores) and the tile is handed over.
+template <int STAGES, class Issue, class Finish>
+__device__ __forceinline__ void producer_pipeline(u64* full, u64* empty, int ntiles, Issue&& issue, Finish&& finish) {
+    for (int t = 0; t <= ntiles; ++t) {
+        if (t < ntiles) {
+            mbar_wait(&empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
+            issue(t);
+        }
+        if (t >= 1) {
+            if (t < ntiles) cp_async_wait<1>();
+            else cp_async_wait<0>();
+            named_sync(1, 128);  // every producer thread's copies of tile t - 1 have landed
+            finish(t - 1);
+            fence_async_shared();
+            mbar_arrive(&full[(t - 1) % STAGES]);
+        }
+    }
+}
+
+// A consumer warpgroup (cw = 0, 1): phase t = 0..ntiles waits for tile t (t < ntiles), has issue(t)
+// issue its wgmma (the previous tile's second product and tile t's first), waits for them, releases
+// tile t - 1's stage and runs done(t) (which starts with fence_acc on the accumulators it reads). With
+// PINGPONG the two warpgroups issue their phases in turn (FA3's schedule: one's softmax overlaps the
+// other's products).
+template <int STAGES, bool PINGPONG, class Issue, class Done>
+__device__ __forceinline__ void consumer_pipeline(u64* full, u64* empty, int ntiles, int cw, Issue&& issue,
+                                                  Done&& done) {
+    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
+    for (int t = 0; t <= ntiles; ++t) {
+        if (t < ntiles) mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+        if (PINGPONG) named_sync(4 + cw, 256);
+        wgmma_fence();
+        issue(t);
+        wgmma_commit();
+        if (PINGPONG) named_arrive(4 + (1 - cw), 256);
+        wgmma_wait0();
+        if (t >= 1) mbar_arrive(&empty[(t - 1) % STAGES]);  // tile t-1's operands are read
+        done(t);
+    }
+    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
 }
 
 }  // namespace fp8kv

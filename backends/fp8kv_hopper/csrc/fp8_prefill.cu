@@ -27,27 +27,20 @@
 //
 // Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES,
 // FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn).
-#ifndef FP8KV_QT
-#define FP8KV_QT 2
-#endif
-#ifndef FP8KV_STAGES
-#define FP8KV_STAGES 3
-#endif
-#ifndef FP8KV_PINGPONG
-#define FP8KV_PINGPONG 1
-#endif
 
 #include "wgmma_common.cuh"
 
 namespace fp8kv {
 
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef long long i64;
+
 constexpr int D = 128;
 constexpr int BLOCK_M = 128;      // rows per CTA (two consumer warpgroups of 64)
 constexpr int BLOCK_N = 128;      // keys per tile
 constexpr int STAGES = FP8KV_STAGES;
-constexpr int THREADS = 384;
-constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (the launch's pool)
-constexpr int CONSUMER_REGS = 224;
+constexpr int THREADS = WS_THREADS;
 constexpr int QT = FP8KV_QT;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;  // the consumer warpgroups issue their products in turn
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
@@ -166,9 +159,8 @@ __device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt) {
             const int key = vt_key(16 * chunk + 4 * w + i);
             asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + (u32)(key * VR_PITCH + dim0)));
         }
-        const u32 t0 = prmt(x[0], x[1], 0x5140u), t1 = prmt(x[0], x[1], 0x7362u);
-        const u32 t2 = prmt(x[2], x[3], 0x5140u), t3 = prmt(x[2], x[3], 0x7362u);
-        const u32 y[4] = {prmt(t0, t2, 0x5410u), prmt(t0, t2, 0x7632u), prmt(t1, t3, 0x5410u), prmt(t1, t3, 0x7632u)};
+        u32 y[4];
+        transpose4x4(x, y);
 #pragma unroll
         for (int j = 0; j < 4; ++j)
             asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + kmajor(dim0 + j, 16 * chunk + 4 * w, VT_SBO)), "r"(y[j]));
@@ -209,36 +201,25 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
     const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
     const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
     const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
-    for (int t = 0; t <= cta.ntiles; ++t) {
-        if (t < cta.ntiles) {
-            const int s = t % STAGES;
-            mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
-            const int n0 = cta.lo + t * BLOCK_N;
-            const u32 kdst = smem_addr(sh.k[s]), vdst = smem_addr(sh.vr[s]);
+    auto issue = [&](int t) {
+        const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
+        const u32 kdst = smem_addr(sh.k[s]), vdst = smem_addr(sh.vr[s]);
 #pragma unroll 1
-            for (int i = 0; i < BLOCK_N / 16; ++i) {
-                const int key = krow + 16 * i, n = n0 + key;
-                const int pg = P.page_shift >= 0 ? n >> P.page_shift : n / P.page;
-                const int in_page = n - pg * P.page;
-                int blk = n < cta.hi ? bt_row[pg] : -1;
-                const bool ok = blk >= 0 && blk < P.num_blocks;
-                blk = ok ? blk : 0;
-                cp_async16(kdst + kmajor(key, 16 * ch, 1024), kbase + blk * P.stride_kb + in_page * P.stride_kt, ok);
-                cp_async16(vdst + key * VR_PITCH + 16 * ch, vbase + blk * P.stride_vb + in_page * P.stride_vt, ok);
-                if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
-            }
-            cp_async_commit();
+        for (int i = 0; i < BLOCK_N / 16; ++i) {
+            const int key = krow + 16 * i, n = n0 + key;
+            const int pg = P.page_shift >= 0 ? n >> P.page_shift : n / P.page;
+            const int in_page = n - pg * P.page;
+            int blk = n < cta.hi ? bt_row[pg] : -1;
+            const bool ok = blk >= 0 && blk < P.num_blocks;
+            blk = ok ? blk : 0;
+            cp_async16(kdst + kmajor(key, 16 * ch, 1024), kbase + blk * P.stride_kb + in_page * P.stride_kt, ok);
+            cp_async16(vdst + key * VR_PITCH + 16 * ch, vbase + blk * P.stride_vb + in_page * P.stride_vt, ok);
+            if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
         }
-        if (t >= 1) {
-            const int su = (t - 1) % STAGES;
-            if (t < cta.ntiles) cp_async_wait<1>();
-            else cp_async_wait<0>();
-            named_sync(1, 128);  // every thread's copies of the tile have landed
-            transpose_v(sh.vr[su], sh.vt[su], pt);
-            fence_async_shared();  // ordinary and cp.async stores, read next by wgmma (the async proxy)
-            mbar_arrive(&sh.full[su]);
-        }
-    }
+        cp_async_commit();
+    };
+    auto finish = [&](int t) { transpose_v(sh.vr[t % STAGES], sh.vt[t % STAGES], pt); };
+    producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
 }
 
 // A consumer thread's online-softmax state for its two rows (h = 0, 1: rows r and r + 8 of its warp).
@@ -393,27 +374,18 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     float sa[64];
     u32 pa[4][4];
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
-    // Phases: phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, waits
-    // for both, releases tile t-1's stage, and runs the softmax of tile t. With FP8KV_PINGPONG the two
-    // warpgroups issue their phases in turn (named barriers 4 + cw), so one's softmax runs while the
-    // other's products occupy the tensor cores (FA3's inter-warpgroup schedule).
-    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
-    for (int t = 0; t <= cta.ntiles; ++t) {
-        const int s = t % STAGES;
-        if (t < cta.ntiles) mbar_wait(&sh.full[s], (t / STAGES) & 1);
-        if (PINGPONG) named_sync(4 + cw, 256);
-        wgmma_fence();
+    // Phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, then runs the
+    // softmax of tile t (consumer_pipeline: the waits, the stage release and the ping-pong turns)
+    auto issue = [&](int t) {
         if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO));
-        if (t < cta.ntiles) issue_qk(sa, dq, desc(smem_addr(sh.k[s]), 1024));
-        wgmma_commit();
-        if (PINGPONG) named_arrive(4 + (1 - cw), 256);
-        wgmma_wait0();
+        if (t < cta.ntiles) issue_qk(sa, dq, desc(smem_addr(sh.k[t % STAGES]), 1024));
+    };
+    auto done = [&](int t) {
         fence_acc(o);
         fence_acc(sa);
-        if (t >= 1) mbar_arrive(&sh.empty[(t - 1) % STAGES]);  // tile t-1's K and V are read
-        if (t < cta.ntiles) softmax_tile(sh, P, sm, s, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
-    }
-    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
+        if (t < cta.ntiles) softmax_tile(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
+    };
+    consumer_pipeline<STAGES, PINGPONG>(sh.full, sh.empty, cta.ntiles, cw, issue, done);
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
     const float v_scale = P.vs[cta.kvh * P.stride_vsh];
@@ -468,10 +440,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const
     // Registers: 168 per thread at launch (384 threads); the producer gives most of its share to the
     // consumers, whose phases keep S, O and p8 live at once (else ptxas serializes the wgmma).
     if (threadIdx.x < 128) {
-        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        producer_registers();
         produce(sh, P, cta);
     } else {
-        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+        consumer_registers();
         consume(sh, P, cta, threadIdx.x >= 256 ? 1 : 0);
     }
 }
