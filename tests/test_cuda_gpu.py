@@ -651,16 +651,8 @@ def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch)
                                     logits_soft_cap=None)
     assert_attention_close(out, ref, **bounds)
     assert_lse_close(lse, ref_lse, **bounds)
+    from fp8kv.testing.graphs import capture_and_replay
+
     graph_out = torch.empty_like(out)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fp8kv.paged_attention(query, cache, meta, out=graph_out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8kv.paged_attention(query, cache, meta, out=graph_out)
-    graph_out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: fp8kv.paged_attention(query, cache, meta, out=graph_out), graph_out)
     assert torch.equal(graph_out.view(torch.int16), out.view(torch.int16))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fp8kv
+from fp8kv.testing.graphs import capture_and_replay
 from fp8kv.testing.tolerance import assert_fp8_attention_close, fp8_attention_tolerance
 
 pytestmark = [
@@ -90,17 +91,7 @@ def test_cuda_graph_replay_is_bit_identical():
                                 backend="hopper", validate=False)
     eager = fp8kv.paged_attention(q, cache, meta)
     out = torch.empty_like(q)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fp8kv.paged_attention(q, cache, meta, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8kv.paged_attention(q, cache, meta, out=out)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(lambda: fp8kv.paged_attention(q, cache, meta, out=out), out)
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
 
 
@@ -230,15 +221,5 @@ def test_wgmma_prefill_at_size_and_under_graph_capture():
         attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
                                       q_scale=None, prob_scale=1.0, config=cfg)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
+    capture_and_replay(run, out)
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))

@@ -1,0 +1,26 @@
+"""CUDA-graph capture for tests: an engine replays fp8kv's calls from a graph, so a backend's
+launches must capture and replay to the same bits as eager calls."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def capture_and_replay(fn: Callable[[], object], out: torch.Tensor) -> torch.Tensor:
+    """Run ``fn`` (which writes ``out``) once on a side stream (warm-up: compiles and allocations
+    happen outside the capture), capture it in a CUDA graph, zero ``out`` and replay the graph once.
+    Returns ``out`` as the replay left it (compare it with an eager result)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
