@@ -656,3 +656,37 @@ def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch)
     graph_out = torch.empty_like(out)
     capture_and_replay(lambda: fp8kv.paged_attention(query, cache, meta, out=graph_out), graph_out)
     assert torch.equal(graph_out.view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_wgmma16_layouts(dtype):
+    """The wgmma prefill's operand layouts, K widening, V transpose and both wgmma forms on raw codes
+    (``fp8kv_wgmma16_layout_test``): S = Q K^T, P = float16(S / 16) through the A-register packing,
+    O = P V. Products are exact and accumulate in float32 (K = 128 and 64 terms)."""
+    from fp8kv_cuda import runtime as r
+    from fp8kv_cuda.attention import wgmma_smem_bytes
+    from fp8kv_cuda.variants import prefill_wgmma_variant
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(64, 128, generator=g).to(dtype).cuda()
+    k, v = (torch.randint(0, 256, (64, 128), generator=g, dtype=torch.uint8) for _ in range(2))
+    for x in (k, v):
+        x[(x & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    k, v = k.cuda(), v.cuda()
+    s = torch.empty(64, 64, dtype=torch.float32, device="cuda")
+    p = torch.empty(64, 64, dtype=torch.float16, device="cuda")
+    o = torch.empty(64, 128, dtype=torch.float32, device="cuda")
+    variant = prefill_wgmma_variant(str(dtype).removeprefix("torch."))
+    r.launch(variant, "fp8kv_wgmma16_layout_test", q.device, (1, 1, 1), 128,
+             [r.ptr(q), r.ptr(k), r.ptr(v), r.ptr(s), r.ptr(p), r.ptr(o), r.f32(2.0**-4)],
+             shared_mem=wgmma_smem_bytes())
+    torch.cuda.synchronize()
+    e4 = torch.float8_e4m3fn
+    qf, kf, vf = q.double(), k.view(e4).double(), v.view(e4).double()
+    u = 2.0**-16  # float32 accumulation of exact products: (terms + 1) 2^-24 of sum |a b|, terms <= 128
+    assert ((s.double() - qf @ kf.T).abs() <= u * (qf.abs() @ kf.abs().T) + 1e-30).all()
+    assert torch.equal(p.view(torch.int16), (s * 2.0**-4).to(torch.float16).view(torch.int16))
+    pf = p.double()
+    assert ((o.double() - pf @ vf).abs() <= u * (pf.abs() @ vf.abs()) + 1e-30).all()

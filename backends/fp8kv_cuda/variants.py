@@ -24,7 +24,7 @@ KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
            "attention_mma": ("attention_mma.cu", ("fp8kv_paged_attention_mma", "fp8kv_merge")),
            "prefill_mma": ("prefill_mma.cu", ("fp8kv_prefill_mma", "fp8kv_prefill_mma_exact", "fp8kv_merge")),
-           "prefill_wgmma": ("prefill_wgmma.cu", ("fp8kv_prefill_wgmma",)),
+           "prefill_wgmma": ("prefill_wgmma.cu", ("fp8kv_prefill_wgmma", "fp8kv_wgmma16_layout_test")),
            "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16", "fp8kv_widen_native"))}
 """kernel family -> (source file in csrc/, entry points)."""
 

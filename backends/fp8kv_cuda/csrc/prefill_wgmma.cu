@@ -399,3 +399,70 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
         if (write_lse && c == 0) lse[orow] = l > 0.0f ? (rs.m[h] + log2f(l)) * LN2 : NEG_INF;
     }
 }
+
+// The layout test (tests/test_cuda_gpu.py): one warpgroup runs the kernel's operand layouts, the
+// producer's K widening and V transpose, and both wgmma forms on Q [64 x 128] (query type), K and V
+// [64 x 128] (e4m3 codes): S = Q K^T (float32), P = float16(S * p_scale) through the A-register
+// packing, O = P V.
+extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(const q_t* __restrict__ Q,
+                                                                                const u8* __restrict__ K,
+                                                                                const u8* __restrict__ V,
+                                                                                float* __restrict__ S_out,
+                                                                                u16* __restrict__ P_out,
+                                                                                float* __restrict__ O_out,
+                                                                                float p_scale) {
+    extern __shared__ __align__(128) u8 wgmma_smem[];
+    u32 dyn_smem;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
+    if (dyn_smem < (u32)WGMMA_SMEM_BYTES) __trap();
+    WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
+    for (int i = tid; i < 64 * 16; i += 128)  // Q rows: 16 chunks of 16 bytes
+        *reinterpret_cast<uint4*>(sh.q + kmajor(i >> 4, 16 * (i & 15), SBO16)) = reinterpret_cast<const uint4*>(Q)[i];
+    for (int i = tid; i < 64 * 8; i += 128) {
+        *reinterpret_cast<uint4*>(sh.kr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(K)[i];
+        *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
+    }
+    __syncthreads();
+    widen_tile(sh, 0);
+    fence_async_shared();
+    __syncthreads();
+    float sa[32], o[64];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+        wgmma_16_ss_n64<BF16>(sa, desc(smem_addr(sh.q), SBO16) + 16 * ks, desc(smem_addr(sh.k[0]), SBO16) + 16 * ks, ks > 0);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_acc(sa);
+    u32 pa[4][4];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
+        S_out[row * 64 + col] = sa[i];
+        sa[i] *= p_scale;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const float* p = sa + 4 * (2 * kk + (w >> 1)) + 2 * (w & 1);
+            pa[kk][w] = pack_f16x2(p[0], p[1]);
+            const int row = 16 * warp + r + 8 * (w & 1), col = 16 * kk + 8 * (w >> 1) + 2 * c;
+            P_out[row * 64 + col] = (u16)(pa[kk][w] & 0xFFFFu);
+            P_out[row * 64 + col + 1] = (u16)(pa[kk][w] >> 16);
+        }
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_f16_rs_n128(o, pa[kk], desc(smem_addr(sh.vt[0]), VT_SBO) + 16 * kk);
+    wgmma_commit();
+    wgmma_wait0();
+    fence_acc(o);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) {
+        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
+        O_out[row * 128 + col] = o[i];
+    }
+}
