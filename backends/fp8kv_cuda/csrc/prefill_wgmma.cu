@@ -201,23 +201,17 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
                 sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
             }
     }
-    float mx[2] = {NEG_INF, NEG_INF}, msafe[2], alpha[2];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
+    float mx[2], msafe[2], alpha[2];
+    row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
         const float mnew = fmaxf(rs.m[h], mx[h] * fs);  // (fs > 0: the maximum of the logits)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
         alpha[h] = ex2(rs.m[h] - msafe[h]);  // (0 from -inf)
         rs.m[h] = mnew;
         rs.l[h] *= alpha[h];
     }
-    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
-#pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
-    }
+    rescale_rows(o, alpha);
     float lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
@@ -436,12 +430,9 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
     wgmma_wait0();
     fence_acc(sa);
     u32 pa[4][4];
+    store_acc(S_out, 64, sa, tid);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
-        S_out[row * 64 + col] = sa[i];
-        sa[i] *= p_scale;
-    }
+    for (int i = 0; i < 32; ++i) sa[i] *= p_scale;
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -460,9 +451,5 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
     wgmma_commit();
     wgmma_wait0();
     fence_acc(o);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
-        O_out[row * 128 + col] = o[i];
-    }
+    store_acc(O_out, 128, o, tid);
 }

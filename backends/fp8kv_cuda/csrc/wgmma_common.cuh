@@ -160,6 +160,37 @@ __device__ __forceinline__ void wgmma_f16_rs_n128(float (&d)[64], const u32 (&a)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
+// ---- the online softmax over accumulator rows (thread t holds rows r and r + 8: h = (i >> 1) & 1) ----
+
+// The maxima of the thread's two rows over an m64nN accumulator (the quad's four threads hold a row).
+template <int N>
+__device__ __forceinline__ void row_max(const float (&s)[N], float (&mx)[2]) {
+    mx[0] = mx[1] = __int_as_float(0xff800000);
+#pragma unroll
+    for (int i = 0; i < N; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
+        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
+    }
+}
+
+// o's rows times alpha[h], skipped when no row of the warp moved its maximum (alpha == 1 everywhere).
+__device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha)[2]) {
+    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+#pragma unroll
+        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+}
+
+// An m64nN accumulator of warpgroup thread t (0..127) into a row-major float32 matrix (leading dim ld).
+template <int N>
+__device__ __forceinline__ void store_acc(float* out, int ld, const float (&d)[N], int t) {
+    const int warp = t >> 5, r = (t & 31) >> 2, c = t & 3;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[(16 * warp + r + 8 * ((i >> 1) & 1)) * ld + 8 * (i >> 2) + 2 * c + (i & 1)] = d[i];
+}
+
 // ---- the warp-specialized pipeline (one producer warpgroup, threads 0..127; two consumer warpgroups) ----
 constexpr int WS_THREADS = 384;
 constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool)

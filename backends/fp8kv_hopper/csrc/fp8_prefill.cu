@@ -257,23 +257,17 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
                                                      3.4028234663852886e38);
         }
     }
-    float mx[2] = {NEG_INF, NEG_INF}, msafe[2], alpha[2];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], sa[i]);
+    float mx[2], msafe[2], alpha[2];
+    row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
-        mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
         const float mnew = fmaxf(sm.m[h], ceilf(sm.fast ? mx[h] * sm.f[h] : mx[h]));  // an integer (or -inf)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
         alpha[h] = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
         sm.m[h] = mnew;
         sm.l[h] *= alpha[h];
     }
-    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {  // (the maximum moved: rarely)
-#pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
-    }
+    rescale_rows(o, alpha);  // (the maximum moved: rarely)
     float lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // (two chains a row)
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
@@ -499,9 +493,5 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(con
     wgmma_commit();
     wgmma_wait0();
     fence_acc(o);
-#pragma unroll
-    for (int i = 0; i < 64; ++i) {
-        const int row = 16 * warp + r + 8 * ((i >> 1) & 1), col = 8 * (i >> 2) + 2 * c + (i & 1);
-        O_out[row * 128 + col] = o[i];
-    }
+    store_acc(O_out, 128, o, tid);
 }
