@@ -301,3 +301,34 @@ def test_programmatic_dependent_launch_packs_the_driver_call(monkeypatch):
     assert runtime.pdl_available(0)
     monkeypatch.setattr(runtime, "device_sm", lambda index: 75)
     assert not runtime.pdl_available(0)
+
+
+@pytest.mark.parametrize("change, serves", [
+    ({}, True), ({"on": False}, False), ({"sm": 80}, False), ({"sm": 75}, False), ({"fmt": "fp8_e5m2"}, False),
+    ({"dtype": torch.float32}, False), ({"D": 64}, False), ({"cap": 30.0}, False), ({"splits": 2}, False),
+    ({"misaligned": True}, False),
+])
+def test_the_wgmma_prefill_takes_only_what_it_serves(change, serves, monkeypatch):
+    """The sm90 wgmma prefill replaces the mma kernel only when switched on (opt-in until it runs on
+    an H100), on sm90 itself (not an older FP8KV_CUDA_ARCH), for e4m3 caches, head size 128,
+    16-bit queries stored 16-byte aligned, no soft-cap and one split."""
+    from fp8kv_cuda import attention
+
+    c = {"on": True, "sm": 90, "fmt": "fp8_e4m3", "dtype": torch.bfloat16, "D": 128, "cap": None, "splits": 1,
+         "misaligned": False, **change}
+    monkeypatch.setattr(attention, "WGMMA_PREFILL", c["on"])
+    storage = torch.zeros(4 * 8 * c["D"] + 8, dtype=c["dtype"])
+    query = storage[1:1 + 4 * 8 * c["D"]] if c["misaligned"] else storage[: 4 * 8 * c["D"]]
+    query = query.view(4, 8, c["D"])
+    assert attention.wgmma_prefill_serves(c["sm"], c["fmt"], query, c["cap"], c["splits"]) is serves
+    assert attention.WGMMA_PREFILL is c["on"]
+
+
+def test_the_unrun_wgmma_kernels_stay_opt_in():
+    """Neither sm90 wgmma kernel is a default before its GPU tests have passed on an H100."""
+    from fp8kv_cuda import attention
+    from fp8kv_hopper.attention import choose_config
+
+    assert attention.WGMMA_PREFILL is False
+    assert choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=2048, max_keys=4096,
+                         num_sms=132).kernel == "triton"
