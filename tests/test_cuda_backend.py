@@ -303,6 +303,35 @@ def test_programmatic_dependent_launch_packs_the_driver_call(monkeypatch):
     assert not runtime.pdl_available(0)
 
 
+def test_a_struct_parameter_launch_packs_the_driver_call(monkeypatch):
+    """launch_struct's driver call (the Hopper backend's CUDA kernel takes its ~50 arguments as one
+    struct by value): cuLaunchKernelEx with no attribute and one parameter pointing at the struct."""
+    import ctypes
+
+    from fp8kv_cuda import runtime
+
+    class Args(ctypes.Structure):
+        _fields_ = [("p", ctypes.c_void_p), ("x", ctypes.c_float), ("n", ctypes.c_int64)]
+
+    args = Args(2**40 + 16, 0.25, -3)
+    seen = {}
+
+    def fake(cfg, fn, params, extra):
+        c = cfg._obj
+        got = ctypes.cast(params[0], ctypes.POINTER(Args))[0]
+        seen.update(grid=(c.gridDimX, c.gridDimY, c.gridDimZ), block=c.blockDimX, smem=c.sharedMemBytes,
+                    stream=c.hStream, n=c.numAttrs, attrs=bool(c.attrs), fn=fn, args=(got.p, got.x, got.n))
+        return 0
+
+    monkeypatch.setattr(runtime, "_launch_kernel_ex", lambda: fake)
+    runtime.struct_launch(77, (5, 8, 1), 384, 187392, 99, args)
+    assert seen == {"grid": (5, 8, 1), "block": 384, "smem": 187392, "stream": 99, "n": 0, "attrs": False, "fn": 77,
+                    "args": (2**40 + 16, 0.25, -3)}
+    monkeypatch.setattr(runtime, "_launch_kernel_ex", lambda: lambda *a: 1)
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        runtime.struct_launch(77, (1, 1, 1), 128, 0, 0, args)
+
+
 @pytest.mark.parametrize("change, serves", [
     ({}, True), ({"on": False}, False), ({"sm": 80}, False), ({"sm": 75}, False), ({"fmt": "fp8_e5m2"}, False),
     ({"dtype": torch.float32}, False), ({"D": 64}, False), ({"cap": 30.0}, False), ({"splits": 2}, False),

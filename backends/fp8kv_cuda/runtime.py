@@ -191,26 +191,33 @@ def launch_struct(function, index: int, grid: tuple[int, int, int], block: int, 
                   shared_mem: int = 0) -> None:
     """Launch ``function`` (a CuPy kernel function) whose one parameter is a struct passed by value,
     ``params`` (a ``ctypes.Structure`` laid out as the kernel's C struct), on torch's current stream
-    of CUDA device ``index`` (``cuLaunchKernel``; captured into CUDA graphs like any launch). Public:
-    other in-tree backends launch their kernels through it."""
+    of CUDA device ``index`` (captured into CUDA graphs like any launch). Public: other in-tree
+    backends launch their kernels through it."""
     stream = torch.cuda.current_stream(index)
     with cupy().cuda.Device(index):
         _allow_shared_memory(function.ptr, shared_mem)
-        arg = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        err = _launch_kernel()(function.ptr, grid[0], grid[1], grid[2], block, 1, 1, shared_mem,
-                               stream.cuda_stream, arg, None)
+        struct_launch(function.ptr, grid, block, shared_mem, stream.cuda_stream, params)
+
+
+def struct_launch(function_ptr: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream_ptr: int,
+                  params: ctypes.Structure) -> None:
+    """``cuLaunchKernelEx`` without attributes, the kernel's one parameter being ``params`` (by value)."""
+    _launch_ex(function_ptr, grid, block, shared_mem, stream_ptr, (ctypes.c_void_p * 1)(ctypes.addressof(params)),
+               None, "struct parameter")
+
+
+def _launch_ex(function_ptr: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream_ptr: int,
+               params, attribute: ctypes.Structure | None, what: str) -> None:
+    """The driver's ``cuLaunchKernelEx`` (the one entry point both ctypes launches use): ``params``
+    an array of pointers to the kernel's arguments, ``attribute`` one launch attribute or None."""
+    launch_ex = _launch_kernel_ex()
+    if launch_ex is None:
+        raise RuntimeError(f"cuLaunchKernelEx ({what}) needs a CUDA 12+ driver")
+    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream_ptr,
+                        None if attribute is None else ctypes.pointer(attribute), 0 if attribute is None else 1)
+    err = launch_ex(ctypes.byref(cfg), function_ptr, params, None)
     if err != 0:
-        raise RuntimeError(f"cuLaunchKernel failed: CUresult {err}")
-
-
-@functools.cache
-def _launch_kernel():
-    """The driver's ``cuLaunchKernel``."""
-    fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, *(ctypes.c_uint,) * 6, ctypes.c_uint, ctypes.c_void_p,
-                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p]
-    return fn
+        raise RuntimeError(f"cuLaunchKernelEx ({what}) failed: CUresult {err}")
 
 
 PDL_MIN_SM = 90
@@ -267,11 +274,8 @@ def pdl_launch(function_ptr: int, grid: tuple[int, int, int], block: int, shared
     (``ptr``, ``i64``, ``i32``, ``f32``). Captured into CUDA graphs as a programmatic edge."""
     values = [_C_TYPES[type(a)](a.item()) for a in args]
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    cfg = _LaunchConfig(grid[0], grid[1], grid[2], block, 1, 1, shared_mem, stream_ptr,
-                        ctypes.pointer(_pdl_attribute()), 1)
-    err = _launch_kernel_ex()(ctypes.byref(cfg), function_ptr, params, None)
-    if err != 0:
-        raise RuntimeError(f"cuLaunchKernelEx (programmatic dependent launch) failed: CUresult {err}")
+    _launch_ex(function_ptr, grid, block, shared_mem, stream_ptr, params, _pdl_attribute(),
+               "programmatic dependent launch")
 
 
 def ptr(t: torch.Tensor) -> np.uint64:

@@ -26,6 +26,8 @@ from importlib import resources
 
 import torch
 
+from fp8kv.probe import probe
+
 THREADS = 384
 BLOCK_M = 128
 BLOCK_N = 128
@@ -107,18 +109,9 @@ def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_s
         (query.is_contiguous() and out.is_contiguous() and (lse is None or lse.is_contiguous()),
          "contiguous query, out and lse"),
         (T * HQ < 2**31 // HEAD_SIZE, "fewer than 2^24 query rows"),
-        (_has_cupy(), "needs CuPy"),
+        (probe(query.device).cupy, "needs CuPy"),
     )
     return next((why for ok, why in checks if not ok), None)
-
-
-@functools.cache
-def _has_cupy() -> bool:
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
