@@ -379,13 +379,13 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         grid = (p.row_tiles, H, S * p.num_splits)
         redo = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=dev)
         smem = prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
+        pargs = [*args, r.ptr(redo)]
         if wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap, p.num_splits):  # (same contract)
             runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG), "fp8kv_prefill_wgmma", dev, grid,
-                           WGMMA_THREADS, [*args, r.ptr(redo)], shared_mem=wgmma_smem_bytes(D))
+                           WGMMA_THREADS, pargs, shared_mem=wgmma_smem_bytes(D))
         else:
-            runtime.launch(variant, entry, dev, grid, 32 * p.warps, [*args, r.ptr(redo)], shared_mem=smem)
-        runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, [*args, r.ptr(redo)],
-                       shared_mem=smem)
+            runtime.launch(variant, entry, dev, grid, 32 * p.warps, pargs, shared_mem=smem)
+        runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, pargs, shared_mem=smem)
     elif p.mma:
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))

@@ -63,7 +63,7 @@ constexpr int WGMMA_SMEM_BYTES = (int)sizeof(WgmmaShared);
 
 // What producer and consumers agree on about the CTA.
 struct Cta {
-    int row0, rows, q_lo, h, group;
+    int row0, rows, q_lo, h;
     int kb, ke;          // keys visited: [kb, ke); tiles from kb rounded down to BLOCK_N
     int lo_max, hi_min;  // keys every row sees (tiles inside need no mask)
     int n_start, ntiles;
@@ -270,15 +270,12 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8KV_ATTENTION_PARAMS(D_arg),
                                                                               int* __restrict__ redo) {
     extern __shared__ __align__(128) u8 wgmma_smem[];
-    u32 dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < (u32)WGMMA_SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
+    trap_unless_smem(WGMMA_SMEM_BYTES);
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
     const i64 cta_id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
     const int s = blockIdx.z;  // one split: grid z = num_seqs
     Cta cta;
     cta.h = blockIdx.y;
-    cta.group = group;
     cta.q_lo = i32_min(i32_max(qsl[s], 0), T);
     const int q_hi = i32_max(i32_min(i32_max(qsl[s + 1], 0), T), cta.q_lo);
     cta.rows = (q_hi - cta.q_lo) * group;
@@ -406,9 +403,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
                                                                                 float* __restrict__ O_out,
                                                                                 float p_scale) {
     extern __shared__ __align__(128) u8 wgmma_smem[];
-    u32 dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < (u32)WGMMA_SMEM_BYTES) __trap();
+    trap_unless_smem(WGMMA_SMEM_BYTES);
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
     for (int i = tid; i < 64 * 16; i += 128)  // Q rows: 16 chunks of 16 bytes

@@ -61,13 +61,6 @@ struct __align__(128) Smem {
 };
 constexpr int SMEM_BYTES = (int)sizeof(Smem);
 
-// The launcher's shared-memory size must hold Smem (fp8kv_hopper.wgmma.smem_bytes mirrors it).
-__device__ __forceinline__ void check_smem() {
-    u32 bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    if (bytes < (u32)SMEM_BYTES) __trap();
-}
-
 // S = q8 k8^T: 4 k32 steps over D = 128 (+256 bytes a step: descriptor + 16)
 __device__ __forceinline__ void issue_qk(float (&s)[64], u64 dq, u64 dk) {
 #pragma unroll
@@ -405,7 +398,7 @@ using namespace fp8kv;
 // One CTA per (query block, KV head): grid (num_seqs * q_blocks, H), THREADS threads, SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const Params P) {
     extern __shared__ __align__(128) u8 smem_raw[];
-    check_smem();
+    trap_unless_smem(SMEM_BYTES);  // (fp8kv_hopper.wgmma.smem_bytes mirrors sizeof(Smem))
     Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
     Cta cta;
     cta.seq = blockIdx.x / P.q_blocks;
@@ -455,7 +448,7 @@ struct LayoutTestArgs {
 
 extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(const LayoutTestArgs args) {
     extern __shared__ __align__(128) u8 smem_raw[];
-    check_smem();
+    trap_unless_smem(SMEM_BYTES);  // (fp8kv_hopper.wgmma.smem_bytes mirrors sizeof(Smem))
     Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
     const u8 *A = args.a, *B = args.b, *V = args.v;
     float *S_out = args.s, *O_out = args.o;
