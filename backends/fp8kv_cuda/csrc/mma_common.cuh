@@ -12,7 +12,7 @@
 // Macros: those of attention_common.cuh and the format's (codec.cuh).
 #pragma once
 #include "attention_common.cuh"
-#include "f16.cuh"
+#include "ptx_math.cuh"
 
 // Rows that see at least this many keys (over all splits) may enter p @ v with P as one float16
 // (fp8kv.testing.tolerance.FULL_P_KEYS, passed by fp8kv_cuda.variants); fewer keep P = hi + lo.

@@ -123,11 +123,6 @@ struct Logit {
     bool simple;       // the logit is q . k * fs: fs normal and > 0, no soft-cap, |q . k| * fs <= 2^126
 };
 
-__device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 2 ulp; below 2^-126: 0)
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
 
 __device__ __forceinline__ u32 zero_nonfinite(u32 w) { return w & ~((nonfinite_bytes(w) >> 7) * 0xFFu); }
 

@@ -77,11 +77,6 @@ __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
     return r;
 }
 
-__device__ __forceinline__ float ex2(float x) {  // 2^x (ex2.approx: <= 2 ulp; -inf: 0)
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
 
 // ---- the producer ----
 
@@ -207,7 +202,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
     for (int h = 0; h < 2; ++h) {
         const float mnew = fmaxf(rs.m[h], mx[h] * fs);  // (fs > 0: the maximum of the logits)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
-        alpha[h] = ex2(rs.m[h] - msafe[h]);  // (0 from -inf)
+        alpha[h] = exp2_approx(rs.m[h] - msafe[h]);  // (0 from -inf)
         rs.m[h] = mnew;
         rs.l[h] *= alpha[h];
     }
@@ -216,7 +211,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         const int h = (i >> 1) & 1;
-        sa[i] = ex2(fmaf(sa[i], fs, -msafe[h]));  // (masked: 2^-inf = 0)
+        sa[i] = exp2_approx(fmaf(sa[i], fs, -msafe[h]));  // (masked: 2^-inf = 0)
         lsum[h][i & 1] += sa[i];
     }
     rs.l[0] += lsum[0][0] + lsum[0][1];

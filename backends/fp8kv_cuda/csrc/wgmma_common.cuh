@@ -9,7 +9,7 @@
 // Accumulators (CLayout_64xN): thread t of the warpgroup holds d[4 j + 2 h + e] = (row 16 (t / 32) +
 // (t % 32) / 4 + 8 h, column 8 j + 2 (t % 4) + e).
 #pragma once
-#include "f16.cuh"
+#include "ptx_math.cuh"
 
 namespace fp8kv {
 
@@ -112,7 +112,7 @@ __device__ __forceinline__ void transpose4x4(const u32 (&x)[4], u32 (&y)[4]) {
     y[3] = prmt(t1, t3, 0x7632u);
 }
 
-// float16 pair (a low, b high), rounded to nearest (f16.cuh: the halves back as float32)
+// float16 pair (a low, b high), rounded to nearest (ptx_math.cuh: the halves back as float32)
 __device__ __forceinline__ u32 pack_f16x2(float a, float b) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));

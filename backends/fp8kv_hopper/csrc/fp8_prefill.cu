@@ -265,8 +265,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         const int h = (i >> 1) & 1;
-        float x = sm.fast ? fmaf(sa[i], sm.f[h], -msafe[h]) : sa[i] - msafe[h];
-        asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(x) : "f"(x));
+        const float x = exp2_approx(sm.fast ? fmaf(sa[i], sm.f[h], -msafe[h]) : sa[i] - msafe[h]);
         lsum[h][i & 1] += x;
         sa[i] = x;
     }

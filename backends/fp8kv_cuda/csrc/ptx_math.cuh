@@ -1,4 +1,5 @@
-// fp8kv_cuda: float16 pair helpers shared by the tensor-core kernels (mma_common.cuh, wgmma_common.cuh).
+// fp8kv_cuda: small PTX math helpers shared by the tensor-core kernels (through mma_common.cuh and
+// wgmma_common.cuh): the halves of a float16 pair, 2^x.
 #pragma once
 
 namespace fp8kv {
@@ -14,6 +15,12 @@ __device__ __forceinline__ float f16_lo(u32 x) {  // the low half of a float16 p
 __device__ __forceinline__ float f16_hi(u32 x) {  // the high half
     float r;
     asm("{ .reg .b16 l, h; mov.b32 {l, h}, %1; cvt.f32.f16 %0, h; }" : "=f"(r) : "r"(x));
+    return r;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 2 ulp; below 2^-126: 0)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
 }
 
