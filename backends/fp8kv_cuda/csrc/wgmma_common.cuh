@@ -16,25 +16,22 @@ namespace fp8kv {
 typedef unsigned int u32;  // (as codec.cuh's, where both are included)
 typedef unsigned long long u64;
 
-// The float32 accumulator registers of an m64n64 / m64n128 wgmma, as asm operands.
-#define FP8KV_ACC32_REGS \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+// The float32 accumulator registers of an m64n64 / m64n128 wgmma, as asm operands (the m64n128 lists
+// extend the m64n64 ones).
+#define FP8KV_REGS_0_31 \
+    "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+    "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define FP8KV_ACC32_REGS "{" FP8KV_REGS_0_31 "}"
+#define FP8KV_ACC64_REGS \
+    "{" FP8KV_REGS_0_31 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+    "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define FP8KV_ACC32_OPS(d) \
     "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
     "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
     "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
     "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-#define FP8KV_ACC64_REGS \
-    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-    " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-    " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-    " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define FP8KV_ACC64_OPS(d) \
-    "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-    "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-    "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-    "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+    FP8KV_ACC32_OPS(d), \
     "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
     "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
     "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
@@ -138,13 +135,17 @@ __device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], u64 da, u64 db, bo
         : FP8KV_ACC64_OPS(d)
         : "l"(da), "l"(db), "r"((int)accumulate));
 }
-// d += A B^T, A [64 x 32] e4m3 from registers (4 words per thread), B [128 x 32] from shared memory
+// d += A B^T with A [64 x k] from registers (4 words per thread) and B [128 x k] from shared memory:
+// the wgmma form INSTR ("m64n128k32.f32.e4m3.e4m3") with its immediates IMMS (scale-a, scale-b and,
+// for 16-bit types, transpose-b)
+#define FP8KV_WGMMA_RS_N128(INSTR, IMMS)                                                                    \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                                                \
+                 "wgmma.mma_async.sync.aligned." INSTR " " FP8KV_ACC64_REGS ", {%64, %65, %66, %67}, %68, p, " IMMS ";\n}\n" \
+                 : FP8KV_ACC64_OPS(d)                                                                         \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+// A [64 x 32] e4m3 (e4m3 A fragments), B [128 x 32] e4m3
 __device__ __forceinline__ void wgmma_e4m3_rs(float (&d)[64], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FP8KV_ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
-        : FP8KV_ACC64_OPS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    FP8KV_WGMMA_RS_N128("m64n128k32.f32.e4m3.e4m3", "1, 1");
 }
 // d (+)= A B^T, A [64 x 16] and B [64 x 16] 16-bit (BF16: bfloat16, else float16), both K-major in
 // shared memory; accumulate unless first
@@ -158,14 +159,9 @@ __device__ __forceinline__ void wgmma_16_ss_n64(float (&d)[32], u64 da, u64 db, 
     if constexpr (BF16) FP8KV_WGMMA_16_SS_N64("bf16.bf16");
     else FP8KV_WGMMA_16_SS_N64("f16.f16");
 }
-// d += A B^T, A [64 x 16] float16 from registers (4 words: CLayout's pairs), B [128 x 16] float16
-// K-major in shared memory
+// A [64 x 16] float16 (4 words: CLayout's pairs), B [128 x 16] float16 K-major
 __device__ __forceinline__ void wgmma_f16_rs_n128(float (&d)[64], const u32 (&a)[4], u64 db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FP8KV_ACC64_REGS ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : FP8KV_ACC64_OPS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+    FP8KV_WGMMA_RS_N128("m64n128k16.f32.f16.f16", "1, 1, 0");
 }
 
 // ---- the online softmax over accumulator rows (thread t holds rows r and r + 8: h = (i >> 1) & 1) ----
