@@ -87,14 +87,20 @@ __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int 
     const int pt = threadIdx.x, ch = pt & 7, krow = pt >> 3, s = t % STAGES;
     const int n0 = cta.n_start + t * BLOCK_N;
     const u32 kdst = smem_addr(sh.kr[s]), vdst = smem_addr(sh.vr[s]);
+    // the block ids of the thread's keys first (independent loads: one latency, not one a key)
+    int ids[BLOCK_N / 16];
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / 16; ++i) {
+        const int n = n0 + krow + 16 * i;
+        ids[i] = n >= cta.kb && n < cta.ke ? __ldg(bt_row + (bs_shift >= 0 ? n >> bs_shift : n / block_size)) : -1;
+    }
 #pragma unroll
     for (int i = 0; i < BLOCK_N / 16; ++i) {
         const int key = krow + 16 * i, n = n0 + key;
         const int page = bs_shift >= 0 ? n >> bs_shift : n / block_size;
-        int blk = n >= cta.kb && n < cta.ke ? bt_row[page] : -1;
-        const bool ok = blk >= 0 && blk < num_blocks;
-        blk = ok ? blk : 0;
-        const i64 in_block = n - (i64)page * block_size;
+        const bool ok = ids[i] >= 0 && ids[i] < num_blocks;
+        const i64 blk = ok ? ids[i] : 0;
+        const i64 in_block = n - page * block_size;
         cp_async16(kdst + key * RAW_PITCH + 16 * ch, kbase + blk * k_sb + in_block * k_st + 16 * ch, ok);
         cp_async16(vdst + key * RAW_PITCH + 16 * ch, vbase + blk * v_sb + in_block * v_st + 16 * ch, ok);
         if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
@@ -129,26 +135,27 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
         }
     }
     // V^T: a lane moves a 4 x 4 byte block (keys 4 w .. 4 w + 3 of a 16-key chunk, dims 4 a' .. 4 a' + 3)
-    // per step, widened: V^T[dim][key] at kmajor(dim, 2 key, VT_SBO)
+    // per step, widened: V^T[dim][key] at kmajor(dim, 2 key, VT_SBO). Warp `warp` takes chunk `warp`,
+    // step dg dims 4 a + 32 dg + j: every address is the thread's base plus a constant.
     int nan = 0;
-    const int a = lane & 7, w = lane >> 3;
-#pragma unroll 2
-    for (int step = 0; step < 4; ++step) {
-        const int combo = warp * 4 + step, dg = combo & 3, chunk = combo >> 2;
-        const int dim0 = 4 * (a + 8 * dg), key0 = 16 * chunk + 4 * w;
+    const int a = lane & 7, w = lane >> 3, key0 = 16 * warp + 4 * w;
+    const u8* src = sh.vr[s] + key0 * RAW_PITCH + 4 * a;
+    u8* dst = sh.vt[s] + kmajor(4 * a, 2 * key0, VT_SBO);  // + 16 j + 4 dg VT_SBO for dim 4 a + 32 dg + j
+#pragma unroll
+    for (int dg = 0; dg < 4; ++dg) {
         u32 x[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-            x[i] = *reinterpret_cast<const u32*>(sh.vr[s] + (key0 + i) * RAW_PITCH + dim0);
+            x[i] = *reinterpret_cast<const u32*>(src + i * RAW_PITCH + 32 * dg);
             nan |= (int)nonfinite_bytes(x[i]);
         }
         u32 y[4];
         transpose4x4(x, y);
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // dim dim0 + j, keys key0 .. key0 + 3, in float16
+        for (int j = 0; j < 4; ++j) {  // dim 4 a + 32 dg + j, keys key0 .. key0 + 3, in float16
             uint2 v;
             widen_native(y[j], v.x, v.y);
-            *reinterpret_cast<uint2*>(sh.vt[s] + kmajor(dim0 + j, 2 * key0, VT_SBO)) = v;
+            *reinterpret_cast<uint2*>(dst + 16 * j + 4 * dg * VT_SBO) = v;
         }
     }
     return nan;
@@ -200,7 +207,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
     row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float mnew = fmaxf(rs.m[h], mx[h] * fs);  // (fs > 0: the maximum of the logits)
+        const float mnew = fmaxf(rs.m[h], __fmul_rn(mx[h], fs));  // (fs > 0: the maximum of the logits)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
         alpha[h] = exp2_approx(rs.m[h] - msafe[h]);  // (0 from -inf)
         rs.m[h] = mnew;
@@ -211,7 +218,9 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
         const int h = (i >> 1) & 1;
-        sa[i] = exp2_approx(fmaf(sa[i], fs, -msafe[h]));  // (masked: 2^-inf = 0)
+        // rounded product, then the difference: the row's maximum gives 2^0 (a fused multiply-add
+        // would keep the product's rounding error, up to half an ulp of a logit near 2^126)
+        sa[i] = exp2_approx(__fsub_rn(__fmul_rn(sa[i], fs), msafe[h]));  // (masked: 2^-inf = 0)
         lsum[h][i & 1] += sa[i];
     }
     rs.l[0] += lsum[0][0] + lsum[0][1];

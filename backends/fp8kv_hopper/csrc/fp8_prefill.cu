@@ -138,26 +138,30 @@ __device__ __forceinline__ int vt_key(int kpos) {
 }
 
 // V^T[dim][kpos] = V[vt_key(kpos)][dim] for a 128 x 128 tile, by the 128 threads of a warpgroup:
-// a lane moves a 4 x 4 byte block (4 keys of one V^T word, 4 dims) per step, 8 steps.
+// a lane moves a 4 x 4 byte block (4 keys of one V^T word, 4 dims) per step, 8 steps. Step (half,
+// dg) of warp `warp` takes key positions 16 chunk + 4 w + i (chunk = 2 warp + half) and dims
+// 4 a + 32 dg + j; every address is the thread's base plus a constant (immediate offsets).
 __device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt) {
     const int warp = wt >> 5, lane = wt & 31, a = lane & 7, w = lane >> 3;
-    const u32 src = smem_addr(vr), dst = smem_addr(vt);
-#pragma unroll 2
-    for (int step = 0; step < 8; ++step) {
-        const int combo = warp * 8 + step, dg = combo & 3, chunk = combo >> 2;
-        const int dim0 = 4 * (a + 8 * dg);
-        u32 x[4];
+    // vt_key(16 chunk + 4 w + i) = 16 chunk + 8 (i / 2) + 2 w + i % 2
+    const u32 src = smem_addr(vr) + (u32)((32 * warp + 2 * w) * VR_PITCH + 4 * a);
+    // kmajor(4 a + 32 dg + j, 16 chunk + 4 w) = kmajor(4 a, 32 warp + 4 w) + 16 j + 4 dg SBO + 128 half
+    const u32 dst = smem_addr(vt) + kmajor(4 * a, 32 * warp + 4 * w, VT_SBO);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const int key = vt_key(16 * chunk + 4 * w + i);
-            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + (u32)(key * VR_PITCH + dim0)));
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int dg = 0; dg < 4; ++dg) {
+            u32 x[4], y[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 off = (u32)((16 * half + 8 * (i >> 1) + (i & 1)) * VR_PITCH + 32 * dg);
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + off));
+            }
+            transpose4x4(x, y);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + (u32)(16 * j + 4 * dg * VT_SBO + 128 * half)), "r"(y[j]));
         }
-        u32 y[4];
-        transpose4x4(x, y);
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-            asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + kmajor(dim0 + j, 16 * chunk + 4 * w, VT_SBO)), "r"(y[j]));
-    }
 }
 
 }  // namespace fp8kv
@@ -196,18 +200,24 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
     const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
     auto issue = [&](int t) {
         const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
-        const u32 kdst = smem_addr(sh.k[s]), vdst = smem_addr(sh.vr[s]);
-#pragma unroll 1
+        const u32 kdst = smem_addr(sh.k[s]) + kmajor(krow, 16 * ch, 1024), vdst = smem_addr(sh.vr[s]) + krow * VR_PITCH + 16 * ch;
+        // the block ids of the thread's 8 keys first (independent loads: one latency, not 8)
+        int blk[BLOCK_N / 16];
+#pragma unroll
         for (int i = 0; i < BLOCK_N / 16; ++i) {
-            const int key = krow + 16 * i, n = n0 + key;
-            const int pg = P.page_shift >= 0 ? n >> P.page_shift : n / P.page;
-            const int in_page = n - pg * P.page;
-            int blk = n < cta.hi ? bt_row[pg] : -1;
-            const bool ok = blk >= 0 && blk < P.num_blocks;
-            blk = ok ? blk : 0;
-            cp_async16(kdst + kmajor(key, 16 * ch, 1024), kbase + blk * P.stride_kb + in_page * P.stride_kt, ok);
-            cp_async16(vdst + key * VR_PITCH + 16 * ch, vbase + blk * P.stride_vb + in_page * P.stride_vt, ok);
-            if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
+            const int n = n0 + krow + 16 * i;
+            blk[i] = n < cta.hi ? __ldg(bt_row + (P.page_shift >= 0 ? n >> P.page_shift : n / P.page)) : -1;
+        }
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 16; ++i) {
+            const int n = n0 + krow + 16 * i;
+            const int in_page = P.page_shift >= 0 ? n & (P.page - 1) : n % P.page;
+            const bool ok = blk[i] >= 0 && blk[i] < P.num_blocks;
+            const i64 b = ok ? blk[i] : 0;
+            // key krow + 16 i: K-major row group 2 i (+2048 bytes), raw V row + 16 i
+            cp_async16(kdst + 2048 * i, kbase + b * P.stride_kb + in_page * P.stride_kt, ok);
+            cp_async16(vdst + 16 * i * VR_PITCH, vbase + b * P.stride_vb + in_page * P.stride_vt, ok);
+            if (ch == 0) sh.valid[s][krow + 16 * i] = ok ? 1 : 0;
         }
         cp_async_commit();
     };
