@@ -69,8 +69,9 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     vd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
     record("sdpa bf16", time_graph(lambda: causal_sdpa_bf16(q4, kd, vd), calls=3, reps=args.reps))
     outs = {}
+    default = cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG
     runs = [("triton", "triton", None), ("cuda", "cuda tensor-core prefill", None)]
-    if args.wgmma and torch.cuda.get_device_capability(device) == (9, 0):  # the opt-in sm90 kernel
+    if args.wgmma and torch.cuda.get_device_capability(device) == (9, 0):  # the sm90 kernel (its default)
         runs += [("cuda", "cuda wgmma prefill (ping-pong)", True), ("cuda", "cuda wgmma prefill", False)]
     for name, label, pingpong in runs:
         cuda_attention.WGMMA_PREFILL = pingpong is not None
@@ -94,7 +95,7 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         ms = time_graph(lambda be=be, meta=meta, out=out: be.paged_attention(query, cache, meta, out, None),
                         calls=3, reps=args.reps)
         record("fp8kv " + label, ms, **extra)
-    cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG = False, True
+    cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG = default
     if args.per_token and seqs * new <= 8192:
         p = plan(device, num_tokens=query.shape[0], num_kv_heads=HKV, group=HQ // HKV, head_size=D, max_keys=L,
                  query_dtype=qdtype, fmt="fp8_e4m3")  # the decode plan: one CTA row per token

@@ -144,8 +144,9 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     ms = time_graph(lambda: tb.paged_attention(query, cache, meta, out, None), calls=3, reps=args.reps)
     record("fp8kv triton (default mode: bf16 math)", ms, **diff(None))
     # the Hopper FP8 kernel
-    base = choose_config(group=HQ // HKV, num_seqs=seqs, num_kv_heads=HKV, max_query_len=new, max_keys=L,
-                         num_sms=sms)
+    shipped = choose_config(group=HQ // HKV, num_seqs=seqs, num_kv_heads=HKV, max_query_len=new, max_keys=L,
+                            num_sms=sms)  # kernel "auto": the CUDA kernel here (prefill), Triton otherwise
+    base = dataclasses.replace(shipped, kernel="triton")
     grid = [(base, True), (base, False)]
     if args.grid == "full":
         for bm, bn, w, st in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 128, 4, 2), (64, 128, 4, 3),
@@ -173,7 +174,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
                 if cfg.kernel == "wgmma"
                 else f"hopper fp8 {'dyn-q' if dyn else 'head-q'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} "
                 f"s{cfg.num_stages} v{cfg.v_mode}")
-        record(name, ms, config=dataclasses.asdict(cfg), dynamic_q=dyn, default=cfg == base, **extra)
+        default = cfg == dataclasses.replace(shipped, kernel="wgmma" if new > 1 else "triton")
+        record(name, ms, config=dataclasses.asdict(cfg), dynamic_q=dyn, default=default, **extra)
     if args.flashinfer:
         bench_flashinfer(device, cache, tables, query, qsl, seqs, args, record)
 

@@ -338,8 +338,8 @@ def test_a_struct_parameter_launch_packs_the_driver_call(monkeypatch):
     ({"misaligned": True}, False),
 ])
 def test_the_wgmma_prefill_takes_only_what_it_serves(change, serves, monkeypatch):
-    """The sm90 wgmma prefill replaces the mma kernel only when switched on (opt-in until it runs on
-    an H100), on sm90 itself (not an older FP8KV_CUDA_ARCH), for e4m3 caches, head size 128,
+    """The sm90 wgmma prefill replaces the mma kernel unless switched off, on sm90 itself (not an
+    older FP8KV_CUDA_ARCH), for e4m3 caches, head size 128,
     16-bit queries stored 16-byte aligned, no soft-cap and one split."""
     from fp8kv_cuda import attention
 
@@ -353,11 +353,12 @@ def test_the_wgmma_prefill_takes_only_what_it_serves(change, serves, monkeypatch
     assert attention.WGMMA_PREFILL is c["on"]
 
 
-def test_the_unrun_wgmma_kernels_stay_opt_in():
-    """Neither sm90 wgmma kernel is a default before its GPU tests have passed on an H100."""
+def test_the_sm90_wgmma_kernels_are_the_prefill_defaults():
+    """Both sm90 wgmma prefill kernels passed their GPU tests on an H100 and beat the kernels they
+    replace there (docs/cuda.md, docs/fp8_attention.md): they are the defaults where they serve."""
     from fp8kv_cuda import attention
     from fp8kv_hopper.attention import choose_config
 
-    assert attention.WGMMA_PREFILL is False
+    assert attention.WGMMA_PREFILL is True
     assert choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=2048, max_keys=4096,
-                         num_sms=132).kernel == "triton"
+                         num_sms=132).kernel == "auto"

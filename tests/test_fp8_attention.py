@@ -376,3 +376,21 @@ def test_checkpoint_q_and_prob_scales_flow_into_the_mode():
     fnuz = KVCachePlan("fp8", "fp8_e4m3fnuz", "tensor", "checkpoint")
     with pytest.raises(Fp8KVError, match="fp8_e4m3 plan"):
         fnuz.fp8_attention_scales(0)
+
+
+def test_the_hopper_accumulator_model_reproduces_an_h100():
+    """fp8kv.testing.fp8_accumulator against outputs recorded on an H100 (the Hopper kernel's layout
+    test, tests/data/h100_e4m3_wgmma.safetensors): S = A B^T and O = P8 V bit for bit; plain float64
+    products differ (the model is not vacuous)."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from fp8kv.testing.fp8_accumulator import hopper_e4m3_dot
+
+    d = load_file(Path(__file__).parent / "data" / "h100_e4m3_wgmma.safetensors")
+    e4 = torch.float8_e4m3fn
+    a, b, v, p8 = (d[k].view(e4) for k in ("a", "b", "v", "p8"))
+    assert torch.equal(hopper_e4m3_dot(a, b), d["s"].double())
+    assert torch.equal(hopper_e4m3_dot(p8, v.T), d["o"].double())
+    assert not torch.equal(a.double() @ b.double().T, d["s"].double())

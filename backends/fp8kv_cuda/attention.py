@@ -196,11 +196,10 @@ def prefill_smem_bytes(head_size: int = 128, warps: int = PREFILL_WARPS, stages:
     return q + ring + 16 * stages + 80 + 8 * warps + 16
 
 
-WGMMA_PREFILL = False
-"""Opt-in (tests and benchmarks set it): on sm90 the warp-specialized wgmma kernel
-(``csrc/prefill_wgmma.cu``) takes the place of ``fp8kv_prefill_mma`` where it serves
-(:func:`wgmma_prefill_serves`). Off until its GPU tests have passed on an H100: it is compiled and
-checked on the CPU, not yet run (docs/cuda.md)."""
+WGMMA_PREFILL = True
+"""On sm90 the warp-specialized wgmma kernel (``csrc/prefill_wgmma.cu``) takes the place of
+``fp8kv_prefill_mma`` where it serves (:func:`wgmma_prefill_serves`); False keeps the mma kernel
+(the benchmark times both). Measured on the H100: docs/cuda.md."""
 WGMMA_PINGPONG = True
 """The wgmma prefill's two consumer warpgroups issue their products in turn (FA3's schedule)."""
 
@@ -215,7 +214,7 @@ def wgmma_smem_bytes(head_size: int = 128, block_n: int = 64, stages: int = WGMM
 
 
 def wgmma_prefill_serves(sm: int, fmt: str, query: torch.Tensor, logits_soft_cap, num_splits: int) -> bool:
-    """Whether the sm90 wgmma prefill takes this step (when :data:`WGMMA_PREFILL` is on): sm90 (not
+    """Whether the sm90 wgmma prefill takes this step (unless :data:`WGMMA_PREFILL` is off): sm90 (not
     an older ``FP8KV_CUDA_ARCH``), an e4m3 cache, head size 128, float16/bfloat16 queries whose
     storage is 16-byte aligned (it loads them 16 bytes at a time), no soft-cap, one split. Anything
     it cannot do exactly at run time goes to the exact kernel (redo)."""

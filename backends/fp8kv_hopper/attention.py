@@ -278,11 +278,11 @@ class Fp8AttnConfig:
     num_stages: int
     v_mode: int = 2
     """``p @ v`` operands: 0 = e4m3 codes (FP8 wgmma), 2 = P8 and V widened exactly to float16."""
-    kernel: str = "triton"
-    """``"triton"``: this module's kernel; ``"wgmma"``: the warp-specialized CUDA kernel of
-    :mod:`fp8kv_hopper.wgmma` (prefill; InvalidArgument where it does not serve). :func:`choose_config`
-    picks ``"triton"`` until the CUDA kernel's GPU tests have passed on an H100 (it has been compiled,
-    not yet run: docs/fp8_attention.md)."""
+    kernel: str = "auto"
+    """``"wgmma"``: the warp-specialized CUDA kernel of :mod:`fp8kv_hopper.wgmma` (prefill on sm90;
+    InvalidArgument where it does not serve); ``"triton"``: this module's kernel; ``"auto"`` (the
+    default): the CUDA kernel where :func:`fp8kv_hopper.wgmma.why_not` finds nothing against it (host
+    facts only), else Triton. Measured on the H100: docs/fp8_attention.md."""
     wgmma_pingpong: bool = True
     """``"wgmma"`` only: the two consumer warpgroups take turns issuing their products (FA3's schedule)."""
 
@@ -367,15 +367,17 @@ def paged_attention_fp8(
     q_blocks = triton.cdiv(max_query_len, block_q)
     sm_mant, sm_exp = _mantissa_exponent(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
-    if config.kernel not in ("triton", "wgmma"):
-        raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'triton' or 'wgmma'")
-    if config.kernel == "wgmma":
+    if config.kernel not in ("auto", "triton", "wgmma"):
+        raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'auto', 'triton' or 'wgmma'")
+    why = "not asked for"
+    if config.kernel != "triton":
         scales = (cache.k_scale, cache.v_scale) + (() if q_scale is None else (q_scale,))
         why = "Triton's CPU interpreter" if interpret else wgmma.why_not(
             query, out, max_query_len, logits_soft_cap, config.num_splits, lse,
             (block_tables, seq_lens, query_start_loc), scales, group)
-        if why:
+        if why and config.kernel == "wgmma":
             raise InvalidArgument(f"config.kernel: 'wgmma' does not serve this call ({why})")
+    if why is None:
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,
                      min(int(sliding_window or NO_WINDOW), NO_WINDOW), out, lse, q_scale, (qs_kv, qs_q),
                      float(prob_scale), pingpong=config.wgmma_pingpong)

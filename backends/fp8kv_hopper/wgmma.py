@@ -31,7 +31,7 @@ from fp8kv.probe import probe
 THREADS = 384
 BLOCK_M = 128
 BLOCK_N = 128
-STAGES = 3
+STAGES = 4
 HEAD_SIZE = 128
 QUERY_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ENTRY = "fp8kv_fp8_prefill"

@@ -120,6 +120,9 @@ __device__ __forceinline__ u32 pack_f16x2(float a, float b) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// all but the most recent N commit groups complete
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 // keeps the compiler from touching accumulators across an asynchronous wgmma
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N]) {
@@ -169,11 +172,14 @@ __device__ __forceinline__ void wgmma_f16_rs_n128(float (&d)[64], const u32 (&a)
 // The maxima of the thread's two rows over an m64nN accumulator (the quad's four threads hold a row).
 template <int N>
 __device__ __forceinline__ void row_max(const float (&s)[N], float (&mx)[2]) {
-    mx[0] = mx[1] = __int_as_float(0xff800000);
+    float part[2][4];  // four independent chains a row (latency, not a 32-long dependency chain)
 #pragma unroll
-    for (int i = 0; i < N; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s[i]);
+    for (int k = 0; k < 4; ++k) part[0][k] = part[1][k] = __int_as_float(0xff800000);
+#pragma unroll
+    for (int i = 0; i < N; ++i) part[(i >> 1) & 1][(i & 1) + 2 * ((i >> 2) & 1)] = fmaxf(part[(i >> 1) & 1][(i & 1) + 2 * ((i >> 2) & 1)], s[i]);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
+        mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
     }
@@ -197,13 +203,17 @@ __device__ __forceinline__ void store_acc(float* out, int ld, const float (&d)[N
 
 // ---- the warp-specialized pipeline (one producer warpgroup, threads 0..127; two consumer warpgroups) ----
 constexpr int WS_THREADS = 384;
-constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool)
+// setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool); 128 x 40 + 256 x 232 too
+constexpr int PRODUCER_REGS = 56;
 constexpr int CONSUMER_REGS = 224;
+template <int N = PRODUCER_REGS>
 __device__ __forceinline__ void producer_registers() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
 }
+template <int N = CONSUMER_REGS>
 __device__ __forceinline__ void consumer_registers() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+    static_assert(N % 8 == 0 && N <= 240, "setmaxnreg: a multiple of 8, at most 240 (with 24 for the producer)");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
 }
 
 // Tiles t = 0..ntiles-1 go through STAGES shared-memory stages; full[s] (128 arrivals) says stage s holds

@@ -232,11 +232,14 @@ struct Softmax {
     double F[2];       // the same in float64 (saturating path)
     int pos[2];
     bool rv[2];
-    bool fast;         // every row's factor in (2^-96, 2^96): a logit is one FFMA in the exp2 argument
+    bool fast;         // every row's factor in (2^-96, 2^96): a logit is one float32 product
 };
 
 // Tile at n0 in stage s: mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
 // (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments (pack_p8).
+// FAST (sm.fast, uniform): every row's factor in (2^-96, 2^96), a logit is one float32 product;
+// else the float64 saturating path.
+template <bool FAST>
 __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
                                              const Cta& cta, int lane, int c, float (&sa)[64], float (&o)[64],
                                              u32 (&pa)[4][4]) {
@@ -252,7 +255,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
                 sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
             }
     }
-    if (!sm.fast) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
+    if constexpr (!FAST) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
 #pragma unroll
         for (int i = 0; i < 64; ++i) {
             const float v = sa[i];
@@ -264,23 +267,25 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
     row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float mnew = fmaxf(sm.m[h], ceilf(sm.fast ? mx[h] * sm.f[h] : mx[h]));  // an integer (or -inf)
+        const float mnew = fmaxf(sm.m[h], ceilf(FAST ? __fmul_rn(mx[h], sm.f[h]) : mx[h]));  // an integer (or -inf)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
         alpha[h] = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
         sm.m[h] = mnew;
         sm.l[h] *= alpha[h];
     }
     rescale_rows(o, alpha);  // (the maximum moved: rarely)
-    float lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};  // (two chains a row)
+    float lsum[2][4] = {};  // (four chains a row)
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         const int h = (i >> 1) & 1;
-        const float x = exp2_approx(sm.fast ? fmaf(sa[i], sm.f[h], -msafe[h]) : sa[i] - msafe[h]);
-        lsum[h][i & 1] += x;
+        // the rounded logit minus the maximum (an FMA would keep the product's rounding error, up to half
+        // an ulp of a logit: 2^87 near 1e34, which made p 0 or inf)
+        const float x = exp2_approx(FAST ? __fsub_rn(__fmul_rn(sa[i], sm.f[h]), msafe[h]) : sa[i] - msafe[h]);
+        lsum[h][(i & 1) + 2 * ((i >> 2) & 1)] += x;
         sa[i] = x;
     }
-    sm.l[0] += lsum[0][0] + lsum[0][1];
-    sm.l[1] += lsum[1][0] + lsum[1][1];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) sm.l[h] += (lsum[h][0] + lsum[h][1]) + (lsum[h][2] + lsum[h][3]);
     if (P.scale_p) {
 #pragma unroll
         for (int i = 0; i < 64; ++i) sa[i] *= P.inv_prob_scale;
@@ -379,7 +384,9 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     auto done = [&](int t) {
         fence_acc(o);
         fence_acc(sa);
-        if (t < cta.ntiles) softmax_tile(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
+        if (t == cta.ntiles) return;
+        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
+        else softmax_tile<false>(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
     };
     consumer_pipeline<STAGES, PINGPONG>(sh.full, sh.empty, cta.ntiles, cw, issue, done);
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};

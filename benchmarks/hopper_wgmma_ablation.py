@@ -1,0 +1,92 @@
+"""Where the Hopper FP8 wgmma prefill's time goes: the kernel timed with parts of it removed from its
+source (the outputs are wrong then; only the times mean anything), at 4 x 2048 new over 2048 cached
+(GQA 32/8, D=128, block 16, dynamic q scale, bf16 queries).
+
+    python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
+
+Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``stages3``
+(three stages), ``noprod`` (the producer copies and transposes nothing: it only hands tiles over),
+``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products only),
+``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``noprod_nopp``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
+from fp8kv_bench.kernels import environment  # noqa: E402
+from fp8kv_cuda import runtime  # noqa: E402
+from fp8kv_hopper import attention, wgmma  # noqa: E402
+from test_hopper_gpu import _case  # noqa: E402
+
+PRODUCE = "producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);"
+SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>"
+NOPROD = (PRODUCE, "producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, [&](int) { cp_async_commit(); },"
+                   " [&](int) {});")
+NOTRANS = (PRODUCE, "producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, [&](int) {});")
+NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
+VARIANTS = {"base": (wgmma.STAGES, True, []), "nopp": (wgmma.STAGES, False, []), "stages3": (3, True, []),
+            "noprod": (wgmma.STAGES, True, [NOPROD]), "notrans": (wgmma.STAGES, True, [NOTRANS]),
+            "nosoftmax": (wgmma.STAGES, True, [NOSOFT]), "gemm_only": (wgmma.STAGES, True, [NOPROD, NOSOFT]),
+            "noprod_nopp": (wgmma.STAGES, False, [NOPROD])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("variants", nargs="*", default=[], help=f"any of {', '.join(VARIANTS)} (default: all)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+    cache, q, tables, lens, qsl, new = _case(4, 2048, 2048)
+    useful = 0.412e12  # useful FLOPs of the shape (benchmarks/hopper_prefill.py)
+    source, smem_bytes, rows = wgmma.source(), wgmma.smem_bytes, []
+    for name in args.variants or list(VARIANTS):
+        stages, pingpong, patches = VARIANTS[name]
+        src = source
+        for old, new_text in patches:
+            assert old in src, f"{name}: the kernel source changed ({old!r} not found)"
+            src = src.replace(old, new_text)
+        opts = wgmma.options(q.dtype, pingpong, stages) + (f"-DFP8KV_ABLATION_{name}=1",)
+        mod = runtime.module(("ablation", opts), lambda src=src, opts=opts: runtime.compile_source(
+            src, "fp8_prefill.cu", opts, "sm_90a"), (wgmma.ENTRY,), runtime.device_index(q.device))
+        wgmma.function = lambda entry, dtype, device, pingpong=True, mod=mod: mod.get_function(entry)
+        wgmma.smem_bytes = lambda st=stages: smem_bytes(st)
+        cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
+                                                          max_keys=tables.shape[1] * 16, num_sms=132),
+                                  kernel="wgmma", wgmma_pingpong=pingpong)
+        out = torch.empty_like(q)
+
+        def run(cfg=cfg, out=out):
+            attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
+                                          q_scale=None, prob_scale=1.0, config=cfg)
+        for _ in range(3):
+            run()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(args.reps):
+            run()
+        stop.record()
+        torch.cuda.synchronize()
+        us = start.elapsed_time(stop) / args.reps * 1e3
+        rows.append({"variant": name, "stages": stages, "pingpong": pingpong, "us": round(us, 1),
+                     "useful_tflops": round(useful / us / 1e6, 1)})
+        print(f"  {name:12s} {us:8.1f} us  {useful / us / 1e6:6.0f} TFLOP/s", flush=True)
+    wgmma.smem_bytes = smem_bytes
+    print("| variant | stages | ping-pong | us | useful TFLOP/s |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['variant']} | {r['stages']} | {r['pingpong']} | {r['us']} | {r['useful_tflops']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(q.device), "results": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
