@@ -16,6 +16,7 @@ import torch
 
 import fp8kv.reference
 from fp8kv.fp8_attention import quantize_query
+from fp8kv.testing.fp8_accumulator import exponent, hopper_accumulate
 from fp8kv.hookspecs import BackendInfo, hookimpl
 from fp8kv.reference import LOGIT_MAX, visible_mask
 
@@ -43,11 +44,27 @@ def _dot_steps(a: torch.Tensor, b: torch.Tensor, eq: str, dim_a: int, dim_b: int
     return _truncate(acc, bits)
 
 
+def _hopper_dot(a: torch.Tensor, b: torch.Tensor, eq: str, c: torch.Tensor | None = None) -> torch.Tensor:
+    """``einsum(eq, a, b)`` (one reduced index, e4m3 values) accumulated as Hopper's wgmma does, onto
+    ``c``: the products as an einsum without the reduction, the reduced index last."""
+    ins, res = eq.split("->")
+    ia, ib = ins.split(",")
+    k = (set(ia) & set(ib) - set(res)).pop()
+    full = f"{ins}->{res}{k}"
+    terms = torch.einsum(full, a.double(), b.double())
+    exps = torch.einsum(full, exponent(a.double()).nan_to_num(neginf=-1e4), torch.ones_like(b.double())) + \
+        torch.einsum(full, torch.ones_like(a.double()), exponent(b.double()).nan_to_num(neginf=-1e4))
+    return hopper_accumulate(terms, exps, c).float()
+
+
 def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, order: str = "forward",
-                        acc_bits: int | None = None, mistake: str | None = None, seed: int = 0) -> None:
+                        acc_bits: int | None = None, hopper: bool = False, mistake: str | None = None,
+                        seed: int = 0) -> None:
     """Fill ``out [T, Hq, D]`` (and ``lse [T, Hq]``) with the FP8 mode of ``meta`` over ``cache``.
 
-    ``order``: ``forward``, ``reverse`` or ``random`` tiles. ``mistake``: None, ``p_not_rounded``,
+    ``order``: ``forward``, ``reverse`` or ``random`` tiles. ``hopper``: both products accumulated as
+    Hopper's e4m3 wgmma does (fp8kv.testing.fp8_accumulator; P V onto the running output, as a
+    kernel's register accumulator). ``mistake``: None, ``p_not_rounded``,
     ``no_v_scale``, ``q_scale_ignored``, ``drop_last_key``.
     """
     o = meta.options
@@ -86,7 +103,10 @@ def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, ord
             tiles = [tiles[i] for i in torch.randperm(len(tiles), generator=gen).tolist()]
         for j in tiles:
             kt, vt = k8[j:j + tile], v8[j:j + tile]
-            t = _dot_steps(q8[a:b], kt, "thd,lhd->thl", 2, 2, acc_bits) * c  # [ql, Hq, n]
+            if hopper:
+                t = _hopper_dot(q8[a:b], kt, "thd,lhd->thl") * c
+            else:
+                t = _dot_steps(q8[a:b], kt, "thd,lhd->thl", 2, 2, acc_bits) * c  # [ql, Hq, n]
             if o.logits_soft_cap is not None:
                 t = torch.tanh(t / o.logits_soft_cap) * o.logits_soft_cap
             t = t.clamp(-LOGIT_MAX, LOGIT_MAX) * log2e
@@ -98,8 +118,11 @@ def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, ord
             l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
             x = p * inv_ps
             p8 = x if mistake == "p_not_rounded" else x.clamp(-448, 448).to(E4).float()
-            pv = _dot_steps(p8.permute(1, 0, 2), vt.transpose(0, 1), "htl,hld->htd", 2, 1, acc_bits)
-            acc = acc * alpha + pv.permute(1, 0, 2)
+            if hopper:  # onto the rescaled running output (exact: alpha is a power of two)
+                acc = _hopper_dot(p8, vt, "thl,lhd->thd", acc * alpha)
+            else:
+                pv = _dot_steps(p8.permute(1, 0, 2), vt.transpose(0, 1), "htl,hld->htd", 2, 1, acc_bits)
+                acc = acc * alpha + pv.permute(1, 0, 2)
             m = m_new
         res = acc / torch.where(l_sum > 0, l_sum, 1.0) * (vs[:, None] * o.prob_scale)
         out[a:b] = res.clamp(-torch.finfo(out.dtype).max, torch.finfo(out.dtype).max).to(out.dtype)

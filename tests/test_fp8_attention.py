@@ -114,7 +114,7 @@ def test_query_quantized_bit_for_bit_as_the_cache():
     assert torch.equal(qs, cache.k_scale.reshape(-1, HQ)[:5])
 
 
-def _tiled(q, cache, tables, lens, qsl, tol_kw=None, **kw):
+def _tiled(q, cache, tables, lens, qsl, tol_kw=None, accumulator="hopper", **kw):
     """``(out, ref, tol)``: the mode as a tiled kernel computes it (tests/fp8_tiled.py), the
     reference and the derived tolerance, for one step planned with ``tol_kw`` (q/prob scales...)."""
     tol_kw = tol_kw or {}
@@ -127,7 +127,7 @@ def _tiled(q, cache, tables, lens, qsl, tol_kw=None, **kw):
     o = meta.options
     tol, lse_tol = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, softmax_scale=o.softmax_scale,
                                            sliding_window=o.sliding_window, logits_soft_cap=o.logits_soft_cap,
-                                           q_scale=o.q_scale, prob_scale=o.prob_scale)
+                                           q_scale=o.q_scale, prob_scale=o.prob_scale, accumulator=accumulator)
     return (out, lse), (ref, ref_lse), (tol, lse_tol)
 
 
@@ -149,14 +149,33 @@ def test_tolerance_holds_for_a_tiled_online_softmax(tile, order, seed):
     (dict(sliding_window=7, softmax_scale=0.9), 30.0),    # large logits: long accumulations matter
 ])
 def test_tolerance_holds_with_the_accumulator_model_made_real(options, amp):
-    """Both products truncated to 13 fractional bits every 32 terms (the model's worst case),
-    tiles visited backwards and at random."""
+    """Both products truncated to 13 fractional bits every 32 terms (the "steps" model's worst case),
+    tiles visited backwards and at random; and both accumulated as Hopper's e4m3 wgmma does (the
+    default "hopper" model, measured on an H100), tiles of 32 keys in order as its kernels visit them."""
     cache, q, tables, lens, qsl = _setup(seed=5, cached=77, new=5, amp=1.0)
     q = q * amp
     for order in ("reverse", "random"):
         (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tol_kw=options, tile=16,
-                                                            order=order, acc_bits=13)
+                                                            order=order, acc_bits=13, accumulator="steps")
         assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+    (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tol_kw=options, tile=32,
+                                                        hopper=True)
+    assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+
+
+def test_the_hopper_bound_holds_where_small_products_meet_large_ones():
+    """Keys whose codes span e4m3's range (a query channel of 300, the others tiny): Hopper's
+    accumulation drops products below 2^-13 of a step's largest; its bound (the default) holds."""
+    g = torch.Generator().manual_seed(9)
+    cache, q, tables, lens, qsl = _setup(seed=9, cached=61, new=4)
+    q = torch.randn(q.shape, generator=g) * 2.0**-6
+    q[..., 0] = 300.0
+    kc = cache.key_cache.view(torch.uint8)
+    kc.copy_(torch.randint(0, 256, kc.shape, generator=g, dtype=torch.uint8))
+    kc[(kc & 0x7F) == 0x7F] = 0x3F  # no NaN codes
+    (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tile=32, hopper=True,
+                                                        tol_kw=dict(q_scale=torch.tensor(1.0)))
+    assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
 
 
 def _subnormal_trap(n_small=120, f=10.737 / 11):
@@ -394,3 +413,22 @@ def test_the_hopper_accumulator_model_reproduces_an_h100():
     assert torch.equal(hopper_e4m3_dot(a, b), d["s"].double())
     assert torch.equal(hopper_e4m3_dot(p8, v.T), d["o"].double())
     assert not torch.equal(a.double() @ b.double().T, d["s"].double())
+
+
+def test_the_hopper_dot_bound_holds_on_an_h100_where_the_steps_model_does_not():
+    """The tolerance's dot-product bound (fp8_tolerance.hopper_dot_error) against S = A B^T as an H100
+    computed it on random e4m3 codes (tests/data/h100_e4m3_wgmma.safetensors): it holds everywhere;
+    the older model, 13 bits of each 32-term step's partial sum (``(ceil(D / 32) + 1) 2^-13 sum |a b|``),
+    does not."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from fp8kv.testing.fp8_tolerance import U_FP8_DOT, _qk_dot_error
+
+    d = load_file(Path(__file__).parent / "data" / "h100_e4m3_wgmma.safetensors")
+    a, b = (d[k].view(torch.float8_e4m3fn).double() for k in ("a", "b"))
+    err = (d["s"].double() - a @ b.T).abs()
+    bound = _qk_dot_error(a[:, None], b[:, None], U_FP8_DOT)[0]
+    assert (err <= bound).all()
+    assert (err > 5 * U_FP8_DOT * (a.abs() @ b.abs().T)).any()

@@ -24,7 +24,7 @@ KEPT_BITS = 13
 """Fractional bits kept below the step's largest exponent."""
 
 
-def _exponent(x: torch.Tensor) -> torch.Tensor:
+def exponent(x: torch.Tensor) -> torch.Tensor:
     """floor(log2 |x|) exactly (from frexp, not a rounded log2; float64, -inf for 0)."""
     return (torch.frexp(x).exponent - 1).double().masked_fill(x == 0, -torch.inf)
 
@@ -33,21 +33,28 @@ def _truncate(x: torch.Tensor, quantum: torch.Tensor) -> torch.Tensor:
     return torch.trunc(x / quantum) * quantum
 
 
-def hopper_e4m3_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b^T`` as Hopper's e4m3 wgmma accumulates it: ``a [M, K]`` and ``b [N, K]`` hold e4m3
-    values (any float dtype, finite), ``K`` a multiple of 32; returns ``[M, N]`` float64 (every
-    value a float32)."""
-    a, b = a.double(), b.double()
-    if a.shape[1] % STEP or a.shape[1] != b.shape[1]:
-        raise ValueError(f"hopper_e4m3_dot: K must match and be a multiple of {STEP}, got {a.shape} and {b.shape}")
-    c = torch.zeros(a.shape[0], b.shape[0], dtype=torch.float64, device=a.device)
-    ea, eb = _exponent(a), _exponent(b)
-    for k0 in range(0, a.shape[1], STEP):
-        p = a[:, None, k0:k0 + STEP] * b[None, :, k0:k0 + STEP]
-        pe = (ea[:, None, k0:k0 + STEP] + eb[None, :, k0:k0 + STEP]).masked_fill(p == 0, -torch.inf)
-        top = torch.maximum(pe.amax(-1), _exponent(c))
+def hopper_accumulate(terms: torch.Tensor, exponents: torch.Tensor, c: torch.Tensor | None = None) -> torch.Tensor:
+    """The running sum ``c`` (default 0) plus ``terms [..., K]`` (exact products of e4m3 values,
+    float64) as Hopper's e4m3 wgmma adds them, 32 at a time; ``exponents`` the products' exponents
+    (the sums of their factors' :func:`exponent`). Returns ``[...]`` float64."""
+    c = torch.zeros(terms.shape[:-1], dtype=torch.float64, device=terms.device) if c is None else c.double()
+    terms = terms.double()
+    exponents = exponents.double().masked_fill(terms == 0, -torch.inf)
+    for k0 in range(0, terms.shape[-1], STEP):
+        p, pe = terms[..., k0:k0 + STEP], exponents[..., k0:k0 + STEP]
+        top = torch.maximum(pe.amax(-1), exponent(c))
         q = torch.where(torch.isfinite(top), torch.exp2(top - KEPT_BITS), torch.ones_like(top))
         s = _truncate(c, q) + _truncate(p, q[..., None]).sum(-1)
-        e = _exponent(s)
-        c = torch.where(s != 0, _truncate(s, torch.exp2(e - KEPT_BITS).nan_to_num(1.0)), torch.zeros_like(s))
+        c = torch.where(s != 0, _truncate(s, torch.exp2(exponent(s) - KEPT_BITS).nan_to_num(1.0)),
+                        torch.zeros_like(s))
     return c
+
+
+def hopper_e4m3_dot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b^T`` as Hopper's e4m3 wgmma accumulates it: ``a [M, K]`` and ``b [N, K]`` hold e4m3
+    values (any float dtype, finite); returns ``[M, N]`` float64 (every value a float32)."""
+    a, b = a.double(), b.double()
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"hopper_e4m3_dot: K must match, got {a.shape} and {b.shape}")
+    ea, eb = exponent(a), exponent(b)
+    return hopper_accumulate(a[:, None, :] * b[None, :, :], ea[:, None, :] + eb[None, :, :])

@@ -144,13 +144,83 @@ def fp8_probability_envelope(lo: torch.Tensor, hi: torch.Tensor, prob_scale: flo
     return lower, upper
 
 
+def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 x) for x > 0 (0 for 0), exactly."""
+    return torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 1).masked_fill(x == 0, 0.0)
+
+
+def hopper_dot_error(steps, u8: float) -> torch.Tensor:
+    """A bound on ``|kernel - exact|`` for a reduction accumulated as Hopper's e4m3 wgmma does
+    (:mod:`fp8kv.testing.fp8_accumulator`: each step aligns the running sum and its terms to their
+    largest exponent and keeps ``u8`` = ``2^-13`` of it, truncating). ``steps`` yields, per step,
+    ``(prefix, terms, prefix_next)``: a bound on the exact running sum's magnitude before the step,
+    the step's term magnitudes (bounds; the last dimension) and the bound after it.
+
+    Step by step: ``|C| <= prefix + err``; the largest exponent is at most that of ``max(|C|, max
+    |term|)``, so the quantum is ``q <= u8 2^floor(log2 max(...))``; each term loses less than ``q``
+    and at most itself, ``C`` at most ``min(|C|, q)``; the new sum is cut to 14 significant bits
+    (``u8`` of ``|C'| <= prefix_next + err + loss``)."""
+    err = None
+    for prefix, terms, prefix_next in steps:
+        err = torch.zeros_like(prefix) if err is None else err
+        c = prefix + err
+        q = u8 * _pow2_floor(torch.maximum(c, terms.amax(-1)))
+        loss = torch.minimum(terms, q[..., None]).sum(-1) + torch.minimum(c, q)
+        err = err + loss * (1 + u8) + u8 * (prefix_next + err)
+    return err
+
+
+def _qk_dot_error(q8: torch.Tensor, k8: torch.Tensor, u8: float, chunk: int = 256) -> torch.Tensor:
+    """:func:`hopper_dot_error` of every ``q8 . k8`` (``q8 [ql, Hq, D]``, ``k8 [L, Hq, D]``, float64):
+    ``[Hq, ql, L]``, the dims reduced in ascending steps of 32 from 0 (keys ``chunk`` at a time)."""
+    D = q8.shape[-1]
+    out = []
+    for l0 in range(0, k8.shape[0], chunk):
+        kc = k8[l0:l0 + chunk]
+
+        def steps(kc=kc):
+            prefix = None
+            for d0 in range(0, D, 32):
+                qs, ks = q8[..., d0:d0 + 32], kc[..., d0:d0 + 32]
+                part = torch.einsum("thd,lhd->htl", qs, ks)
+                prefix = torch.zeros_like(part) if prefix is None else prefix
+                terms = qs.abs().permute(1, 0, 2)[:, :, None] * ks.abs().permute(1, 0, 2)[:, None]  # [Hq, ql, l, 32]
+                yield prefix.abs(), terms, (prefix + part).abs()
+                prefix = prefix + part
+        out.append(hopper_dot_error(steps(), u8))
+    return torch.cat(out, -1)
+
+
+def _pv_dot_error(R: torch.Tensor, dP: torch.Tensor, v8: torch.Tensor, u8: float) -> torch.Tensor:
+    """:func:`hopper_dot_error` of ``sum_j K_j v8_jd`` in steps of the 32-aligned key blocks, for a
+    kernel's probabilities ``K_j`` within ``R_j +- dP_j`` (``R, dP [Hq, ql, L]``, 0 where a key is not
+    seen; ``v8 [L, Hq, D]``): ``[Hq, ql, D]``, in the units of ``sum R v8``. A kernel may start its
+    accumulation at any 32-aligned key (a split): its running sum before block ``s`` is bounded by
+    ``|P_s| + max_(a <= s) |P_a|`` (``P`` the prefix sums of ``R v8``) plus ``sum_(j < 32 s) dP |v8|``."""
+    L = R.shape[-1]
+    U = R + dP
+
+    def steps():
+        signed = torch.zeros(R.shape[0], R.shape[1], v8.shape[-1], dtype=R.dtype, device=R.device)
+        top, dev = signed.abs(), signed.abs()
+        for j0 in range(0, L, 32):
+            vs = v8[j0:j0 + 32]  # [n, Hq, D]
+            nxt = signed + torch.einsum("htl,lhd->htd", R[..., j0:j0 + 32], vs)
+            dnxt = dev + torch.einsum("htl,lhd->htd", dP[..., j0:j0 + 32], vs.abs())
+            terms = U[..., j0:j0 + 32, None] * vs.abs().permute(1, 0, 2)[:, None]  # [Hq, ql, n, D]
+            top_next = torch.maximum(top, nxt.abs())
+            yield signed.abs() + top + dev, terms.movedim(2, -1), nxt.abs() + top_next + dnxt
+            signed, top, dev = nxt, top_next, dnxt
+    return hopper_dot_error(steps(), u8)
+
+
 def fp8_attention_tolerance(
     query: torch.Tensor, cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor | None, ref: torch.Tensor, ref_lse: torch.Tensor | None = None, *,
     softmax_scale: float | None = None, causal: bool = True, sliding_window: int | None = None,
     logits_soft_cap: float | None = None, q_scale: torch.Tensor | None = None, prob_scale: float = 1.0,
     unit_roundoff: float = U32, fp8_dot_roundoff: float = U_FP8_DOT, pv_dot_roundoff: float = U_FP8_DOT,
-    online_softmax: bool = True,
+    online_softmax: bool = True, accumulator: str = "hopper",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-element tolerances ``(out [T, Hq, D], lse [T, Hq] or None)`` of the FP8 attention mode.
 
@@ -158,8 +228,13 @@ def fp8_attention_tolerance(
     already written); the other arguments are those of :func:`fp8kv.plan_attention` for the step.
     Derived in the module docstring (steps 1-5); float64, on the query's device. The unit roundoffs
     are the implementation's (step 1, 4); ``online_softmax=False`` for one that rounds every
-    probability against the row's final maximum (:func:`fp8_probability_envelope`).
+    probability against the row's final maximum (:func:`fp8_probability_envelope`). ``accumulator``:
+    ``"hopper"`` (the default: Hopper's e4m3 wgmma as measured, :func:`hopper_dot_error`, for
+    reductions in ascending steps of at most 32 terms, key steps aligned to multiples of 32) or
+    ``"steps"`` (every step keeps 13 bits of its partial sum: any order of the keys).
     """
+    if accumulator not in ("hopper", "steps"):
+        raise ValueError(f"accumulator: got {accumulator!r}, expected 'hopper' or 'steps'")
     from ..fp8_attention import fp8_probabilities, quantize_query, round_probabilities
     from ..reference import LOGIT_MAX, visible_mask
 
@@ -197,7 +272,12 @@ def fp8_attention_tolerance(
         # step 1: the logit error
         L = (torch.einsum("thd,lhd->htl", q8[lo:hi].abs(), k8.abs()) * c).masked_fill(~vis, 0.0).amax(-1, True)
         S = L if logits_soft_cap is None else L.clamp(max=float(logits_soft_cap))
-        delta = steps * u8 * L + 4 * u * L + 8 * u * S.clamp(min=1.0)
+        if accumulator == "hopper":
+            dot_err = _qk_dot_error(q8[lo:hi], k8, u8) * c  # [Hq, ql, L]
+            delta = dot_err.masked_fill(~vis, 0.0).amax(-1, True)
+        else:
+            delta = steps * u8 * L
+        delta = delta + 4 * u * L + 8 * u * S.clamp(min=1.0)
         if logits_soft_cap is not None:
             delta = delta + 8 * u * float(logits_soft_cap)
         # steps 2-3: the reference's probabilities and the envelope of a kernel's rounded ones
@@ -215,8 +295,13 @@ def fp8_attention_tolerance(
         B = torch.einsum("htl,lhd->htd", dP, v8.abs()) * w
         n = vis.sum(-1, keepdim=True).to(torch.float64)  # [1, ql, 1]
         rho = torch.expm1(2 * delta) + (2 * n + 2) * u
-        gamma = (torch.ceil(n / 32) + 1) * u8v + (n + 22) * u
-        e = (1 + rho) * B + rho * A + gamma * (1 + rho) * (A + B)
+        if accumulator == "hopper":
+            gamma = (n + 22) * u
+            pv_err = _pv_dot_error(R, dP, v8, u8v) * w  # [Hq, ql, D]
+        else:
+            gamma = (torch.ceil(n / 32) + 1) * u8v + (n + 22) * u
+            pv_err = 0.0
+        e = (1 + rho) * B + rho * A + (1 + rho) * (gamma * (A + B) + pv_err)
         E[lo:hi] = e.permute(1, 0, 2)
         if ref_lse is not None:  # step 5
             log_n = torch.log2(n.clamp(min=2.0))
