@@ -20,17 +20,24 @@ The reference: ``b_j = s_j log2 e``, ``M = ceil(max_j b_j)``, ``p_j = 2^(b_j - M
 ``x_j = p_j / ps`` rounded to float32, ``R_j = e4m3(x_j)``, ``l = sum_j p_j``,
 ``o = ps v_scale_g sum_j R_j v8_j / l``.
 
-1. Logits. Hopper's FP8 ``wgmma`` does not accumulate in full float32: DeepSeek-V3 (section
-   3.3.2) measured about 14 bits kept in the FP8 GEMM accumulator of an H800. The model: each
-   32-wide step of a tensor-core reduction (``k = 32`` for e4m3) adds an error of at most ``u8``
-   times the magnitude of the partial sum, which is at most ``sum |terms|`` (the products of two
-   e4m3 values are exact). So a kernel's ``q8 . k8_j`` is off by at most
-   ``(ceil(D / 32) + 1) u8 Q_j`` (one more step for a float32 addition of the partial dots);
+1. Logits. Hopper's FP8 ``wgmma`` does not accumulate in full float32. Measured on an H100 and
+   emulated bit for bit (:mod:`fp8kv.testing.fp8_accumulator`): each step of (up to) 32 products
+   aligns the running sum ``C`` and the products to their largest exponent, truncates each toward
+   zero at ``u8`` (``2^-13``) of it, and truncates the exact sum to 14 significant bits. So with
+   ``|C| <= |exact running sum| + err`` and ``q = u8 2^floor(log2 max(|C|, max |term|))``, a step adds
+   at most ``sum_i min(|term_i|, q) + min(|C|, q)`` plus ``u8`` of the new sum
+   (:func:`hopper_dot_error`, evaluated per logit on the exact ``q8 k8`` terms of each 32-dim slice:
+   ``err_j``); this is the default (``accumulator="hopper"``). The older model
+   (``accumulator="steps"``): each step adds at most ``u8`` times the partial sum's magnitude, so
+   ``(ceil(D / 32) + 1) u8 Q_j``; an accumulation that keeps 13 bits of its partial sums in any key
+   order is inside it, Hopper's is not (``tests/test_fp8_attention.py``, on recorded H100 products).
+   Then the dot error in logit units is ``c err_j`` (or ``(ceil(D / 32) + 1) u8 L``);
    the scale products, the ``log2 e`` product, the running-max shift and ``exp2`` add the
    default mode's ``4 u L + 8 u max(1, S)`` (``fp8kv.testing.tolerance``, step 1), the soft-cap
    ``8 u cap``. Each logit is off by at most
 
-       delta = (ceil(D / 32) + 1) u8 L + 4 u L + 8 u max(1, S)  [+ 8 u cap].
+       delta = max_j c err_j + 4 u L + 8 u max(1, S)  [+ 8 u cap]
+       ("steps": (ceil(D / 32) + 1) u8 L in place of the first term).
 
 2. What the kernel rounds. A kernel's online softmax works against running maxima ``M_r``; with
    the mode's integer maxima it rounds ``e4m3(2^k y_j)`` and scales the result back by the exact
@@ -63,12 +70,14 @@ The reference: ``b_j = s_j log2 e``, ``M = ceil(max_j b_j)``, ``p_j = 2^(b_j - M
 4. Output. With ``A_d = ps v_scale sum_j R_j |v8_jd| / l`` and ``B_d = ps v_scale sum_j Delta_j
    |v8_jd| / l`` per element ``d``: the kernel's normaliser (a float32 sum of its unrounded ``p``)
    is ``l`` times a factor within ``rho = e^(2 delta) - 1 + (2N + 2) u`` of 1; its ``p8 @ v8`` is
-   a tensor-core reduction over the keys, off by at most ``gamma (A + B)`` relative to
-   ``sum K |v8|`` with ``gamma = (ceil(N / 32) + 1) u8v + (N + 22) u`` (the model of step 1 per
-   32 keys, a float32 accumulation of the tiles, the division by ``l``, two scale products, the
-   output rounding to float32 and a split-KV merge: ``16 u``). So
+   a tensor-core reduction over the keys: step 1's bound over the 32-aligned key blocks with terms
+   ``K_j |v8_jd|``, ``K_j <= R_j + Delta_j``, and a running sum bounded for an accumulation that
+   starts at any 32-aligned key (a split): ``H_d`` (times ``ps v_scale / l``; "steps":
+   ``(ceil(N / 32) + 1) u8v (A_d + B_d)``), plus ``gamma (A + B)`` with ``gamma = (N + 22) u`` (a
+   float32 accumulation of the tiles, the division by ``l``, two scale products, the output
+   rounding to float32 and a split-KV merge: ``16 u``). So
 
-       |o_kernel - o_ref| <= E_d = (1 + rho) B_d + rho A_d + gamma (1 + rho) (A_d + B_d)
+       |o_kernel - o_ref| <= E_d = (1 + rho) B_d + rho A_d + (1 + rho) (gamma (A_d + B_d) + H_d)
 
    and the tolerance is ``E_d + ulp_out(|ref| + E_d)`` (both sides round to the output dtype;
    ``inf`` where that may overflow, or where the bound is not finite).
@@ -91,9 +100,9 @@ import torch
 from .tolerance import U32, ulp, worst_violation
 
 U_FP8_DOT = 2.0**-13
-"""Accumulator model of an FP8 tensor-core dot product, per 32-wide step of the reduction: each
-step's partial sum keeps at least 13 fractional bits relative to its magnitude (DeepSeek-V3,
-section 3.3.2, measured about 14 bits on H800). A backend with exact float32 dots is inside it."""
+"""The quantum of an FP8 tensor-core step relative to its largest term (``accumulator="hopper"``,
+measured on an H100: fp8kv.testing.fp8_accumulator), or relative to the step's partial sum
+(``"steps"``). A backend with exact float32 dots is inside both."""
 
 E4M3_MAX = 448.0
 E4M3_SAT_MIDPOINT = 464.0
