@@ -96,22 +96,25 @@ def test_cuda_graph_replay_is_bit_identical():
 
 
 def test_the_kernel_uses_fp8_wgmma():
-    """The compiled kernel's PTX has e4m3 x e4m3 wgmma (SASS: QGMMA; benchmarks/results/hopper_*)."""
+    """The compiled Triton kernel's PTX has e4m3 x e4m3 wgmma (SASS: QGMMA; benchmarks/results/hopper_*)."""
+    import dataclasses
+
     from fp8kv_hopper import attention
 
     cache, q, tables, lens, qsl, new = _case(1, 256, 0)
     out = torch.empty_like(q)
+    cfg = attention.choose_config(group=4, num_seqs=1, num_kv_heads=8, max_query_len=new, max_keys=256, num_sms=132)
     attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
-                                  q_scale=None, prob_scale=1.0)
+                                  q_scale=None, prob_scale=1.0, config=dataclasses.replace(cfg, kernel="triton"))
     kernels = [k for cache_ in attention.fp8_attention_kernel.device_caches.values() for k in cache_[0].values()]
     assert any("wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in k.asm["ptx"] for k in kernels)
 
 
-# ---- the warp-specialized CUDA prefill kernel (fp8kv_hopper.wgmma; opt-in until these pass) ----
+# ---- the warp-specialized CUDA prefill kernel (fp8kv_hopper.wgmma; the prefill default where it serves) ----
 
-def _wgmma_check(case, dtype=torch.bfloat16, pingpong=True, **kw):
-    """The CUDA kernel (``Fp8AttnConfig(kernel="wgmma")``) against the reference within the mode's
-    tolerance; returns the output."""
+def _wgmma_check(case, dtype=torch.bfloat16, pingpong=True, kernel="wgmma", **kw):
+    """The CUDA kernel (``Fp8AttnConfig(kernel="wgmma")``, or ``kernel``) against the reference within
+    the mode's tolerance; returns the output."""
     import dataclasses
 
     from fp8kv_hopper import attention
@@ -128,7 +131,7 @@ def _wgmma_check(case, dtype=torch.bfloat16, pingpong=True, **kw):
     out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
     attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, o.softmax_scale, o.causal, o.sliding_window,
                                   o.logits_soft_cap, out, q_scale=o.q_scale, prob_scale=o.prob_scale, lse=lse,
-                                  config=dataclasses.replace(cfg, kernel="wgmma", wgmma_pingpong=pingpong))
+                                  config=dataclasses.replace(cfg, kernel=kernel, wgmma_pingpong=pingpong))
     tol, lse_tol = fp8_attention_tolerance(q, cache, tables, lens, qsl, ref, ref_lse, softmax_scale=o.softmax_scale,
                                            causal=o.causal, sliding_window=o.sliding_window,
                                            logits_soft_cap=o.logits_soft_cap, q_scale=o.q_scale,
@@ -162,6 +165,12 @@ def test_wgmma_layouts():
 @pytest.mark.parametrize("shape", [(2, 100, 60), (3, 300, 1000), (2, 129, 0)])
 def test_wgmma_prefill(dtype, shape, pingpong):
     _wgmma_check(_case(*shape), dtype, pingpong)
+
+
+@pytest.mark.parametrize("shape", [(2, 100, 60), (3, 300, 1000)])
+def test_triton_kernel_prefill(shape):
+    """The Triton kernel, which "auto" no longer picks for these prefill steps, still conforms."""
+    _wgmma_check(_case(*shape), kernel="triton")
 
 
 @pytest.mark.parametrize("kw", [
