@@ -13,7 +13,10 @@ Contents:
   (:func:`attention_tolerance`, :func:`assert_attention_close`, :func:`paged_attention_bounds`).
 * :mod:`fp8kv.testing.fp8_tolerance`: the FP8 attention mode's own derived tolerance
   (``fp8_attention_tolerance``, ``assert_fp8_attention_close``, ``fp8_probability_envelope``;
-  ``check_backend(..., fp8_attention="only")`` applies it).
+  ``check_backend(..., fp8_attention="only")`` applies it; its default accumulator bound is
+  Hopper's, ``accumulator="steps"`` the 13-bits-a-step model).
+* :mod:`fp8kv.testing.fp8_accumulator`: Hopper's e4m3 wgmma accumulation emulated bit for bit
+  (:func:`~fp8kv.testing.fp8_accumulator.hopper_e4m3_dot`; measured on an H100).
 * :mod:`fp8kv.testing.strategies`: Hypothesis strategies for workloads (:func:`workloads`,
   :class:`Workload`).
 * :mod:`fp8kv.testing.conformance`: :func:`check_backend`.
