@@ -153,7 +153,7 @@ def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong):
     assert not any(c in log for c in ("C7512", "C7508", "C7515", "C7520")), log  # serialized wgmma, ignored setmaxnreg
     ptx, _ = cc.compile_text(source(v.kernel), "prefill_wgmma.cu", options(v), "compute_90a", ptx=True)
     ptx = ptx.decode(errors="replace")
-    qk = "f16.f16"  # (a bfloat16 query is staged as float16, scaled by a power of two)
+    qk = "bf16.bf16" if io_dtype == "bfloat16" else "f16.f16"
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{qk} \{{[^}}]*\}}, %rd\d+, %rd\d+", ptx)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.f16\.f16 \{[^}]*\}, \{%r\d+, %r\d+, %r\d+, "
                      r"%r\d+\}, %rd\d+", ptx)

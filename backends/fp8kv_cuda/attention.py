@@ -206,10 +206,10 @@ WGMMA_PINGPONG = True
 
 def wgmma_smem_bytes(head_size: int = 128, block_n: int = 64, stages: int = WGMMA_STAGES) -> int:
     """``sizeof(WgmmaShared)`` of ``csrc/prefill_wgmma.cu`` (it traps if launched with less): Q and the
-    widened K in float16, V^T in float16 (rows padded by 16 bytes every 8 dims), the raw K and V codes
-    (rows of 144 bytes), the key bits, the rows' power-of-two factors, flags and mbarriers."""
+    widened K in the query's 16-bit type, V^T in float16 (rows padded by 16 bytes every 8 dims), the
+    raw K and V codes (rows of 144 bytes), the key bits, flags and mbarriers."""
     per_stage = block_n * 2 * head_size + (head_size // 8) * (16 * block_n + 16) + 2 * block_n * 144 + block_n
-    size = 128 * 2 * head_size + stages * per_stage + 4 * 128 + 4 * stages + 4 + 16 * stages
+    size = 128 * 2 * head_size + stages * per_stage + 4 * stages + 4 + 16 * stages
     return (size + 127) // 128 * 128
 
 

@@ -11,11 +11,10 @@
 // rows from the end of the sequence's rows first), tiles of 64 keys, STAGES in flight:
 //   warpgroup 0, the producer: copies each tile's K and V codes (cp.async, 16 bytes, through the block
 //     table; keys past the CTA's range or with a block id outside the cache zero-filled and marked
-//     invalid), widens K and V to float16 (exact: every e4m3 value is a float16), V transposed (V^T,
-//     K-major, as wgmma's B wants it), flags tiles with a NaN V code, and hands the tile over on an
-//     mbarrier;
-//   warpgroups 1 and 2, the consumers, 64 rows each: Q staged once as float16 (a bfloat16 row scaled
-//     by a power of two, exactly, or the CTA hands back), then per tile
+//     invalid), widens K to the query's 16-bit type (exact: every e4m3 value is a float16 and a
+//     bfloat16) and V to float16 transposed (V^T, K-major, as wgmma's B wants it), flags tiles with a
+//     NaN V code, and hands the tile over on an mbarrier;
+//   warpgroups 1 and 2, the consumers, 64 rows each: Q staged once as it is (16-bit), then per tile
 //     S = Q K^T (8 wgmma m64n64k16, exact products, float32 accumulation), the online softmax
 //     (p = 2^(s f - m), l += p in float32), P as float16 (hi + lo where a row sees fewer than
 //     FP8KV_FULL_P_KEYS keys, as prefill_mma.cu) straight from the accumulators into wgmma A
@@ -56,7 +55,6 @@ struct __align__(128) WgmmaShared {
     u8 kr[STAGES][BLOCK_N * RAW_PITCH];   // raw K and V codes as copied
     u8 vr[STAGES][BLOCK_N * RAW_PITCH];
     u8 valid[STAGES][BLOCK_N];            // 1: the key is in the CTA's range and its block id in the cache
-    float row_mul[BLOCK_M];               // per row: 2^shift, the power of two its float16 Q was scaled by
     u32 vnan[STAGES];                     // nonzero: the tile has a NaN V code
     u32 abort;                            // nonzero: the CTA hands back (redo[cta] = 1)
     u64 full[STAGES], empty[STAGES];      // mbarriers: tile ready (producer), tile consumed (consumers)
@@ -71,6 +69,14 @@ struct Cta {
     int n_start, ntiles;
     i64 seq_len;
 };
+
+// bfloat16 pair of a float16 pair (exact for the e4m3 values widen_native gives).
+__device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(f16_hi(h)), "f"(f16_lo(h)));
+    return r;
+}
+
 
 // ---- the producer ----
 
@@ -117,7 +123,13 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
             const u32 w[4] = {x.x, x.y, x.z, x.w};
             u32 o[8];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) widen_native(w[j], o[2 * j], o[2 * j + 1]);  // exact in float16
+            for (int j = 0; j < 4; ++j) {  // codes 4 j .. 4 j + 3: exact in float16 (codec.cuh), then bfloat16
+                widen_native(w[j], o[2 * j], o[2 * j + 1]);
+                if constexpr (BF16) {
+                    o[2 * j] = f16x2_to_bf16x2(o[2 * j]);
+                    o[2 * j + 1] = f16x2_to_bf16x2(o[2 * j + 1]);
+                }
+            }
             *reinterpret_cast<uint4*>(sh.k[s] + kmajor(key, 32 * ch, SBO16)) = make_uint4(o[0], o[1], o[2], o[3]);
             *reinterpret_cast<uint4*>(sh.k[s] + kmajor(key, 32 * ch + 16, SBO16)) = make_uint4(o[4], o[5], o[6], o[7]);
         }
@@ -167,7 +179,6 @@ __device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, cons
 
 struct RowState {
     float m[2], l[2];  // running maximum (base-2 logits) and this thread's partial row sums
-    float fs[2];       // the rows' logit factors (fs times the row's 2^shift)
     int lo[2], hi[2];  // the keys each of the thread's two rows sees
 };
 
@@ -175,7 +186,7 @@ struct RowState {
 // (l += p), O *= 2^(m_old - m_new) where the maximum moved, P as float16 A fragments: word 0 / 1 =
 // rows r / r + 8, keys 16 kk + 2c, + 1; words 2 / 3 the same 8 keys on (CLayout_64x16 = ALayout_64x16).
 template <bool SPLIT_P>
-__device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n0, const Cta& cta,
+__device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n0, const Cta& cta, float fs,
                                              RowState& rs, float (&sa)[32], float (&o)[64], u32 (&pa)[4][4],
                                              u32 (&pl)[4][4]) {
     const int lane = threadIdx.x & 31, c = lane & 3;
@@ -196,7 +207,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
     row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const float mnew = fmaxf(rs.m[h], __fmul_rn(mx[h], rs.fs[h]));  // (fs > 0: the maximum of the logits)
+        const float mnew = fmaxf(rs.m[h], __fmul_rn(mx[h], fs));  // (fs > 0: the maximum of the logits)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
         alpha[h] = exp2_approx(rs.m[h] - msafe[h]);  // (0 from -inf)
         rs.m[h] = mnew;
@@ -209,7 +220,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
         const int h = (i >> 1) & 1;
         // rounded product, then the difference: the row's maximum gives 2^0 (a fused multiply-add
         // would keep the product's rounding error, up to half an ulp of a logit near 2^126)
-        sa[i] = exp2_approx(__fsub_rn(__fmul_rn(sa[i], rs.fs[h]), msafe[h]));  // (masked: 2^-inf = 0)
+        sa[i] = exp2_approx(__fsub_rn(__fmul_rn(sa[i], fs), msafe[h]));  // (masked: 2^-inf = 0)
         lsum[h][i & 1] += sa[i];
     }
     rs.l[0] += lsum[0][0] + lsum[0][1];
@@ -224,50 +235,8 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
         }
 }
 
-// Half a row of Q (64 values from src; zeros unless valid) as float16 in x, by a pair of adjacent
-// lanes (the row's halves; every lane of the warp calls it): a float16 query as it is; a bfloat16 one
-// times 2^-shift, the row's largest |q| (amax, NaN ignored) then in [2^14, 2^15), exact (and so
-// `exact`) where no nonzero |q| of the row is below 2^-31 of the largest (8 significant bits then
-// fit float16's grid) and amax is finite.
-__device__ __forceinline__ void stage_q_half(const uint4* src, bool valid, uint4 (&x)[8], float& amax, int& shift,
-                                             bool& exact) {
-    amax = 0.0f;
-    float amin = FLOAT32_MAX;  // the smallest nonzero |q| (NaN ignored)
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-        x[j] = valid ? src[j] : make_uint4(0u, 0u, 0u, 0u);
-        const u32 w[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const q_t lo = (q_t)(w[k] & 0xFFFFu), hi = (q_t)(w[k] >> 16);
-            const float a = fabsf(load_q(&lo, 0)), b = fabsf(load_q(&hi, 0));
-            amax = fmaxf(amax, fmaxf(a, b));
-            amin = fminf(amin, fminf(a > 0.0f ? a : FLOAT32_MAX, b > 0.0f ? b : FLOAT32_MAX));
-        }
-    }
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));  // (the row's other half)
-    amin = fminf(amin, __shfl_xor_sync(0xFFFFFFFFu, amin, 1));
-    shift = 0;
-    exact = true;
-    if constexpr (BF16) {
-        if (amax > 0.0f) {
-            shift = ilogbf(amax) - 14;  // (amax finite: checked below)
-            exact = shift >= -110 && shift <= 112 && amin >= ldexpf(1.0f, shift - 17) && amax < FLOAT32_MAX;
-        }
-        const float down = exact ? ldexpf(1.0f, -shift) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-            u32 w[4] = {x[j].x, x[j].y, x[j].z, x[j].w};
-#pragma unroll
-            for (int k = 0; k < 4; ++k)  // (exact: a power of two, then a float16 that holds it)
-                w[k] = pack_f16x2(u2f(w[k] << 16) * down, u2f(w[k] & 0xFFFF0000u) * down);
-            x[j] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-}
-
 template <bool SPLIT_P>
-__device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float (&o)[64], RowState& rs) {
+__device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float (&o)[64], RowState& rs) {
     const int ct = threadIdx.x - 128 * (cw + 1);
     float sa[32];
     u32 pa[4][4], pl[4][4];
@@ -284,7 +253,7 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float (&o)[64],
         if (t < cta.ntiles) {
             const u64 dk = desc(smem_addr(sh.k[t % STAGES]), SBO16);
 #pragma unroll
-            for (int ks = 0; ks < D / 16; ++ks) wgmma_16_ss_n64<false>(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
+            for (int ks = 0; ks < D / 16; ++ks) wgmma_16_ss_n64<BF16>(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
         }
     };
     auto done = [&](int t) {
@@ -294,7 +263,7 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float (&o)[64],
         const int s = t % STAGES, n0 = cta.n_start + t * BLOCK_N;
         if ((n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) && sh.vnan[s] && (ct & 127) == 0)
             atomicOr(&sh.abort, 1u);  // a NaN V code where some row does not see the whole tile
-        softmax_tile<SPLIT_P>(sh, s, n0, cta, rs, sa, o, pa, pl);
+        softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, o, pa, pl);
     };
     consumer_pipeline<STAGES, PINGPONG>(sh.full, sh.empty, cta.ntiles, cw, issue, done);
 }
@@ -361,10 +330,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     const int cw = threadIdx.x >= 256 ? 1 : 0, ct = threadIdx.x - 128 * (cw + 1);
     const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
 
-    // Q into shared memory as float16 (stage_q_half): thread ct stages half (64 dims) of row ct / 2, so
-    // that K is float16 for both query types (one conversion a code pair); the row's logit factor takes
-    // a bfloat16 row's 2^shift back. The row's max |q| decides whether every logit is s * fs without
-    // overflow; a row staged inexactly or out of these bounds makes the CTA hand back.
+    // Q as it is (16-bit) into shared memory: thread ct stages half (64 dims) of row ct / 2; the row's
+    // max |q| decides whether every logit is s * fs without overflow (else the CTA hands back)
     float f1, f2;
     scale_factors(k_scale[(i64)cta.h * ks_sh], g_mant, g_exp, f1, f2);
     const float fs = f1 * f2;
@@ -374,19 +341,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
         const bool valid = row < cta.rows;
         const i64 base = ((i64)(cta.q_lo + (valid ? row / group : 0)) * HQ + (i64)cta.h * group + row % group) * D + 64 * half;
         const uint4* src = reinterpret_cast<const uint4*>(query + base);
-        uint4 x[8];
-        float amax;
-        int shift;
-        bool exact;
-        stage_q_half(src, valid, x, amax, shift, exact);
+        float amax = 0.0f;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) *reinterpret_cast<uint4*>(sh.q + 16384 * cw + kmajor(ql, 128 * half + 16 * j, SBO16)) = x[j];
-        if (half == 0) sh.row_mul[64 * cw + ql] = ldexpf(1.0f, shift);
-        // |q . k| <= D max|q| max|code|: the logit s * fs cannot overflow, and the row's factor
-        // fs 2^shift is a normal float
-        const float fr = fs * ldexpf(1.0f, shift);
-        simple = exact && !use_cap && fs >= 1.1754943508222875e-38f && fs < FLOAT32_MAX &&
-                 fr >= 1.1754943508222875e-38f && fr < FLOAT32_MAX &&
+        for (int j = 0; j < 8; ++j) {
+            const uint4 x = valid ? src[j] : make_uint4(0u, 0u, 0u, 0u);
+            const u32 w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const q_t lo = (q_t)(w[k] & 0xFFFFu), hi = (q_t)(w[k] >> 16);
+                amax = fmaxf(amax, fmaxf(fabsf(load_q(&lo, 0)), fabsf(load_q(&hi, 0))));  // (NaN: ignored)
+            }
+            *reinterpret_cast<uint4*>(sh.q + 16384 * cw + kmajor(ql, 128 * half + 16 * j, SBO16)) = x;
+        }
+        // |q . k| <= D max|q| max|code|: the logit s * fs cannot overflow, and fs is a normal float
+        simple = !use_cap && fs >= 1.1754943508222875e-38f && fs < FLOAT32_MAX &&
                  (float)D * amax * u2f(FP8KV_MAXBITS) * fs <= 0x1p126f;
     }
     fence_async_shared();
@@ -397,14 +365,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     for (int h = 0; h < 2; ++h) {
         rs.m[h] = NEG_INF;
         rs.l[h] = 0.0f;
-        rs.fs[h] = fs * sh.row_mul[64 * cw + 16 * warp + r + 8 * h];  // (exact: a power of two)
         span(cta.row0 + 64 * cw + 16 * warp + r + 8 * h, rs.lo[h], rs.hi[h]);
     }
     float o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    if (split_p) consume<true>(sh, cta, cw, o, rs);
-    else consume<false>(sh, cta, cw, o, rs);
+    if (split_p) consume<true>(sh, cta, cw, fs, o, rs);
+    else consume<false>(sh, cta, cw, fs, o, rs);
 
     named_sync(6, 256);  // every consumer's abort flags are set
     const bool abort = sh.abort != 0u;
@@ -443,16 +410,8 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
     trap_unless_smem(WGMMA_SMEM_BYTES);
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
-    {  // Q as the kernel stages it: thread tid takes half (64 dims) of row tid / 2
-        uint4 x[8];
-        float amax;
-        int shift;
-        bool exact;
-        stage_q_half(reinterpret_cast<const uint4*>(Q) + 8 * tid, true, x, amax, shift, exact);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) *reinterpret_cast<uint4*>(sh.q + kmajor(tid >> 1, 128 * (tid & 1) + 16 * j, SBO16)) = x[j];
-        if ((tid & 1) == 0) sh.row_mul[tid >> 1] = exact ? ldexpf(1.0f, shift) : __int_as_float(0x7fc00000);  // (NaN: inexact)
-    }
+    for (int i = tid; i < 64 * 16; i += 128)  // Q rows: 16 chunks of 16 bytes
+        *reinterpret_cast<uint4*>(sh.q + kmajor(i >> 4, 16 * (i & 15), SBO16)) = reinterpret_cast<const uint4*>(Q)[i];
     for (int i = tid; i < 64 * 8; i += 128) {
         *reinterpret_cast<uint4*>(sh.kr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(K)[i];
         *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
@@ -465,12 +424,10 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
-        wgmma_16_ss_n64<false>(sa, desc(smem_addr(sh.q), SBO16) + 16 * ks, desc(smem_addr(sh.k[0]), SBO16) + 16 * ks, ks > 0);
+        wgmma_16_ss_n64<BF16>(sa, desc(smem_addr(sh.q), SBO16) + 16 * ks, desc(smem_addr(sh.k[0]), SBO16) + 16 * ks, ks > 0);
     wgmma_commit();
     wgmma_wait0();
     fence_acc(sa);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) sa[i] *= sh.row_mul[16 * warp + r + 8 * ((i >> 1) & 1)];  // (the query's units)
     u32 pa[4][4];
     store_acc(S_out, 64, sa, tid);
 #pragma unroll
