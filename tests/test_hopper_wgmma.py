@@ -146,3 +146,17 @@ def test_an_empty_nvrtc_log_leaves_python_s_cached_bytes_alone():
     _, log = cc.compile_text('extern "C" __global__ void k() {}', "empty.cu", (), "compute_90", ptx=True)
     assert log == ""
     assert memoryview(b" ")[0] == 32  # (the cached object's content; b" "[0] is folded to 32 at compile time)
+
+
+def test_the_ablation_benchmark_finds_its_patch_points():
+    """benchmarks/hopper_wgmma_ablation.py removes parts of the kernel by replacing source text: every
+    text it replaces is in the kernel's source (else it would fail on the GPU only)."""
+    import re
+    from pathlib import Path
+
+    from fp8kv_hopper import wgmma
+
+    bench = (Path(__file__).parents[1] / "benchmarks" / "hopper_wgmma_ablation.py").read_text()
+    for name in ("PRODUCE", "SOFTMAX"):
+        text = re.search(rf'^{name} = "(.*)"$', bench, re.M).group(1)
+        assert text in wgmma.source(), name
