@@ -51,9 +51,10 @@ def _hopper_dot(a: torch.Tensor, b: torch.Tensor, eq: str, c: torch.Tensor | Non
     ia, ib = ins.split(",")
     k = (set(ia) & set(ib) - set(res)).pop()
     full = f"{ins}->{res}{k}"
-    terms = torch.einsum(full, a.double(), b.double())
-    exps = torch.einsum(full, exponent(a.double()).nan_to_num(neginf=-1e4), torch.ones_like(b.double())) + \
-        torch.einsum(full, torch.ones_like(a.double()), exponent(b.double()).nan_to_num(neginf=-1e4))
+    a, b = a.double(), b.double()
+    terms = torch.einsum(full, a, b)
+    # a product's exponent is its factors' sum: that of the (exact) product of their powers of two
+    exps = exponent(torch.einsum(full, torch.exp2(exponent(a)), torch.exp2(exponent(b))))
     return hopper_accumulate(terms, exps, c).float()
 
 

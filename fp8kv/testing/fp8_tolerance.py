@@ -97,6 +97,7 @@ import math
 
 import torch
 
+from .fp8_accumulator import exponent
 from .tolerance import U32, ulp, worst_violation
 
 U_FP8_DOT = 2.0**-13
@@ -153,11 +154,6 @@ def fp8_probability_envelope(lo: torch.Tensor, hi: torch.Tensor, prob_scale: flo
     return lower, upper
 
 
-def _pow2_floor(x: torch.Tensor) -> torch.Tensor:
-    """2^floor(log2 x) for x > 0 (0 for 0), exactly."""
-    return torch.ldexp(torch.ones_like(x), torch.frexp(x).exponent - 1).masked_fill(x == 0, 0.0)
-
-
 def hopper_dot_error(steps, u8: float) -> torch.Tensor:
     """A bound on ``|kernel - exact|`` for a reduction accumulated as Hopper's e4m3 wgmma does
     (:mod:`fp8kv.testing.fp8_accumulator`: each step aligns the running sum and its terms to their
@@ -173,7 +169,7 @@ def hopper_dot_error(steps, u8: float) -> torch.Tensor:
     for prefix, terms, prefix_next in steps:
         err = torch.zeros_like(prefix) if err is None else err
         c = prefix + err
-        q = u8 * _pow2_floor(torch.maximum(c, terms.amax(-1)))
+        q = u8 * torch.exp2(exponent(torch.maximum(c, terms.amax(-1))))  # (0 for 0: 2^-inf)
         loss = torch.minimum(terms, q[..., None]).sum(-1) + torch.minimum(c, q)
         err = err + loss * (1 + u8) + u8 * (prefix_next + err)
     return err

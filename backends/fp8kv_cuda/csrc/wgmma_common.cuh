@@ -120,9 +120,6 @@ __device__ __forceinline__ u32 pack_f16x2(float a, float b) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// all but the most recent N commit groups complete
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 // keeps the compiler from touching accumulators across an asynchronous wgmma
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N]) {
@@ -176,7 +173,10 @@ __device__ __forceinline__ void row_max(const float (&s)[N], float (&mx)[2]) {
 #pragma unroll
     for (int k = 0; k < 4; ++k) part[0][k] = part[1][k] = __int_as_float(0xff800000);
 #pragma unroll
-    for (int i = 0; i < N; ++i) part[(i >> 1) & 1][(i & 1) + 2 * ((i >> 2) & 1)] = fmaxf(part[(i >> 1) & 1][(i & 1) + 2 * ((i >> 2) & 1)], s[i]);
+    for (int i = 0; i < N; ++i) {
+        float& m = part[(i >> 1) & 1][(i & 1) + 2 * ((i >> 2) & 1)];
+        m = fmaxf(m, s[i]);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         mx[h] = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
@@ -203,17 +203,13 @@ __device__ __forceinline__ void store_acc(float* out, int ld, const float (&d)[N
 
 // ---- the warp-specialized pipeline (one producer warpgroup, threads 0..127; two consumer warpgroups) ----
 constexpr int WS_THREADS = 384;
-// setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool); 128 x 40 + 256 x 232 too
-constexpr int PRODUCER_REGS = 56;
+constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool)
 constexpr int CONSUMER_REGS = 224;
-template <int N = PRODUCER_REGS>
 __device__ __forceinline__ void producer_registers() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
 }
-template <int N = CONSUMER_REGS>
 __device__ __forceinline__ void consumer_registers() {
-    static_assert(N % 8 == 0 && N <= 240, "setmaxnreg: a multiple of 8, at most 240 (with 24 for the producer)");
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N) : "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 }
 
 // Tiles t = 0..ntiles-1 go through STAGES shared-memory stages; full[s] (128 arrivals) says stage s holds
