@@ -112,7 +112,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(ap)
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
-    ap.add_argument("--wgmma", action="store_true", help="also time the opt-in sm90 wgmma prefill kernel")
+    ap.add_argument("--wgmma", action="store_true",
+                    help="on sm90 also time the wgmma prefill kernel (the default there), ping-pong on and off")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")
     ap.add_argument("--qdtype", choices=("bfloat16", "float16"), default="bfloat16",
                     help="query dtype of the fp8kv backends (SDPA stays bf16; FlashInfer only with bfloat16)")

@@ -369,7 +369,7 @@ def paged_attention_fp8(
     qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
     if config.kernel not in ("auto", "triton", "wgmma"):
         raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'auto', 'triton' or 'wgmma'")
-    why = "not asked for"
+    use_wgmma = False
     if config.kernel != "triton":
         scales = (cache.k_scale, cache.v_scale) + (() if q_scale is None else (q_scale,))
         why = "Triton's CPU interpreter" if interpret else wgmma.why_not(
@@ -377,7 +377,8 @@ def paged_attention_fp8(
             (block_tables, seq_lens, query_start_loc), scales, group)
         if why and config.kernel == "wgmma":
             raise InvalidArgument(f"config.kernel: 'wgmma' does not serve this call ({why})")
-    if why is None:
+        use_wgmma = why is None
+    if use_wgmma:
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,
                      min(int(sliding_window or NO_WINDOW), NO_WINDOW), out, lse, q_scale, (qs_kv, qs_q),
                      float(prob_scale), pingpong=config.wgmma_pingpong)
