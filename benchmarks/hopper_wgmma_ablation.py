@@ -5,7 +5,9 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
     python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
 
 Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``stages3``
-(three stages), ``noprod`` (the producer copies and transposes nothing: it only hands tiles over),
+(three stages), ``cpasync`` (the cp.async loads instead of TMA), ``lead1``/``lead3`` (the loads 1 or 3
+tiles ahead of the V transpose instead of 2), ``noprod`` (the producer loads and transposes nothing: it
+only hands tiles over),
 ``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products only),
 ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``noprod_nopp``.
 """
@@ -25,16 +27,18 @@ from fp8kv_cuda import runtime  # noqa: E402
 from fp8kv_hopper import attention, wgmma  # noqa: E402
 from test_hopper_gpu import _case  # noqa: E402
 
-PRODUCE = "producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);"
+LOAD = "load_tile(sh, P, cta, bt_row, t, pt);"
+TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false>(vr, vt, pt, tail) : transpose_v<true>(vr, vt, pt, tail);"
 SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>"
-NOPROD = (PRODUCE, "producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, [&](int) { cp_async_commit(); },"
-                   " [&](int) {});")
-NOTRANS = (PRODUCE, "producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, [&](int) {});")
+NOPROD = [(LOAD, "if (!TMA || pt == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
+NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
-VARIANTS = {"base": (wgmma.STAGES, True, []), "nopp": (wgmma.STAGES, False, []), "stages3": (3, True, []),
-            "noprod": (wgmma.STAGES, True, [NOPROD]), "notrans": (wgmma.STAGES, True, [NOTRANS]),
-            "nosoftmax": (wgmma.STAGES, True, [NOSOFT]), "gemm_only": (wgmma.STAGES, True, [NOPROD, NOSOFT]),
-            "noprod_nopp": (wgmma.STAGES, False, [NOPROD])}
+VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nopp": (wgmma.STAGES, False, [], {}),
+            "stages3": (3, True, [], {}), "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
+            "lead1": (wgmma.STAGES, True, [], {"lead": 1}), "lead3": (wgmma.STAGES, True, [], {"lead": 3}),
+            "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
+            "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
+            "noprod_nopp": (wgmma.STAGES, False, NOPROD, {})}
 
 
 def main(argv=None) -> int:
@@ -47,15 +51,15 @@ def main(argv=None) -> int:
     useful = 0.412e12  # useful FLOPs of the shape (benchmarks/hopper_prefill.py)
     source, smem_bytes, rows = wgmma.source(), wgmma.smem_bytes, []
     for name in args.variants or list(VARIANTS):
-        stages, pingpong, patches = VARIANTS[name]
+        stages, pingpong, patches, extra = VARIANTS[name]
         src = source
         for old, new_text in patches:
             assert old in src, f"{name}: the kernel source changed ({old!r} not found)"
             src = src.replace(old, new_text)
-        opts = wgmma.options(q.dtype, pingpong, stages) + (f"-DFP8KV_ABLATION_{name}=1",)
+        opts = wgmma.options(q.dtype, pingpong, stages, **extra) + (f"-DFP8KV_ABLATION_{name}=1",)
         mod = runtime.module(("ablation", opts), lambda src=src, opts=opts: runtime.compile_source(
             src, "fp8_prefill.cu", opts, "sm_90a"), (wgmma.ENTRY,), runtime.device_index(q.device))
-        wgmma.function = lambda entry, dtype, device, pingpong=True, mod=mod: mod.get_function(entry)
+        wgmma.function = lambda entry, dtype, device, pingpong=True, tma=True, mod=mod: mod.get_function(entry)
         wgmma.smem_bytes = lambda st=stages: smem_bytes(st)
         cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
                                                           max_keys=tables.shape[1] * 16, num_sms=132),

@@ -25,7 +25,7 @@ pytest.importorskip("triton")
 DEV = torch.device("cuda")
 
 
-def _case(seqs, new, cached, H=8, HQ=32, D=128, page=16, granularity="head", seed=0):
+def _case(seqs, new, cached, H=8, HQ=32, D=128, page=16, granularity="head", seed=0, layout="NHD"):
     """An e4m3 cache with random K/V and ``seqs`` sequences of ``new`` queries over ``cached`` keys."""
     g = torch.Generator().manual_seed(seed)
     L = new + cached
@@ -33,7 +33,7 @@ def _case(seqs, new, cached, H=8, HQ=32, D=128, page=16, granularity="head", see
     tables = torch.randperm(seqs * nblk, generator=g).to(torch.int32).view(seqs, nblk).to(DEV)
     scales = (0.02 + 0.05 * torch.rand(H, generator=g)).to(DEV) if granularity == "head" else 0.04
     cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity=granularity,
-                                   k_scale=scales, v_scale=scales, device=DEV)
+                                   k_scale=scales, v_scale=scales, device=DEV, layout=layout)
     n = seqs * nblk * page
     fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
                    torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
@@ -185,11 +185,36 @@ def test_wgmma_prefill_options(kw):
     _wgmma_check(_case(2, 300, 700, seed=2), **kw)
 
 
-@pytest.mark.parametrize("layout", ["tensor", "mha", "group6", "page32", "page12"])
+LAYOUTS = dict(tensor=dict(granularity="tensor"), mha=dict(HQ=8), group6=dict(HQ=48), page32=dict(page=32),
+               page12=dict(page=12), page1=dict(page=1), page256=dict(page=256), page384=dict(page=384),
+               hnd=dict(layout="HND"), hnd_page64=dict(layout="HND", page=64))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_wgmma_prefill_layouts(layout):
-    kw = dict(tensor=dict(granularity="tensor"), mha=dict(HQ=8), group6=dict(HQ=48), page32=dict(page=32),
-              page12=dict(page=12))[layout]
-    _wgmma_check(_case(2, 200, 333, seed=3, **kw))
+    """Pages of 1..384 keys and both cache layouts; TMA loads except where a page neither divides nor
+    is a multiple of 128 keys (page12: the cp.async loads)."""
+    from fp8kv_hopper import wgmma
+
+    case = _case(2, 200, 333, seed=3, **LAYOUTS[layout])
+    assert (wgmma.tma_maps(case[0]) is None) == (layout == "page12")
+    _wgmma_check(case)
+
+
+@pytest.mark.parametrize("layout", ["page16", "page256", "page12"])
+def test_wgmma_prefill_ignores_nan_codes_past_the_sequence(layout):
+    """Every cache slot past a sequence's length holds NaN codes (0x7F) in K and V: TMA loads whole pages
+    (boxes of up to 128 keys), so those keys reach shared memory; they must not reach the output."""
+    page = {"page16": 16, "page256": 256, "page12": 12}[layout]
+    cache, q, tables, lens, qsl, new = case = _case(2, 150, 77, seed=5, page=page)
+    L = int(lens[0])
+    for seq in range(tables.shape[0]):
+        for pos in range(L, tables.shape[1] * page):
+            blk = int(tables[seq, pos // page])
+            for t in (cache.key_cache, cache.value_cache):
+                t.view(torch.uint8)[blk, pos % page] = 0x7F  # (NHD: [block, key, head, dim])
+    out = _wgmma_check(case)
+    assert torch.isfinite(out).all()
 
 
 @pytest.mark.parametrize("scale", [1e31, 1e-30])

@@ -81,35 +81,52 @@ def vt_key(kpos):
     return (kpos & ~15) + 8 * (i >> 1) + 2 * c + (i & 1)
 
 
-def test_v_transpose_writes_every_byte_of_vt_once():
+def sw128(row, kb):
+    return row * 128 + ((((kb >> 4) ^ row) & 7) << 4) + (kb & 15)
+
+
+@pytest.mark.parametrize("tail", [128, 77, 0])
+def test_v_transpose_writes_every_byte_of_vt_once(tail):
+    """transpose_v as the kernel addresses it: raw V in the 128-byte swizzle (as TMA writes it), V^T
+    in the padded no-swizzle layout; every V^T byte written once with V[vt_key(kpos), dim] (zero for
+    keys >= tail), and each warp-wide 32-bit load and store touches 32 distinct banks."""
     rng = np.random.default_rng(0)
     v = rng.integers(0, 256, size=(128, 128), dtype=np.uint8)  # [key, dim]
-    vr = np.zeros(128 * 144, np.uint8)
+    vr = np.zeros(128 * 128, np.uint8)
     for key in range(128):
-        vr[key * 144: key * 144 + 128] = v[key]
+        for kb in range(128):
+            vr[sw128(key, kb)] = v[key, kb]
     vt = np.zeros(16 * 1040, np.uint8)
     written = np.zeros(16 * 1040, np.int32)
     banks_ok = True
     for warp in range(4):
-        for step in range(8):
-            stores = {j: [] for j in range(4)}
-            for lane in range(32):
-                a, w = lane & 7, lane >> 3
-                combo = warp * 8 + step
-                dg, chunk = combo & 3, combo >> 2
-                dim0 = 4 * (a + 8 * dg)
-                x = [vr[vt_key(16 * chunk + 4 * w + i) * 144 + dim0: vt_key(16 * chunk + 4 * w + i) * 144 + dim0 + 4]
-                     for i in range(4)]
-                for j in range(4):  # y_j = byte j of x_0..x_3 (the PRMT pairs)
-                    addr = kmajor(dim0 + j, 16 * chunk + 4 * w, 1040)
-                    vt[addr: addr + 4] = [x[i][j] for i in range(4)]
-                    written[addr: addr + 4] += 1
-                    stores[j].append(addr)
-            for addrs in stores.values():  # a warp's 32-bit stores: 32 distinct banks
-                banks_ok &= len({(ad // 4) % 32 for ad in addrs}) == 32
+        for half in range(2):
+            for dg in range(4):
+                loads = {i: [] for i in range(4)}
+                stores = {j: [] for j in range(4)}
+                for lane in range(32):
+                    a, w = lane & 7, lane >> 3
+                    x = []
+                    for i in range(4):  # the kernel's load address: its base + swizzle term + key offset
+                        key_off = 16 * half + 8 * (i >> 1) + (i & 1)
+                        key = 32 * warp + 2 * w + key_off
+                        addr = (32 * warp + 2 * w) * 128 + 4 * (a & 3) + 32 * (dg ^ w) + 16 * ((a >> 2) ^ (i & 1)) \
+                            + key_off * 128
+                        assert addr == sw128(key, 32 * dg + 4 * a)  # the bytes of dims 32 dg + 4 a ..
+                        assert key == vt_key(16 * (2 * warp + half) + 4 * w + i)
+                        loads[i].append(addr)
+                        x.append(vr[addr: addr + 4] if key < tail else np.zeros(4, np.uint8))
+                    for j in range(4):  # y_j = byte j of x_0..x_3 (the PRMT pairs)
+                        addr = kmajor(4 * a + 32 * dg + j, 16 * (2 * warp + half) + 4 * w, 1040)
+                        vt[addr: addr + 4] = [x[i][j] for i in range(4)]
+                        written[addr: addr + 4] += 1
+                        stores[j].append(addr)
+                for addrs in [*loads.values(), *stores.values()]:  # 32-bit accesses: 32 distinct banks
+                    banks_ok &= len({(ad // 4) % 32 for ad in addrs}) == 32
     for dim in range(128):
         for kpos in range(128):
-            assert vt[kmajor(dim, kpos, 1040)] == v[vt_key(kpos), dim]
+            key = vt_key(kpos)
+            assert vt[kmajor(dim, kpos, 1040)] == (v[key, dim] if key < tail else 0)
     assert written.sum() == 128 * 128 and written.max() == 1
     assert banks_ok
 
@@ -157,6 +174,6 @@ def test_the_ablation_benchmark_finds_its_patch_points():
     from fp8kv_hopper import wgmma
 
     bench = (Path(__file__).parents[1] / "benchmarks" / "hopper_wgmma_ablation.py").read_text()
-    for name in ("PRODUCE", "SOFTMAX"):
+    for name in ("LOAD", "TRANSPOSE", "SOFTMAX"):
         text = re.search(rf'^{name} = "(.*)"$', bench, re.M).group(1)
         assert text in wgmma.source(), name

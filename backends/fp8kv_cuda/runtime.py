@@ -263,6 +263,44 @@ def _launch_kernel_ex():
     return fn
 
 
+TENSOR_MAP_BYTES = 128
+"""``sizeof(CUtensorMap)`` (64-byte aligned in a kernel's parameters)."""
+_CU_TENSOR_MAP_DATA_TYPE_UINT8 = 0
+_CU_TENSOR_MAP_SWIZZLE_128B = 3
+_CU_TENSOR_MAP_L2_PROMOTION_L2_256B = 3
+
+
+def tensor_map_uint8(address: int, dims: tuple[int, ...], strides: tuple[int, ...], box: tuple[int, ...],
+                     swizzle_128b: bool = True) -> bytes:
+    """A TMA descriptor (``CUtensorMap``, 128 bytes, from the driver's ``cuTensorMapEncodeTiled``) of a
+    uint8 tensor at ``address``: ``dims`` innermost first, ``strides`` in bytes of dims 1.. (the
+    innermost is contiguous), ``box`` the tile one copy moves; coordinates outside ``dims`` read as
+    zeros. A host call that touches no device memory (no sync; graph-safe: the bytes travel in the
+    kernel's parameters). Raises ``InvalidArgument`` where the driver refuses (alignment: address and
+    strides multiples of 16; box sides 1..256; the inner box side at most 128 bytes with the swizzle).
+    Public: the Hopper backend's TMA loads use it."""
+    rank = len(dims)
+    out = (ctypes.c_uint8 * TENSOR_MAP_BYTES)()
+    err = _tensor_map_encode_tiled()(
+        out, _CU_TENSOR_MAP_DATA_TYPE_UINT8, rank, ctypes.c_void_p(address), (ctypes.c_uint64 * rank)(*dims),
+        (ctypes.c_uint64 * (rank - 1))(*strides), (ctypes.c_uint32 * rank)(*box), (ctypes.c_uint32 * rank)(*[1] * rank),
+        0, _CU_TENSOR_MAP_SWIZZLE_128B if swizzle_128b else 0, _CU_TENSOR_MAP_L2_PROMOTION_L2_256B, 0)
+    if err != 0:
+        raise InvalidArgument(f"cuTensorMapEncodeTiled refused dims {dims}, strides {strides}, box {box} at "
+                              f"{address:#x}: CUresult {err}")
+    return bytes(out)
+
+
+@functools.cache
+def _tensor_map_encode_tiled():
+    """The driver's ``cuTensorMapEncodeTiled`` (CUDA 12+)."""
+    fn = ctypes.CDLL("libcuda.so.1").cuTensorMapEncodeTiled
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    return fn
+
+
 _C_TYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
 
 

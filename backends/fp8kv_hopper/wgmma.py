@@ -3,19 +3,18 @@ e4m3 wgmma for both products.
 
 Why CUDA here when the rest of the backend is Triton: Triton 3.6 waits for each wgmma right after
 issuing it and offers no warp specialization on sm90, so its kernel is latency-bound at 0.56x
-FlashInfer's FA3 (docs/fp8_attention.md). This kernel gives a producer warpgroup the copies and
-the V transpose (so ``p8 @ v8`` runs on e4m3 tensor cores too) and two consumer warpgroups the
-products and the softmax, and is compiled through the CUDA backend's public runtime
-(:mod:`fp8kv_cuda.runtime`: NVRTC through CuPy, cached per process; ``sm_90a``, which ``wgmma``
-needs).
+FlashInfer's FA3 (docs/fp8_attention.md). This kernel gives a producer warpgroup the loads (TMA,
+one box per page, where :func:`tma_maps` can describe the cache; else cp.async) and the V transpose
+(so ``p8 @ v8`` runs on e4m3 tensor cores too) and two consumer warpgroups the products and the
+softmax, and is compiled through the CUDA backend's public runtime (:mod:`fp8kv_cuda.runtime`: NVRTC
+through CuPy, cached per process; ``sm_90a``, which ``wgmma`` needs; TMA descriptors from its
+``tensor_map_uint8``).
 
 Serves (:func:`why_not` says why not): prefill steps (``max_query_len > 1``, one split) of an e4m3fn cache with
 per-tensor or per-head scales, head size 128, no soft-cap, float16/bfloat16/float32 queries with the
 output in the same type, on an sm90 GPU with CuPy. Everything else goes to the Triton kernel of
-:mod:`fp8kv_hopper.attention`, which computes the same definition. Not yet the default: it is compiled
-(CPU CI, sm_90a) and its layouts are checked against CUTLASS's documented fragments, but it has not
-run on a GPU yet (``Fp8AttnConfig(kernel="wgmma")`` selects it; tests/test_hopper_gpu.py holds its
-GPU tests).
+:mod:`fp8kv_hopper.attention`, which computes the same definition. The default where it serves
+(``Fp8AttnConfig(kernel="auto")``); tests/test_hopper_gpu.py holds its GPU tests.
 """
 
 from __future__ import annotations
@@ -32,6 +31,8 @@ THREADS = 384
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 4
+LEAD = 2
+"""Tiles the producer's loads run ahead of its V transpose."""
 HEAD_SIZE = 128
 QUERY_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ENTRY = "fp8kv_fp8_prefill"
@@ -41,16 +42,18 @@ OPTIONS = ("-std=c++17", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
 
 
 def smem_bytes(stages: int = STAGES) -> int:
-    """``sizeof(Smem)`` of the kernel (it traps if launched with less)."""
-    per_stage = BLOCK_N * HEAD_SIZE + (HEAD_SIZE // 8) * 1040 + BLOCK_N * 144 + BLOCK_N
-    size = BLOCK_M * HEAD_SIZE + stages * per_stage + 8 * BLOCK_M + 16 * stages
-    return (size + 127) // 128 * 128
+    """``sizeof(Smem)`` of the kernel (it traps if launched with less; 1024-byte aligned)."""
+    per_stage = 2 * BLOCK_N * HEAD_SIZE + (HEAD_SIZE // 8) * 1040 + BLOCK_N
+    size = BLOCK_M * HEAD_SIZE + stages * per_stage + 8 * BLOCK_M + 3 * 8 * stages
+    return (size + 1023) // 1024 * 1024
 
 
-class Params(ctypes.Structure):
-    """The kernel's ``Params`` struct, field for field (passed by value)."""
+_TensorMap = ctypes.c_uint8 * 128  # CUtensorMap (64-byte aligned in the kernel's struct)
 
+
+class _ParamFields(ctypes.Structure):
     _fields_ = [
+        ("tmap_k", _TensorMap), ("tmap_v", _TensorMap),
         *[(n, ctypes.c_void_p) for n in ("q", "qs", "ks", "vs", "kc", "vc", "bt", "seq_lens", "qsl", "out", "lse")],
         *[(n, ctypes.c_float) for n in ("sm_mant", "prob_scale", "inv_prob_scale")],
         *[(n, ctypes.c_int) for n in ("sm_exp", "window", "causal")],
@@ -58,8 +61,14 @@ class Params(ctypes.Structure):
                                         "stride_vt", "stride_vh")],
         *[(n, ctypes.c_int) for n in ("stride_qs_kv", "stride_qs_q", "stride_ksh", "stride_vsh", "T", "HQ", "group",
                                       "block_q", "q_blocks", "page", "page_shift", "num_blocks", "max_keys",
-                                      "q_dynamic", "write_lse", "scale_p")],
+                                      "q_dynamic", "write_lse", "scale_p", "head_inner", "box_rows")],
     ]
+
+
+class Params(_ParamFields):
+    """The kernel's ``Params`` struct, field for field (passed by value), padded to its 64-byte alignment."""
+
+    _fields_ = [("pad", ctypes.c_char * (-ctypes.sizeof(_ParamFields) % 64))]
 
 
 @functools.cache
@@ -70,18 +79,20 @@ def source() -> str:
     return inline_headers(resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text())
 
 
-def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES) -> tuple[str, ...]:
+def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES, tma: bool = True,
+            lead: int = LEAD) -> tuple[str, ...]:
     """NVRTC options of a variant: the query type, whether the consumer warpgroups take turns issuing
-    their products (``FP8KV_PINGPONG``), the pipeline depth."""
+    their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async), the loads' lead
+    over the V transpose."""
     return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_PINGPONG={int(pingpong)}",
-            f"-DFP8KV_STAGES={stages}")
+            f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}", f"-DFP8KV_LEAD={lead}")
 
 
-def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = True):
+def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = True, tma: bool = True):
     """The compiled ``entry`` for ``query_dtype`` on ``device`` (sm_90a cubin, built on first use)."""
     from fp8kv_cuda import runtime
 
-    opts = options(query_dtype, pingpong)
+    opts = options(query_dtype, pingpong, tma=tma)
     index = runtime.device_index(device)
     mod = runtime.module(("fp8kv_hopper.fp8_prefill", opts), lambda: runtime.compile_source(
         source(), "fp8_prefill.cu", opts, "sm_90a"), (ENTRY, LAYOUT_TEST), index)
@@ -114,6 +125,41 @@ def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_s
     return next((why for ok, why in checks if not ok), None)
 
 
+def tma_maps(cache) -> tuple[bytes, bytes, int, int] | None:
+    """TMA descriptors of the K and V caches for the kernel (``tmap_k``, ``tmap_v``, ``head_inner``,
+    ``box_rows``), or None where TMA cannot describe them (the kernel then copies with cp.async): a
+    page that neither divides 128 keys nor is a multiple of them, K and V with their head and key
+    strides in different orders, or addresses and strides that are not multiples of 16 bytes."""
+    from fp8kv_triton.kernels import cache_strides
+
+    page = cache.block_size
+    if not (128 % page == 0 or page % 128 == 0):
+        return None
+    rows = min(page, BLOCK_N)
+    strides = {which: cache_strides(cache, which) for which in ("key", "value")}
+    head_inner = {which: kh <= kt for which, (_, kt, kh) in strides.items()}
+    if head_inner["key"] != head_inner["value"]:
+        return None
+    inner = head_inner["key"]
+    H, nblk = cache.num_kv_heads, cache.key_cache.shape[0]
+    maps = []
+    for which, t in (("key", cache.key_cache), ("value", cache.value_cache)):
+        kb, kt, kh = strides[which]
+        if t.data_ptr() % 16 or any(x % 16 or x <= 0 for x in (kb, kt, kh)):
+            return None
+        dims, st, box = ((HEAD_SIZE, H, page, nblk), (kh, kt, kb), (HEAD_SIZE, 1, rows, 1)) if inner else \
+            ((HEAD_SIZE, page, H, nblk), (kt, kh, kb), (HEAD_SIZE, rows, 1, 1))
+        maps.append(_tensor_map(t.data_ptr(), dims, st, box))
+    return maps[0], maps[1], int(inner), rows
+
+
+@functools.lru_cache(maxsize=512)
+def _tensor_map(address: int, dims, strides, box) -> bytes:
+    from fp8kv_cuda import runtime
+
+    return runtime.tensor_map_uint8(address, dims, strides, box)
+
+
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
            causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float,
            pingpong: bool = True) -> None:
@@ -144,7 +190,10 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         page_shift=page.bit_length() - 1 if page & (page - 1) == 0 else -1, num_blocks=cache.key_cache.shape[0],
         max_keys=block_tables.shape[1] * page, q_dynamic=int(q_scale is None), write_lse=int(lse is not None),
         scale_p=int(prob_scale != 1.0))
-    fn = function(ENTRY, query.dtype, query.device, pingpong)
+    maps = tma_maps(cache)
+    if maps is not None:
+        p.tmap_k[:], p.tmap_v[:], p.head_inner, p.box_rows = maps
+    fn = function(ENTRY, query.dtype, query.device, pingpong, tma=maps is not None)
     runtime.launch_struct(fn, runtime.device_index(query.device), (S * q_blocks, H, 1), THREADS, p, smem_bytes())
 
 

@@ -57,6 +57,20 @@ __device__ __forceinline__ u64 desc(u32 addr, u32 sbo) {
     return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(128u >> 4) << 16) | ((u64)(sbo >> 4) << 32);
 }
 
+// Byte (row, kb) of a tile of 128-byte rows in the 128-byte swizzle (TMA's CU_TENSOR_MAP_SWIZZLE_128B and
+// wgmma's layout type 1): 16-byte chunk kb / 16 of row `row` is stored at chunk (kb / 16) ^ (row % 8). The
+// tile's base must be 1024-byte aligned (the swizzle reads address bits 4..9).
+__device__ __forceinline__ u32 sw128(int row, int kb) {
+    return (u32)(row * 128 + ((((kb >> 4) ^ row) & 7) << 4) + (kb & 15));
+}
+
+// wgmma descriptor of a K-major tile of 128-byte rows in the 128-byte swizzle: SBO 1024 bytes between
+// 8-row groups (LBO unused); a k step of 32 bytes is the start address + 32 (the swizzle applies to the
+// address the hardware forms).
+__device__ __forceinline__ u64 desc_sw128(u32 addr) {
+    return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)1 << 16) | ((u64)(1024u >> 4) << 32) | ((u64)1 << 62);
+}
+
 // ---- synchronization ----
 __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
@@ -69,6 +83,18 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
         "{\n.reg .pred P1;\nLAB_WAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
         "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+// mbarrier initializations visible to the async proxy (TMA's complete_tx)
+__device__ __forceinline__ void fence_mbarrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// arrive once and expect `bytes` more from asynchronous copies (TMA) in the current phase
+__device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+// the barrier's pending count + 1, and - 1 once every earlier cp.async of this thread has landed
+__device__ __forceinline__ void cp_async_mbar_arrive(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
@@ -88,6 +114,14 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {  // zero-filled unless ok
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
+}
+// TMA: the box at coordinates (c0, c1, c2, c3) of the 4-d tensor map `tmap` (a __grid_constant__ kernel
+// parameter) into shared memory at dst; its bytes complete on `bar` (coordinates outside the tensor are
+// zero-filled)
+__device__ __forceinline__ void tma_load_4d(u32 dst, const void* tmap, int c0, int c1, int c2, int c3, u64* bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+        ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -237,17 +271,17 @@ __device__ __forceinline__ void producer_pipeline(u64* full, u64* empty, int nti
     }
 }
 
-// A consumer warpgroup (cw = 0, 1): phase t = 0..ntiles waits for tile t (t < ntiles), has issue(t)
-// issue its wgmma (the previous tile's second product and tile t's first), waits for them, releases
-// tile t - 1's stage and runs done(t) (which starts with fence_acc on the accumulators it reads). With
-// PINGPONG the two warpgroups issue their phases in turn (FA3's schedule: one's softmax overlaps the
-// other's products).
-template <int STAGES, bool PINGPONG, class Issue, class Done>
-__device__ __forceinline__ void consumer_pipeline(u64* full, u64* empty, int ntiles, int cw, Issue&& issue,
-                                                  Done&& done) {
+// A consumer warpgroup (cw = 0, 1): phase t = 0..ntiles runs wait(t) (returns once phase t's operands are
+// in shared memory), has issue(t) issue its wgmma (the previous tile's second product and tile t's
+// first), waits for them, releases tile t - 1's stage and runs done(t) (which starts with fence_acc on
+// the accumulators it reads). With PINGPONG the two warpgroups issue their phases in turn (FA3's
+// schedule: one's softmax overlaps the other's products).
+template <int STAGES, bool PINGPONG, class Wait, class Issue, class Done>
+__device__ __forceinline__ void consumer_pipeline_waits(Wait&& wait, u64* empty, int ntiles, int cw, Issue&& issue,
+                                                        Done&& done) {
     if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
     for (int t = 0; t <= ntiles; ++t) {
-        if (t < ntiles) mbar_wait(&full[t % STAGES], (t / STAGES) & 1);
+        wait(t);
         if (PINGPONG) named_sync(4 + cw, 256);
         wgmma_fence();
         issue(t);
@@ -258,6 +292,14 @@ __device__ __forceinline__ void consumer_pipeline(u64* full, u64* empty, int nti
         done(t);
     }
     if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
+}
+// The same, phase t waiting for tile t on full[t % STAGES] (t < ntiles).
+template <int STAGES, bool PINGPONG, class Issue, class Done>
+__device__ __forceinline__ void consumer_pipeline(u64* full, u64* empty, int ntiles, int cw, Issue&& issue,
+                                                  Done&& done) {
+    consumer_pipeline_waits<STAGES, PINGPONG>(
+        [&](int t) { if (t < ntiles) mbar_wait(&full[t % STAGES], (t / STAGES) & 1); }, empty, ntiles, cw, issue,
+        done);
 }
 
 }  // namespace fp8kv

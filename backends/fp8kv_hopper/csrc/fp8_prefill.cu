@@ -6,10 +6,12 @@
 //
 // CTA = 3 warpgroups (384 threads), rows and keys as the Triton kernel: 128 query rows of one sequence
 // and KV head (row = token * group + head in the group), tiles of 128 keys.
-//   warpgroup 0, the producer: copies each tile's K and V codes (cp.async, 16 bytes, through the block
-//     table; keys outside the sequence or whose block id is outside the cache are zero-filled and marked
-//     invalid), transposes V in shared memory (4 x 4 byte blocks, PRMT) so that p8 @ v8 is an e4m3 wgmma
-//     too, and hands the tile over on an mbarrier; STAGES tiles in flight.
+//   warpgroup 0, the producer: loads each tile's K and V codes through the block table, with TMA (one box
+//     per page, or per 128 keys of a longer page; FP8KV_TMA) or else cp.async (16 bytes a thread), and
+//     both land on the stage's `loaded` mbarrier; keys whose block id is outside the cache are zero-filled,
+//     and they and the keys past the CTA's range are marked invalid. LEAD tiles behind the loads it
+//     transposes V in shared memory (4 x 4 byte blocks, PRMT; V rows past the range zeroed) so that
+//     p8 @ v8 is an e4m3 wgmma too, and hands V^T over on `vready`; STAGES tiles in flight.
 //   warpgroups 1 and 2, the consumers, 64 rows each: q8 = e4m3(q / q_scale) once (bit for bit as the
 //     cache's own quantization), then per tile S = q8 k8^T (4 wgmma m64n128k32 e4m3, A and B from
 //     shared memory), the online softmax against an integer running maximum (every rescaling an
@@ -18,15 +20,19 @@
 //     The key order of a 32-key slice of p8's A fragment differs from S's accumulator order; the
 //     producer writes V^T's key columns in that order (vt_key), so nothing moves between lanes.
 //
-// Shared-memory operands use wgmma's no-swizzle K-major layout: 8 rows x 16 bytes "core matrices",
-// LBO = 128 bytes between core matrices along K, SBO between 8-row groups (1024; 1040 for V^T, whose
-// padding makes the producer's transposed stores free of bank conflicts).
+// Shared-memory layouts: K and the raw V tiles as TMA's 128-byte swizzle writes them (sw128: rows of 128
+// bytes, 16-byte chunk c of row r at chunk c ^ (r % 8); wgmma reads K so, layout type 1), which keeps the
+// transpose's loads free of bank conflicts; q8 and V^T in wgmma's no-swizzle K-major layout: 8 rows x 16
+// bytes "core matrices", LBO = 128 bytes between core matrices along K, SBO between 8-row groups (1024;
+// 1040 for V^T, whose padding makes the transpose's stores free of bank conflicts).
 //
 // Memory safety without host checks: query_start_loc and seq_lens clamped as the Triton kernel,
 // block ids outside [0, num_blocks) never loaded, rows past a sequence's queries never written.
 //
 // Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES,
-// FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn).
+// FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn), FP8KV_TMA (1: TMA
+// loads through Params' tensor maps; 0: cp.async, for caches TMA cannot describe), FP8KV_LEAD (tiles the
+// loads run ahead of the transpose).
 
 #include "wgmma_common.cuh"
 
@@ -43,28 +49,32 @@ constexpr int STAGES = FP8KV_STAGES;
 constexpr int THREADS = WS_THREADS;
 constexpr int QT = FP8KV_QT;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;  // the consumer warpgroups issue their products in turn
+constexpr bool TMA = FP8KV_TMA != 0;            // K and V tiles loaded by TMA (else cp.async)
+constexpr int LEAD = FP8KV_LEAD;                // the loads run LEAD tiles ahead of the V transpose
+constexpr int TILE_BYTES = BLOCK_N * D;         // a K (or V) tile: 128 keys x 128 e4m3 codes
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
-constexpr int VR_PITCH = 144;     // bytes per key row of the raw V tile (128 + 16: conflict-free loads)
 constexpr float E4M3_MAX = 448.0f;
 constexpr float FLOAT32_MAX = 3.4028234663852886e38f;
 constexpr float LN2 = 0.6931471805599453f;
 #define NEG_INF __int_as_float(0xff800000)
 
-struct __align__(128) Smem {
+struct __align__(1024) Smem {          // (1024: the swizzled tiles' alignment)
     u8 q[BLOCK_M * D];                 // q8, K-major (a consumer's 64 rows: 8192 bytes)
-    u8 k[STAGES][BLOCK_N * D];         // K tiles, K-major
+    u8 k[STAGES][TILE_BYTES];          // K tiles, sw128
+    u8 vr[STAGES][TILE_BYTES];         // raw V tiles as loaded, sw128
     u8 vt[STAGES][(D / 8) * VT_SBO];   // V^T tiles: rows = dims, K = keys in vt_key order
-    u8 vr[STAGES][BLOCK_N * VR_PITCH]; // raw V tiles as copied
-    u8 valid[STAGES][BLOCK_N];         // 1 where the key is in the sequence and its block id in the cache
+    u8 valid[STAGES][BLOCK_N];         // 1 where the key is in the CTA's range and its block id in the cache
     double row_f[BLOCK_M];             // per row: q_scale * k_scale * softmax_scale * log2(e)
-    u64 full[STAGES], empty[STAGES];   // mbarriers: tile landed (producer), tile consumed (consumers)
+    u64 loaded[STAGES];                // mbarriers: the tile's K, raw V and valid flags landed (producer)
+    u64 vready[STAGES];                //   its V^T written (producer)
+    u64 empty[STAGES];                 //   the stage consumed (consumers)
 };
 constexpr int SMEM_BYTES = (int)sizeof(Smem);
 
-// S = q8 k8^T: 4 k32 steps over D = 128 (+256 bytes a step: descriptor + 16)
+// S = q8 k8^T: 4 k32 steps over D = 128 (q8: +256 bytes a step, descriptor + 16; K (sw128): +32 bytes)
 __device__ __forceinline__ void issue_qk(float (&s)[64], u64 dq, u64 dk) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_ss(s, dq + 16 * ks, dk + 16 * ks, ks > 0);
+    for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_ss(s, dq + 16 * ks, dk + 2 * ks, ks > 0);
 }
 // O += p8 v8: 4 k32 steps over the tile's 128 keys
 __device__ __forceinline__ void issue_pv(float (&o)[64], const u32 (&pa)[4][4], u64 dv) {
@@ -137,14 +147,18 @@ __device__ __forceinline__ int vt_key(int kpos) {
     return (kpos & ~15) + 8 * (i >> 1) + 2 * c + (i & 1);
 }
 
-// V^T[dim][kpos] = V[vt_key(kpos)][dim] for a 128 x 128 tile, by the 128 threads of a warpgroup:
-// a lane moves a 4 x 4 byte block (4 keys of one V^T word, 4 dims) per step, 8 steps. Step (half,
-// dg) of warp `warp` takes key positions 16 chunk + 4 w + i (chunk = 2 warp + half) and dims
-// 4 a + 32 dg + j; every address is the thread's base plus a constant (immediate offsets).
-__device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt) {
+// V^T[dim][kpos] = V[vt_key(kpos)][dim] for a 128 x 128 tile (vr: sw128), by the 128 threads of a
+// warpgroup: a lane moves a 4 x 4 byte block (4 keys of one V^T word, 4 dims) per step, 8 steps. Step
+// (half, dg) of warp `warp` takes key positions 16 chunk + 4 w + i (chunk = 2 warp + half) and dims
+// 4 a + 32 dg + j. TAIL: keys >= tail are written as zeros (past the CTA's range: masked in S, but
+// p = 0 times a NaN code would still be NaN).
+template <bool TAIL>
+__device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt, int tail) {
     const int warp = wt >> 5, lane = wt & 31, a = lane & 7, w = lane >> 3;
-    // vt_key(16 chunk + 4 w + i) = 16 chunk + 8 (i / 2) + 2 w + i % 2
-    const u32 src = smem_addr(vr) + (u32)((32 * warp + 2 * w) * VR_PITCH + 4 * a);
+    // vt_key(16 chunk + 4 w + i) = 16 chunk + 8 (i / 2) + 2 w + i % 2 =: key, key % 8 = 2 w + i % 2; the
+    // load of dims 32 dg + 4 a .. + 3 (chunk 2 dg + a / 4) is at key * 128 + 16 ((2 dg + a / 4) ^ (key % 8))
+    // + 4 (a % 4) = key * 128 + 32 (dg ^ w) + 16 ((a / 4) ^ (i % 2)) + 4 (a % 4)
+    const u32 src = smem_addr(vr) + (u32)((32 * warp + 2 * w) * 128 + 4 * (a & 3));
     // kmajor(4 a + 32 dg + j, 16 chunk + 4 w) = kmajor(4 a, 32 warp + 4 w) + 16 j + 4 dg SBO + 128 half
     const u32 dst = smem_addr(vt) + kmajor(4 * a, 32 * warp + 4 * w, VT_SBO);
 #pragma unroll
@@ -154,8 +168,10 @@ __device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt) {
             u32 x[4], y[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const u32 off = (u32)((16 * half + 8 * (i >> 1) + (i & 1)) * VR_PITCH + 32 * dg);
-                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + off));
+                const int key_off = 16 * half + 8 * (i >> 1) + (i & 1);  // key - (32 warp + 2 w)
+                const u32 swz = (u32)(32 * (dg ^ w) + 16 * ((a >> 2) ^ (i & 1)));
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + swz + (u32)(key_off * 128)));
+                if (TAIL && 32 * warp + 2 * w + key_off >= tail) x[i] = 0u;
             }
             transpose4x4(x, y);
 #pragma unroll
@@ -176,7 +192,16 @@ struct Cta {
     int ntiles;
 };
 
+// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), encoded on the host (fp8kv_cuda.runtime.tensor_map)
+struct alignas(64) TensorMap {
+    u64 words[16];
+};
+
 struct Params {
+    // FP8KV_TMA: the K and V caches as 4-d uint8 tensors (128 codes, X, Y, blocks), 128-byte swizzle, box
+    // (128, 1 or box_rows, box_rows or 1, 1); X, Y = KV head, key in the page when head_inner (the
+    // smaller stride first), else the other way round
+    TensorMap tmap_k, tmap_v;
     const void* q;
     const float *qs, *ks, *vs;
     const u8 *kc, *vc;
@@ -189,40 +214,88 @@ struct Params {
     int stride_qs_kv, stride_qs_q, stride_ksh, stride_vsh;
     int T, HQ, group, block_q, q_blocks, page, page_shift, num_blocks, max_keys;
     int q_dynamic, write_lse, scale_p;
+    int head_inner, box_rows;  // (FP8KV_TMA) box_rows = min(page, 128); 128 % page == 0 or page % 128 == 0
 };
 
-// The producer warpgroup (threads 0..127): thread (key row krow, chunk ch) copies chunk ch of keys
-// krow + 16 i of K and V; then, a tile behind, waits for them, transposes V, and hands the tile over.
-__device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
-    const int pt = threadIdx.x, ch = pt & 7, krow = pt >> 3;
-    const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
-    const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
-    const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
-    auto issue = [&](int t) {
-        const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
-        const u32 kdst = smem_addr(sh.k[s]) + kmajor(krow, 16 * ch, 1024), vdst = smem_addr(sh.vr[s]) + krow * VR_PITCH + 16 * ch;
-        // the block ids of the thread's 8 keys first (independent loads: one latency, not 8)
-        int blk[BLOCK_N / 16];
+// The block id of key n of the CTA's sequence, or -1 past the CTA's keys (the table is not read there).
+__device__ __forceinline__ int block_id(const Params& P, const int* bt_row, const Cta& cta, int n) {
+    return n < cta.hi ? __ldg(bt_row + (P.page_shift >= 0 ? n >> P.page_shift : n / P.page)) : -1;
+}
+__device__ __forceinline__ int in_page(const Params& P, int n) {
+    return P.page_shift >= 0 ? n & (P.page - 1) : n % P.page;
+}
+
+// Tile t's K and V codes into stage t % STAGES, landing on sh.loaded[stage] (its phase needs one arrival
+// under TMA, 128 under cp.async), with the valid flags of its keys.
+//   TMA: warp 0 alone; lane l flags keys 4 l .. 4 l + 3, then lanes issue one K and one V box per page
+//     (per 128 keys of a longer page); a box whose block id is outside the cache (or past the CTA's keys)
+//     gets the block coordinate num_blocks, outside the tensor map: TMA zero-fills it.
+//   cp.async: thread (key row krow, chunk ch) copies chunk ch of keys krow + 16 i (zero-filled when invalid).
+__device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& cta, const int* bt_row, int t,
+                                          int pt) {
+    const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
+    if constexpr (TMA) {
+        const int lane = pt;  // (warp 0)
+        u32 flags = 0;
 #pragma unroll
-        for (int i = 0; i < BLOCK_N / 16; ++i) {
-            const int n = n0 + krow + 16 * i;
-            blk[i] = n < cta.hi ? __ldg(bt_row + (P.page_shift >= 0 ? n >> P.page_shift : n / P.page)) : -1;
+        for (int j = 0; j < 4; ++j) {
+            const int blk = block_id(P, bt_row, cta, n0 + 4 * lane + j);
+            flags |= (u32)(blk >= 0 && blk < P.num_blocks) << (8 * j);
         }
+        reinterpret_cast<u32*>(sh.valid[s])[lane] = flags;
+        __syncwarp();
+        if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[s], 2 * TILE_BYTES);  // (releases warp 0's flags)
+        for (int box = lane; box * P.box_rows < BLOCK_N; box += 32) {
+            const int n = n0 + box * P.box_rows, blk = block_id(P, bt_row, cta, n);
+            const int c3 = blk >= 0 && blk < P.num_blocks ? blk : P.num_blocks, r = in_page(P, n);
+            const int c1 = P.head_inner ? cta.kvh : r, c2 = P.head_inner ? r : cta.kvh;
+            const u32 off = (u32)(box * P.box_rows * 128);
+            tma_load_4d(smem_addr(sh.k[s]) + off, &P.tmap_k, 0, c1, c2, c3, &sh.loaded[s]);
+            tma_load_4d(smem_addr(sh.vr[s]) + off, &P.tmap_v, 0, c1, c2, c3, &sh.loaded[s]);
+        }
+    } else {
+        const int ch = pt & 7, krow = pt >> 3;
+        const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
+        const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
+        const u32 off = sw128(krow, 16 * ch);  // + 2048 i for key krow + 16 i (the same row % 8)
+        int blk[BLOCK_N / 16];  // the block ids of the thread's 8 keys first (one latency, not 8)
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 16; ++i) blk[i] = block_id(P, bt_row, cta, n0 + krow + 16 * i);
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 16; ++i) {
-            const int n = n0 + krow + 16 * i;
-            const int in_page = P.page_shift >= 0 ? n & (P.page - 1) : n % P.page;
+            const int n = n0 + krow + 16 * i, r = in_page(P, n);
             const bool ok = blk[i] >= 0 && blk[i] < P.num_blocks;
             const i64 b = ok ? blk[i] : 0;
-            // key krow + 16 i: K-major row group 2 i (+2048 bytes), raw V row + 16 i
-            cp_async16(kdst + 2048 * i, kbase + b * P.stride_kb + in_page * P.stride_kt, ok);
-            cp_async16(vdst + 16 * i * VR_PITCH, vbase + b * P.stride_vb + in_page * P.stride_vt, ok);
+            cp_async16(smem_addr(sh.k[s]) + off + 2048 * i, kbase + b * P.stride_kb + r * P.stride_kt, ok);
+            cp_async16(smem_addr(sh.vr[s]) + off + 2048 * i, vbase + b * P.stride_vb + r * P.stride_vt, ok);
             if (ch == 0) sh.valid[s][krow + 16 * i] = ok ? 1 : 0;
         }
-        cp_async_commit();
-    };
-    auto finish = [&](int t) { transpose_v(sh.vr[t % STAGES], sh.vt[t % STAGES], pt); };
-    producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
+        cp_async_mbar_arrive(&sh.loaded[s]);
+        mbar_arrive(&sh.loaded[s]);  // (releases the thread's flags)
+    }
+}
+
+// The producer warpgroup (threads 0..127): tile t's loads once its stage is free, and LEAD tiles behind,
+// once that tile has landed, its V transpose, handed over on vready.
+__device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
+    const int pt = threadIdx.x;
+    const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
+    for (int t = 0; t < cta.ntiles + LEAD; ++t) {
+        if (t < cta.ntiles && (!TMA || pt < 32)) {
+            mbar_wait(&sh.empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
+            load_tile(sh, P, cta, bt_row, t, pt);
+        }
+        const int u = t - LEAD;
+        if (u >= 0) {
+            const int s = u % STAGES, tail = cta.hi - (cta.lo + u * BLOCK_N);
+            mbar_wait(&sh.loaded[s], (u / STAGES) & 1);
+            const u8* vr = sh.vr[s];
+            u8* vt = sh.vt[s];
+            tail >= BLOCK_N ? transpose_v<false>(vr, vt, pt, tail) : transpose_v<true>(vr, vt, pt, tail);
+            fence_async_shared();
+            mbar_arrive(&sh.vready[s]);
+        }
+    }
 }
 
 // A consumer thread's online-softmax state for its two rows (h = 0, 1: rows r and r + 8 of its warp).
@@ -379,7 +452,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     // softmax of tile t (consumer_pipeline: the waits, the stage release and the ping-pong turns)
     auto issue = [&](int t) {
         if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO));
-        if (t < cta.ntiles) issue_qk(sa, dq, desc(smem_addr(sh.k[t % STAGES]), 1024));
+        if (t < cta.ntiles) issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[t % STAGES])));
     };
     auto done = [&](int t) {
         fence_acc(o);
@@ -388,7 +461,13 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
         else softmax_tile<false>(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
     };
-    consumer_pipeline<STAGES, PINGPONG>(sh.full, sh.empty, cta.ntiles, cw, issue, done);
+    // phase t reads K of tile t and V^T of tile t - 1
+    auto wait = [&](int t) {
+        if (t < cta.ntiles) mbar_wait(&sh.loaded[t % STAGES], (t / STAGES) & 1);
+        if (t >= 1) mbar_wait(&sh.vready[(t - 1) % STAGES], ((t - 1) / STAGES) & 1);
+        if constexpr (!TMA) fence_async_shared();  // (K written by cp.async, read by wgmma)
+    };
+    consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done);
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
     const float v_scale = P.vs[cta.kvh * P.stride_vsh];
@@ -412,9 +491,10 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
 using namespace fp8kv;
 
 // One CTA per (query block, KV head): grid (num_seqs * q_blocks, H), THREADS threads, SMEM_BYTES.
-extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const Params P) {
-    extern __shared__ __align__(128) u8 smem_raw[];
+extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const __grid_constant__ Params P) {
+    extern __shared__ __align__(1024) u8 smem_raw[];
     trap_unless_smem(SMEM_BYTES);  // (fp8kv_hopper.wgmma.smem_bytes mirrors sizeof(Smem))
+    if (smem_addr(smem_raw) & 1023u) __trap();  // (the swizzled tiles need 1024-byte alignment)
     Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
     Cta cta;
     cta.seq = blockIdx.x / P.q_blocks;
@@ -435,9 +515,11 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&sh.full[s], 128);
+            mbar_init(&sh.loaded[s], TMA ? 1 : 128);
+            mbar_init(&sh.vready[s], 128);
             mbar_init(&sh.empty[s], 256);
         }
+        fence_mbarrier_init();  // (visible to the TMA unit)
     }
     __syncthreads();
     // Registers: 168 per thread at launch (384 threads); the producer gives most of its share to the
@@ -463,8 +545,9 @@ struct LayoutTestArgs {
 };
 
 extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(const LayoutTestArgs args) {
-    extern __shared__ __align__(128) u8 smem_raw[];
+    extern __shared__ __align__(1024) u8 smem_raw[];
     trap_unless_smem(SMEM_BYTES);  // (fp8kv_hopper.wgmma.smem_bytes mirrors sizeof(Smem))
+    if (smem_addr(smem_raw) & 1023u) __trap();
     Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
     const u8 *A = args.a, *B = args.b, *V = args.v;
     float *S_out = args.s, *O_out = args.o;
@@ -474,16 +557,16 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(con
     for (int i = tid; i < 64 * 8; i += 128)
         *reinterpret_cast<uint4*>(sh.q + kmajor(i >> 3, 16 * (i & 7), 1024)) = reinterpret_cast<const uint4*>(A)[i];
     for (int i = tid; i < 128 * 8; i += 128) {
-        *reinterpret_cast<uint4*>(sh.k[0] + kmajor(i >> 3, 16 * (i & 7), 1024)) = reinterpret_cast<const uint4*>(B)[i];
-        *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * VR_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
+        *reinterpret_cast<uint4*>(sh.k[0] + sw128(i >> 3, 16 * (i & 7))) = reinterpret_cast<const uint4*>(B)[i];
+        *reinterpret_cast<uint4*>(sh.vr[0] + sw128(i >> 3, 16 * (i & 7))) = reinterpret_cast<const uint4*>(V)[i];
     }
     __syncthreads();
-    transpose_v(sh.vr[0], sh.vt[0], tid);
+    transpose_v<false>(sh.vr[0], sh.vt[0], tid, BLOCK_N);
     fence_async_shared();
     __syncthreads();
     float sa[64], o[64];
     wgmma_fence();
-    issue_qk(sa, desc(smem_addr(sh.q), 1024), desc(smem_addr(sh.k[0]), 1024));
+    issue_qk(sa, desc(smem_addr(sh.q), 1024), desc_sw128(smem_addr(sh.k[0])));
     wgmma_commit();
     wgmma_wait0();
     fence_acc(sa);
