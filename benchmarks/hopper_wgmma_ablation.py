@@ -6,10 +6,11 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
 
 Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``stages3``
 (three stages), ``cpasync`` (the cp.async loads instead of TMA), ``lead1``/``lead3`` (the loads 1 or 3
-tiles ahead of the V transpose instead of 2), ``noprod`` (the producer loads and transposes nothing: it
-only hands tiles over),
-``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products only),
-``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``noprod_nopp``.
+tiles ahead of the V transpose instead of 2), ``vt128`` (V^T's 8-dim groups 1152 bytes apart: its core
+matrices 128-byte aligned, the transpose's stores no longer conflict-free), ``noprod`` (the producer
+loads and transposes nothing: it only hands tiles over), ``notrans`` (no V transpose), ``nosoftmax``
+(the consumers skip the softmax: the products only), ``gemm_only`` (noprod and nosoftmax: the wgmma
+pipeline alone), ``gemm_only_vt128``, ``noprod_nopp``.
 """
 
 from __future__ import annotations
@@ -33,11 +34,15 @@ SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>"
 NOPROD = [(LOAD, "if (!TMA || pt == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
+VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
+VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nopp": (wgmma.STAGES, False, [], {}),
             "stages3": (3, True, [], {}), "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
             "lead1": (wgmma.STAGES, True, [], {"lead": 1}), "lead3": (wgmma.STAGES, True, [], {"lead": 3}),
+            "vt128": (wgmma.STAGES, True, [VT128], {}),
             "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
             "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
+            "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, NOSOFT, VT128], {}),
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {})}
 
 
@@ -60,7 +65,8 @@ def main(argv=None) -> int:
         mod = runtime.module(("ablation", opts), lambda src=src, opts=opts: runtime.compile_source(
             src, "fp8_prefill.cu", opts, "sm_90a"), (wgmma.ENTRY,), runtime.device_index(q.device))
         wgmma.function = lambda entry, dtype, device, pingpong=True, tma=True, mod=mod: mod.get_function(entry)
-        wgmma.smem_bytes = lambda st=stages: smem_bytes(st)
+        extra_smem = VT128_SMEM * stages if VT128 in patches else 0
+        wgmma.smem_bytes = lambda st=stages, x=extra_smem: (smem_bytes(st) + x + 1023) // 1024 * 1024
         cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
                                                           max_keys=tables.shape[1] * 16, num_sms=132),
                                   kernel="wgmma", wgmma_pingpong=pingpong)

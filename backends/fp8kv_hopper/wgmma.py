@@ -119,6 +119,7 @@ def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_s
         (query.dtype in QUERY_TYPES and out.dtype == query.dtype, "float16/bfloat16/float32 queries, out alike"),
         (query.is_contiguous() and out.is_contiguous() and (lse is None or lse.is_contiguous()),
          "contiguous query, out and lse"),
+        (query.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0, "16-byte aligned query and out"),
         (T * HQ < 2**31 // HEAD_SIZE, "fewer than 2^24 query rows"),
         (probe(query.device).cupy, "needs CuPy"),
     )

@@ -104,15 +104,31 @@ __device__ __forceinline__ void pack_p8(const float (&p)[64], u32 (&pa)[4][4]) {
         }
 }
 
-__device__ __forceinline__ float load_q(const void* Q, i64 i) {
+// 64 query values from element `base` (a multiple of 64: 16-byte aligned for a 16-byte aligned query),
+// zeros unless valid; 16-byte loads
+__device__ __forceinline__ void load_q64(const void* Q, i64 base, bool valid, float (&x)[64]) {
     if constexpr (QT == 0) {
-        return static_cast<const float*>(Q)[i];
-    } else if constexpr (QT == 1) {
-        float f;
-        asm("{.reg .b16 h; ld.global.nc.b16 h, [%1]; cvt.f32.f16 %0, h;}" : "=f"(f) : "l"(static_cast<const u16*>(Q) + i));
-        return f;
+        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(Q) + base);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+            const float4 v = valid ? __ldg(p + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            x[4 * i] = v.x;
+            x[4 * i + 1] = v.y;
+            x[4 * i + 2] = v.z;
+            x[4 * i + 3] = v.w;
+        }
     } else {
-        return __uint_as_float((u32) static_cast<const u16*>(Q)[i] << 16);
+        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(Q) + base);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            const uint4 v = valid ? __ldg(p + i) : make_uint4(0u, 0u, 0u, 0u);
+            const u32 w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                x[8 * i + 2 * k] = QT == 1 ? f16_lo(w[k]) : __uint_as_float(w[k] << 16);
+                x[8 * i + 2 * k + 1] = QT == 1 ? f16_hi(w[k]) : __uint_as_float(w[k] & 0xFFFF0000u);
+            }
+        }
     }
 }
 // two outputs as the output type (float32 as two floats), saturated to its finite range
@@ -379,8 +395,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         const int qh = cta.kvh * P.group + row % P.group;
         const i64 base = ((i64)(cta.q_start + (valid ? tin : 0)) * P.HQ + qh) * D + 64 * half;
         float x[64];
-#pragma unroll
-        for (int i = 0; i < 64; ++i) x[i] = valid ? load_q(P.q, base + i) : 0.0f;
+        load_q64(P.q, base, valid, x);
         float qs;
         if (P.q_dynamic) {  // max(amax|q| / 448, 2^-126), NaN as 0 and inf as the largest float
             float a = 0.0f;
