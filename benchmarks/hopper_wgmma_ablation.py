@@ -5,8 +5,8 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
     python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
 
 Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``stages3``
-(three stages), ``cpasync`` (the cp.async loads instead of TMA), ``lead1``/``lead3`` (the loads 1 or 3
-tiles ahead of the V transpose instead of 2), ``vt128`` (V^T's 8-dim groups 1152 bytes apart: its core
+(three stages), ``cpasync`` (the cp.async loads instead of TMA), ``lead2``/``lead3`` (the loads 2 or 3
+tiles ahead of the V transpose instead of 1), ``vt128`` (V^T's 8-dim groups 1152 bytes apart: its core
 matrices 128-byte aligned, the transpose's stores no longer conflict-free), ``noprod`` (the producer
 loads and transposes nothing: it only hands tiles over), ``notrans`` (no V transpose), ``nosoftmax``
 (the consumers skip the softmax: the products only), ``gemm_only`` (noprod and nosoftmax: the wgmma
@@ -38,7 +38,7 @@ VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nopp": (wgmma.STAGES, False, [], {}),
             "stages3": (3, True, [], {}), "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
-            "lead1": (wgmma.STAGES, True, [], {"lead": 1}), "lead3": (wgmma.STAGES, True, [], {"lead": 3}),
+            "lead2": (wgmma.STAGES, True, [], {"lead": 2}), "lead3": (wgmma.STAGES, True, [], {"lead": 3}),
             "vt128": (wgmma.STAGES, True, [VT128], {}),
             "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
             "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),

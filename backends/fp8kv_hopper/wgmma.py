@@ -31,7 +31,7 @@ THREADS = 384
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 4
-LEAD = 2
+LEAD = 1
 """Tiles the producer's loads run ahead of its V transpose."""
 HEAD_SIZE = 128
 QUERY_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
