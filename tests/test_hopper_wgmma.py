@@ -99,30 +99,30 @@ def test_v_transpose_writes_every_byte_of_vt_once(tail):
     vt = np.zeros(16 * 1040, np.uint8)
     written = np.zeros(16 * 1040, np.int32)
     banks_ok = True
-    for warp in range(4):
-        for half in range(2):
-            for dg in range(4):
-                loads = {i: [] for i in range(4)}
-                stores = {j: [] for j in range(4)}
-                for lane in range(32):
-                    a, w = lane & 7, lane >> 3
-                    x = []
-                    for i in range(4):  # the kernel's load address: its base + swizzle term + key offset
-                        key_off = 16 * half + 8 * (i >> 1) + (i & 1)
-                        key = 32 * warp + 2 * w + key_off
-                        addr = (32 * warp + 2 * w) * 128 + 4 * (a & 3) + 32 * (dg ^ w) + 16 * ((a >> 2) ^ (i & 1)) \
-                            + key_off * 128
-                        assert addr == sw128(key, 32 * dg + 4 * a)  # the bytes of dims 32 dg + 4 a ..
-                        assert key == vt_key(16 * (2 * warp + half) + 4 * w + i)
-                        loads[i].append(addr)
-                        x.append(vr[addr: addr + 4] if key < tail else np.zeros(4, np.uint8))
-                    for j in range(4):  # y_j = byte j of x_0..x_3 (the PRMT pairs)
-                        addr = kmajor(4 * a + 32 * dg + j, 16 * (2 * warp + half) + 4 * w, 1040)
-                        vt[addr: addr + 4] = [x[i][j] for i in range(4)]
-                        written[addr: addr + 4] += 1
-                        stores[j].append(addr)
-                for addrs in [*loads.values(), *stores.values()]:  # 32-bit accesses: 32 distinct banks
-                    banks_ok &= len({(ad // 4) % 32 for ad in addrs}) == 32
+    for unit in range(32):  # (taken by warp unit % WARPS: every lane of a warp in the same unit)
+        chunk, dg = unit >> 2, unit & 3
+        loads = {i: [] for i in range(4)}
+        stores = {j: [] for j in range(4)}
+        for lane in range(32):
+            a, w = lane & 7, lane >> 3
+            x = []
+            for i in range(4):  # the kernel's load address: its base + unit offset + key offset + swizzle term
+                key_off = 8 * (i >> 1) + (i & 1)
+                key = 16 * chunk + 2 * w + key_off
+                addr = 2 * w * 128 + 4 * (a & 3) + chunk * 2048 + key_off * 128 + 32 * (dg ^ w) \
+                    + 16 * ((a >> 2) ^ (i & 1))
+                assert addr == sw128(key, 32 * dg + 4 * a)  # the bytes of dims 32 dg + 4 a ..
+                assert key == vt_key(16 * chunk + 4 * w + i)
+                loads[i].append(addr)
+                x.append(vr[addr: addr + 4] if key < tail else np.zeros(4, np.uint8))
+            for j in range(4):  # y_j = byte j of x_0..x_3 (the PRMT pairs)
+                addr = kmajor(4 * a, 4 * w, 1040) + 128 * chunk + 4 * dg * 1040 + 16 * j
+                assert addr == kmajor(4 * a + 32 * dg + j, 16 * chunk + 4 * w, 1040)
+                vt[addr: addr + 4] = [x[i][j] for i in range(4)]
+                written[addr: addr + 4] += 1
+                stores[j].append(addr)
+        for addrs in [*loads.values(), *stores.values()]:  # 32-bit accesses: 32 distinct banks
+            banks_ok &= len({(ad // 4) % 32 for ad in addrs}) == 32
     for dim in range(128):
         for kpos in range(128):
             key = vt_key(kpos)

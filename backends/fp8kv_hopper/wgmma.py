@@ -31,8 +31,6 @@ THREADS = 384
 BLOCK_M = 128
 BLOCK_N = 128
 STAGES = 4
-LEAD = 1
-"""Tiles the producer's loads run ahead of its V transpose."""
 HEAD_SIZE = 128
 QUERY_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 ENTRY = "fp8kv_fp8_prefill"
@@ -79,13 +77,12 @@ def source() -> str:
     return inline_headers(resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text())
 
 
-def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES, tma: bool = True,
-            lead: int = LEAD) -> tuple[str, ...]:
+def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES, tma: bool = True
+            ) -> tuple[str, ...]:
     """NVRTC options of a variant: the query type, whether the consumer warpgroups take turns issuing
-    their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async), the loads' lead
-    over the V transpose."""
+    their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async)."""
     return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_PINGPONG={int(pingpong)}",
-            f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}", f"-DFP8KV_LEAD={lead}")
+            f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}")
 
 
 def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = True, tma: bool = True):

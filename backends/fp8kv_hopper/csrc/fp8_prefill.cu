@@ -6,12 +6,13 @@
 //
 // CTA = 3 warpgroups (384 threads), rows and keys as the Triton kernel: 128 query rows of one sequence
 // and KV head (row = token * group + head in the group), tiles of 128 keys.
-//   warpgroup 0, the producer: loads each tile's K and V codes through the block table, with TMA (one box
-//     per page, or per 128 keys of a longer page; FP8KV_TMA) or else cp.async (16 bytes a thread), and
-//     both land on the stage's `loaded` mbarrier; keys whose block id is outside the cache are zero-filled,
-//     and they and the keys past the CTA's range are marked invalid. LEAD tiles behind the loads it
-//     transposes V in shared memory (4 x 4 byte blocks, PRMT; V rows past the range zeroed) so that
-//     p8 @ v8 is an e4m3 wgmma too, and hands V^T over on `vready`; STAGES tiles in flight.
+//   warpgroup 0, the producer. Warp 0 loads each tile's K and V codes through the block table once the
+//     stage is free, with TMA (one box per page, or per 128 keys of a longer page; FP8KV_TMA) or else
+//     cp.async (16 bytes a copy), both landing on the stage's `loaded` mbarrier; keys whose block id is
+//     outside the cache are zero-filled, and they and the keys past the CTA's range are marked invalid.
+//     Warps 1..3 transpose each landed V tile in shared memory (4 x 4 byte blocks, PRMT; V rows past the
+//     range zeroed) so that p8 @ v8 is an e4m3 wgmma too, and hand V^T over on `vready`; STAGES tiles in
+//     flight.
 //   warpgroups 1 and 2, the consumers, 64 rows each: q8 = e4m3(q / q_scale) once (bit for bit as the
 //     cache's own quantization), then per tile S = q8 k8^T (4 wgmma m64n128k32 e4m3, A and B from
 //     shared memory), the online softmax against an integer running maximum (every rescaling an
@@ -31,8 +32,7 @@
 //
 // Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES,
 // FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn), FP8KV_TMA (1: TMA
-// loads through Params' tensor maps; 0: cp.async, for caches TMA cannot describe), FP8KV_LEAD (tiles the
-// loads run ahead of the transpose).
+// loads through Params' tensor maps; 0: cp.async, for caches TMA cannot describe).
 
 #include "wgmma_common.cuh"
 
@@ -50,7 +50,6 @@ constexpr int THREADS = WS_THREADS;
 constexpr int QT = FP8KV_QT;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;  // the consumer warpgroups issue their products in turn
 constexpr bool TMA = FP8KV_TMA != 0;            // K and V tiles loaded by TMA (else cp.async)
-constexpr int LEAD = FP8KV_LEAD;                // the loads run LEAD tiles ahead of the V transpose
 constexpr int TILE_BYTES = BLOCK_N * D;         // a K (or V) tile: 128 keys x 128 e4m3 codes
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
 constexpr float E4M3_MAX = 448.0f;
@@ -163,37 +162,36 @@ __device__ __forceinline__ int vt_key(int kpos) {
     return (kpos & ~15) + 8 * (i >> 1) + 2 * c + (i & 1);
 }
 
-// V^T[dim][kpos] = V[vt_key(kpos)][dim] for a 128 x 128 tile (vr: sw128), by the 128 threads of a
-// warpgroup: a lane moves a 4 x 4 byte block (4 keys of one V^T word, 4 dims) per step, 8 steps. Step
-// (half, dg) of warp `warp` takes key positions 16 chunk + 4 w + i (chunk = 2 warp + half) and dims
-// 4 a + 32 dg + j. TAIL: keys >= tail are written as zeros (past the CTA's range: masked in S, but
-// p = 0 times a NaN code would still be NaN).
-template <bool TAIL>
+// V^T[dim][kpos] = V[vt_key(kpos)][dim] for a 128 x 128 tile (vr: sw128), by WARPS warps (thread wt of
+// 32 WARPS): 32 units (chunk, dg) = (u / 4, u % 4), unit u taken by warp u % WARPS; in a unit, lane
+// (a, w) = (lane % 8, lane / 8) moves the 4 x 4 byte block of key positions 16 chunk + 4 w + i and dims
+// 32 dg + 4 a + j. TAIL: keys >= tail are written as zeros (past the CTA's range: masked in S, but p = 0
+// times a NaN code would still be NaN).
+template <bool TAIL, int WARPS>
 __device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt, int tail) {
     const int warp = wt >> 5, lane = wt & 31, a = lane & 7, w = lane >> 3;
-    // vt_key(16 chunk + 4 w + i) = 16 chunk + 8 (i / 2) + 2 w + i % 2 =: key, key % 8 = 2 w + i % 2; the
-    // load of dims 32 dg + 4 a .. + 3 (chunk 2 dg + a / 4) is at key * 128 + 16 ((2 dg + a / 4) ^ (key % 8))
-    // + 4 (a % 4) = key * 128 + 32 (dg ^ w) + 16 ((a / 4) ^ (i % 2)) + 4 (a % 4)
-    const u32 src = smem_addr(vr) + (u32)((32 * warp + 2 * w) * 128 + 4 * (a & 3));
-    // kmajor(4 a + 32 dg + j, 16 chunk + 4 w) = kmajor(4 a, 32 warp + 4 w) + 16 j + 4 dg SBO + 128 half
-    const u32 dst = smem_addr(vt) + kmajor(4 * a, 32 * warp + 4 * w, VT_SBO);
+    // vt_key(16 chunk + 4 w + i) = 16 chunk + 2 w + 8 (i / 2) + i % 2 =: key, key % 8 = 2 w + i % 2; the
+    // load of dims 32 dg + 4 a .. + 3 (16-byte chunk 2 dg + a / 4) is at key * 128 + 16 ((2 dg + a / 4) ^
+    // (key % 8)) + 4 (a % 4) = key * 128 + 32 (dg ^ w) + 16 ((a / 4) ^ (i % 2)) + 4 (a % 4)
+    const u32 src = smem_addr(vr) + (u32)(2 * w * 128 + 4 * (a & 3));
+    // kmajor(32 dg + 4 a + j, 16 chunk + 4 w) = kmajor(4 a, 4 w) + 128 chunk + 4 dg SBO + 16 j
+    const u32 dst = smem_addr(vt) + kmajor(4 * a, 4 * w, VT_SBO);
 #pragma unroll
-    for (int half = 0; half < 2; ++half)
+    for (int u = warp; u < 32; u += WARPS) {
+        const int chunk = u >> 2, dg = u & 3;
+        u32 x[4], y[4];
 #pragma unroll
-        for (int dg = 0; dg < 4; ++dg) {
-            u32 x[4], y[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int key_off = 16 * half + 8 * (i >> 1) + (i & 1);  // key - (32 warp + 2 w)
-                const u32 swz = (u32)(32 * (dg ^ w) + 16 * ((a >> 2) ^ (i & 1)));
-                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + swz + (u32)(key_off * 128)));
-                if (TAIL && 32 * warp + 2 * w + key_off >= tail) x[i] = 0u;
-            }
-            transpose4x4(x, y);
-#pragma unroll
-            for (int j = 0; j < 4; ++j)
-                asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + (u32)(16 * j + 4 * dg * VT_SBO + 128 * half)), "r"(y[j]));
+        for (int i = 0; i < 4; ++i) {
+            const int key_off = 8 * (i >> 1) + (i & 1);  // key - (16 chunk + 2 w)
+            const u32 swz = (u32)(32 * (dg ^ w) + 16 * ((a >> 2) ^ (i & 1)));
+            asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(src + (u32)(chunk * 2048 + key_off * 128) + swz));
+            if (TAIL && 16 * chunk + 2 * w + key_off >= tail) x[i] = 0u;
         }
+        transpose4x4(x, y);
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+            asm volatile("st.shared.b32 [%0], %1;" ::"r"(dst + (u32)(128 * chunk + 4 * dg * VT_SBO + 16 * j)), "r"(y[j]));
+    }
 }
 
 }  // namespace fp8kv
@@ -270,44 +268,42 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
             tma_load_4d(smem_addr(sh.vr[s]) + off, &P.tmap_v, 0, c1, c2, c3, &sh.loaded[s]);
         }
     } else {
-        const int ch = pt & 7, krow = pt >> 3;
+        const int ch = pt & 7, krow0 = pt >> 3;  // lane: chunk ch of keys krow0 + 4 i
         const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
         const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
-        const u32 off = sw128(krow, 16 * ch);  // + 2048 i for key krow + 16 i (the same row % 8)
-        int blk[BLOCK_N / 16];  // the block ids of the thread's 8 keys first (one latency, not 8)
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 16; ++i) blk[i] = block_id(P, bt_row, cta, n0 + krow + 16 * i);
-#pragma unroll
-        for (int i = 0; i < BLOCK_N / 16; ++i) {
-            const int n = n0 + krow + 16 * i, r = in_page(P, n);
-            const bool ok = blk[i] >= 0 && blk[i] < P.num_blocks;
-            const i64 b = ok ? blk[i] : 0;
-            cp_async16(smem_addr(sh.k[s]) + off + 2048 * i, kbase + b * P.stride_kb + r * P.stride_kt, ok);
-            cp_async16(smem_addr(sh.vr[s]) + off + 2048 * i, vbase + b * P.stride_vb + r * P.stride_vt, ok);
-            if (ch == 0) sh.valid[s][krow + 16 * i] = ok ? 1 : 0;
+#pragma unroll 4
+        for (int i = 0; i < BLOCK_N / 4; ++i) {
+            const int krow = krow0 + 4 * i, n = n0 + krow, blk = block_id(P, bt_row, cta, n), r = in_page(P, n);
+            const bool ok = blk >= 0 && blk < P.num_blocks;
+            const i64 b = ok ? blk : 0;
+            cp_async16(smem_addr(sh.k[s]) + sw128(krow, 16 * ch), kbase + b * P.stride_kb + r * P.stride_kt, ok);
+            cp_async16(smem_addr(sh.vr[s]) + sw128(krow, 16 * ch), vbase + b * P.stride_vb + r * P.stride_vt, ok);
+            if (ch == 0) sh.valid[s][krow] = ok ? 1 : 0;
         }
         cp_async_mbar_arrive(&sh.loaded[s]);
         mbar_arrive(&sh.loaded[s]);  // (releases the thread's flags)
     }
 }
 
-// The producer warpgroup (threads 0..127): tile t's loads once its stage is free, and LEAD tiles behind,
-// once that tile has landed, its V transpose, handed over on vready.
+// The producer warpgroup (threads 0..127). Warp 0 loads tile t once its stage is free; warps 1..3
+// transpose each tile's V once it has landed and hand V^T over on vready (the loads never wait for a
+// transpose, nor a transpose for the next loads' block ids).
 __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
     const int pt = threadIdx.x;
-    const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
-    for (int t = 0; t < cta.ntiles + LEAD; ++t) {
-        if (t < cta.ntiles && (!TMA || pt < 32)) {
+    if (pt < 32) {
+        const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
+        for (int t = 0; t < cta.ntiles; ++t) {
             mbar_wait(&sh.empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
             load_tile(sh, P, cta, bt_row, t, pt);
         }
-        const int u = t - LEAD;
-        if (u >= 0) {
+    } else {
+        for (int u = 0; u < cta.ntiles; ++u) {
             const int s = u % STAGES, tail = cta.hi - (cta.lo + u * BLOCK_N);
             mbar_wait(&sh.loaded[s], (u / STAGES) & 1);
             const u8* vr = sh.vr[s];
             u8* vt = sh.vt[s];
-            tail >= BLOCK_N ? transpose_v<false>(vr, vt, pt, tail) : transpose_v<true>(vr, vt, pt, tail);
+            const int tt = pt - 32;  // (the transposers' thread index)
+            tail >= BLOCK_N ? transpose_v<false, 3>(vr, vt, tt, tail) : transpose_v<true, 3>(vr, vt, tt, tail);
             fence_async_shared();
             mbar_arrive(&sh.vready[s]);
         }
@@ -530,8 +526,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
-            mbar_init(&sh.loaded[s], TMA ? 1 : 128);
-            mbar_init(&sh.vready[s], 128);
+            mbar_init(&sh.loaded[s], TMA ? 1 : 32);
+            mbar_init(&sh.vready[s], 96);
             mbar_init(&sh.empty[s], 256);
         }
         fence_mbarrier_init();  // (visible to the TMA unit)
@@ -576,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma_layout_test(con
         *reinterpret_cast<uint4*>(sh.vr[0] + sw128(i >> 3, 16 * (i & 7))) = reinterpret_cast<const uint4*>(V)[i];
     }
     __syncthreads();
-    transpose_v<false>(sh.vr[0], sh.vt[0], tid, BLOCK_N);
+    transpose_v<false, 4>(sh.vr[0], sh.vt[0], tid, BLOCK_N);
     fence_async_shared();
     __syncthreads();
     float sa[64], o[64];
