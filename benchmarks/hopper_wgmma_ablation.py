@@ -4,13 +4,13 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
 
     python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
 
-Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``stages3``
-(three stages), ``cpasync`` (the cp.async loads instead of TMA), ``vt128`` (V^T's 8-dim groups 1152
-bytes apart: its core matrices 128-byte aligned, the transpose's stores no longer conflict-free),
-``noprod`` (the producer loads and transposes nothing: it only hands tiles over; the valid flags are
-then stale, so every tile takes the masking path), ``notrans`` (no V transpose), ``nosoftmax`` (the
-consumers skip the softmax: the products only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline
-alone), ``gemm_only_vt128``, ``noprod_nopp``.
+Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``cpasync``
+(the cp.async loads instead of TMA), ``vt128`` (V^T's 8-dim groups 1152 bytes apart: its core matrices
+128-byte aligned, the transpose's stores no longer conflict-free), ``noprod`` (the producer loads and
+transposes nothing: it only hands tiles over; the valid flags are then stale, so every tile takes the
+masking path), ``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products
+only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_only_vt128``,
+``noprod_nopp``.
 """
 
 from __future__ import annotations
@@ -28,16 +28,16 @@ from fp8kv_cuda import runtime  # noqa: E402
 from fp8kv_hopper import attention, wgmma  # noqa: E402
 from test_hopper_gpu import _case  # noqa: E402
 
-LOAD = "load_tile(sh, P, cta, bt_row, t, pt);"
-TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 3>(vr, vt, tt, tail) : transpose_v<true, 3>(vr, vt, tt, tail);"
+LOAD = "load_tile(sh, P, cta, bt_row, t, lane);"
+TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
 SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>"
-NOPROD = [(LOAD, "if (!TMA || pt == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
+NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nopp": (wgmma.STAGES, False, [], {}),
-            "stages3": (3, True, [], {}), "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
+            "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
             "vt128": (wgmma.STAGES, True, [VT128], {}),
             "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
             "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),

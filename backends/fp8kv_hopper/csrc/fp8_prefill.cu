@@ -176,7 +176,7 @@ __device__ __forceinline__ void transpose_v(const u8* vr, u8* vt, int wt, int ta
     const u32 src = smem_addr(vr) + (u32)(2 * w * 128 + 4 * (a & 3));
     // kmajor(32 dg + 4 a + j, 16 chunk + 4 w) = kmajor(4 a, 4 w) + 128 chunk + 4 dg SBO + 16 j
     const u32 dst = smem_addr(vt) + kmajor(4 * a, 4 * w, VT_SBO);
-#pragma unroll
+#pragma unroll 4
     for (int u = warp; u < 32; u += WARPS) {
         const int chunk = u >> 2, dg = u & 3;
         u32 x[4], y[4];
@@ -239,17 +239,16 @@ __device__ __forceinline__ int in_page(const Params& P, int n) {
     return P.page_shift >= 0 ? n & (P.page - 1) : n % P.page;
 }
 
-// Tile t's K and V codes into stage t % STAGES, landing on sh.loaded[stage] (its phase needs one arrival
-// under TMA, 128 under cp.async), with the valid flags of its keys.
-//   TMA: warp 0 alone; lane l flags keys 4 l .. 4 l + 3, then lanes issue one K and one V box per page
-//     (per 128 keys of a longer page); a box whose block id is outside the cache (or past the CTA's keys)
-//     gets the block coordinate num_blocks, outside the tensor map: TMA zero-fills it.
-//   cp.async: thread (key row krow, chunk ch) copies chunk ch of keys krow + 16 i (zero-filled when invalid).
+// Tile t's K and V codes into stage t % STAGES by one warp (lane 0..31), landing on sh.loaded[stage] (its
+// phase needs one arrival under TMA, 32 under cp.async), with the valid flags of its keys.
+//   TMA: lane l flags keys 4 l .. 4 l + 3, then lanes issue one K and one V box per page (per 128 keys
+//     of a longer page); a box whose block id is outside the cache (or past the CTA's keys) gets the
+//     block coordinate num_blocks, outside the tensor map: TMA zero-fills it.
+//   cp.async: lane (ch, krow0) copies chunk ch of keys krow0 + 4 i (zero-filled when invalid).
 __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& cta, const int* bt_row, int t,
-                                          int pt) {
+                                          int lane) {
     const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
     if constexpr (TMA) {
-        const int lane = pt;  // (warp 0)
         u32 flags = 0;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -268,10 +267,10 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
             tma_load_4d(smem_addr(sh.vr[s]) + off, &P.tmap_v, 0, c1, c2, c3, &sh.loaded[s]);
         }
     } else {
-        const int ch = pt & 7, krow0 = pt >> 3;  // lane: chunk ch of keys krow0 + 4 i
+        const int ch = lane & 7, krow0 = lane >> 3;  // lane: chunk ch of keys krow0 + 4 i
         const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
         const u8* vbase = P.vc + cta.kvh * P.stride_vh + 16 * ch;
-#pragma unroll 4
+#pragma unroll 1
         for (int i = 0; i < BLOCK_N / 4; ++i) {
             const int krow = krow0 + 4 * i, n = n0 + krow, blk = block_id(P, bt_row, cta, n), r = in_page(P, n);
             const bool ok = blk >= 0 && blk < P.num_blocks;
@@ -285,28 +284,24 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
     }
 }
 
-// The producer warpgroup (threads 0..127). Warp 0 loads tile t once its stage is free; warps 1..3
-// transpose each tile's V once it has landed and hand V^T over on vready (the loads never wait for a
-// transpose, nor a transpose for the next loads' block ids).
+// The producer warpgroup (threads 0..127): warp w takes tiles t = w, w + 4, ... (stage t % STAGES = w):
+// once the stage is free it loads the tile, waits for it to land, transposes its V and hands V^T over on
+// vready. Four warps in parallel: one warp's TMA issue (a box per page: address work, uniform registers)
+// and transpose take about as long as four consumer phases.
 __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
-    const int pt = threadIdx.x;
-    if (pt < 32) {
-        const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
-        for (int t = 0; t < cta.ntiles; ++t) {
-            mbar_wait(&sh.empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
-            load_tile(sh, P, cta, bt_row, t, pt);
-        }
-    } else {
-        for (int u = 0; u < cta.ntiles; ++u) {
-            const int s = u % STAGES, tail = cta.hi - (cta.lo + u * BLOCK_N);
-            mbar_wait(&sh.loaded[s], (u / STAGES) & 1);
-            const u8* vr = sh.vr[s];
-            u8* vt = sh.vt[s];
-            const int tt = pt - 32;  // (the transposers' thread index)
-            tail >= BLOCK_N ? transpose_v<false, 3>(vr, vt, tt, tail) : transpose_v<true, 3>(vr, vt, tt, tail);
-            fence_async_shared();
-            mbar_arrive(&sh.vready[s]);
-        }
+    static_assert(STAGES == 4, "a producer warp per stage");
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
+    for (int t = warp; t < cta.ntiles; t += 4) {
+        const int s = t % STAGES, tail = cta.hi - (cta.lo + t * BLOCK_N);
+        mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
+        load_tile(sh, P, cta, bt_row, t, lane);
+        mbar_wait(&sh.loaded[s], (t / STAGES) & 1);
+        const u8* vr = sh.vr[s];
+        u8* vt = sh.vt[s];
+        tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);
+        fence_async_shared();
+        mbar_arrive(&sh.vready[s]);
     }
 }
 
@@ -527,7 +522,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sh.loaded[s], TMA ? 1 : 32);
-            mbar_init(&sh.vready[s], 96);
+            mbar_init(&sh.vready[s], 32);
             mbar_init(&sh.empty[s], 256);
         }
         fence_mbarrier_init();  // (visible to the TMA unit)
