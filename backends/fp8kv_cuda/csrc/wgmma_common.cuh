@@ -219,11 +219,18 @@ __device__ __forceinline__ void row_max(const float (&s)[N], float (&mx)[2]) {
     }
 }
 
-// o's rows times alpha[h], skipped when no row of the warp moved its maximum (alpha == 1 everywhere).
+// o's rows times alpha[h], each half (h = 0: rows r, h = 1: rows r + 8) skipped when none of the warp's
+// 8 rows there moved its maximum (alpha == 1).
 __device__ __forceinline__ void rescale_rows(float (&o)[64], const float (&alpha)[2]) {
-    if (__any_sync(0xFFFFFFFFu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-        for (int i = 0; i < 64; ++i) o[i] *= alpha[(i >> 1) & 1];
+    for (int h = 0; h < 2; ++h) {
+        if (__any_sync(0xFFFFFFFFu, alpha[h] != 1.0f)) {
+#pragma unroll
+            for (int j = 0; j < 16; ++j) {
+                o[4 * j + 2 * h] *= alpha[h];
+                o[4 * j + 2 * h + 1] *= alpha[h];
+            }
+        }
     }
 }
 

@@ -149,7 +149,8 @@ __device__ __forceinline__ void store_out2(void* O, i64 i, float a, float b) {
 // 2^k for an integer (or -inf) k <= 0, exactly, from the bits (subnormals included; below 2^-149: 0)
 __device__ __forceinline__ float pow2(float k) {
     const int e = (int)fmaxf(k, -150.0f);
-    return e >= -126 ? __int_as_float((e + 127) << 23) : (e >= -149 ? __int_as_float(1 << (e + 149)) : 0.0f);
+    const u32 normal = (u32)max(e + 127, 0) << 23, subnormal = 1u << min(max(e + 149, 0), 31);
+    return __uint_as_float(e >= -126 ? normal : (e >= -149 ? subnormal : 0u));  // (selects, no branches)
 }
 
 // ---- the producer's pieces ----
@@ -315,15 +316,14 @@ struct Softmax {
     bool fast;         // every row's factor in (2^-96, 2^96): a logit is one float32 product
 };
 
-// Tile at n0 in stage s: mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
+// Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
 // (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments (pack_p8).
 // FAST (sm.fast, uniform): every row's factor in (2^-96, 2^96), a logit is one float32 product;
 // else the float64 saturating path.
 template <bool FAST>
 __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
-                                             const Cta& cta, int lane, int c, float (&sa)[64], float (&o)[64],
+                                             bool all_valid, const Cta& cta, int c, float (&sa)[64], float (&o)[64],
                                              u32 (&pa)[4][4]) {
-    const bool all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[s])[lane] == 0x01010101u);
     if (!(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi)) {  // an edge tile: mask
 #pragma unroll
         for (int j = 0; j < 16; ++j)
@@ -454,6 +454,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     float sa[64];
     u32 pa[4][4];
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
+    bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by done(t))
     // Phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, then runs the
     // softmax of tile t (consumer_pipeline: the waits, the stage release and the ping-pong turns)
     auto issue = [&](int t) {
@@ -464,12 +465,16 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         fence_acc(o);
         fence_acc(sa);
         if (t == cta.ntiles) return;
-        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
-        else softmax_tile<false>(sh, P, sm, t % STAGES, cta.lo + t * BLOCK_N, cta, lane, c, sa, o, pa);
+        const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
+        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        else softmax_tile<false>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
     };
     // phase t reads K of tile t and V^T of tile t - 1
     auto wait = [&](int t) {
-        if (t < cta.ntiles) mbar_wait(&sh.loaded[t % STAGES], (t / STAGES) & 1);
+        if (t < cta.ntiles) {
+            mbar_wait(&sh.loaded[t % STAGES], (t / STAGES) & 1);
+            all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[t % STAGES])[lane] == 0x01010101u);
+        }
         if (t >= 1) mbar_wait(&sh.vready[(t - 1) % STAGES], ((t - 1) / STAGES) & 1);
         if constexpr (!TMA) fence_async_shared();  // (K written by cp.async, read by wgmma)
     };
