@@ -350,11 +350,10 @@ __device__ __forceinline__ void softmax_max(const Smem& sh, const Params& P, Sof
                 if (!vis) sm.visible[i >> 5] &= ~(1u << (i & 31));
             }
     }
+    auto logit = [&](int i) { return FAST ? sa[i] : saturated_logit(sa[i], sm.F[(i >> 1) & 1]); };
     float mx[2];
-    row_max_of<64>([&](int i) {
-        const float v = FAST ? sa[i] : saturated_logit(sa[i], sm.F[(i >> 1) & 1]);
-        return sm.edge && !((sm.visible[i >> 5] >> (i & 31)) & 1u) ? NEG_INF : v;
-    }, mx);
+    if (sm.edge) row_max_of<64>([&](int i) { return (sm.visible[i >> 5] >> (i & 31)) & 1u ? logit(i) : NEG_INF; }, mx);
+    else row_max_of<64>(logit, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float mnew = fmaxf(sm.m[h], ceilf(FAST ? __fmul_rn(mx[h], sm.f[h]) : mx[h]));  // an integer (or -inf)
