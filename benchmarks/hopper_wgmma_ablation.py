@@ -30,19 +30,18 @@ from test_hopper_gpu import _case  # noqa: E402
 
 LOAD = "load_tile(sh, P, cta, bt_row, t, lane);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
-SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_max<true>"
-SOFTMAX_P = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_p<true>"
+SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>"
 NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
-NOSOFT = [(SOFTMAX, "        return;\n" + SOFTMAX), (SOFTMAX_P, "        return;\n" + SOFTMAX_P)]
+NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nopp": (wgmma.STAGES, False, [], {}),
             "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
             "vt128": (wgmma.STAGES, True, [VT128], {}),
             "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
-            "nosoftmax": (wgmma.STAGES, True, NOSOFT, {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, *NOSOFT], {}),
-            "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, *NOSOFT, VT128], {}),
+            "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
+            "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, NOSOFT, VT128], {}),
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {})}
 
 

@@ -92,6 +92,10 @@ __device__ __forceinline__ void fence_mbarrier_init() {
 __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
+// the barrier's pending count + 1, and - 1 once every earlier cp.async of this thread has landed
+__device__ __forceinline__ void cp_async_mbar_arrive(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
@@ -150,8 +154,6 @@ __device__ __forceinline__ u32 pack_f16x2(float a, float b) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// all but the last committed group done
-__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // keeps the compiler from touching accumulators across an asynchronous wgmma
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N]) {
@@ -198,17 +200,16 @@ __device__ __forceinline__ void wgmma_f16_rs_n128(float (&d)[64], const u32 (&a)
 
 // ---- the online softmax over accumulator rows (thread t holds rows r and r + 8: h = (i >> 1) & 1) ----
 
-// The maxima of the thread's two rows over the values value(i) of an m64nN accumulator's elements i (the
-// quad's four threads hold a row).
-template <int N, class Value>
-__device__ __forceinline__ void row_max_of(Value&& value, float (&mx)[2]) {
+// The maxima of the thread's two rows over an m64nN accumulator (the quad's four threads hold a row).
+template <int N>
+__device__ __forceinline__ void row_max(const float (&s)[N], float (&mx)[2]) {
     float part[2][4];  // four independent chains a row (latency, not a 32-long dependency chain)
 #pragma unroll
     for (int k = 0; k < 4; ++k) part[0][k] = part[1][k] = __int_as_float(0xff800000);
 #pragma unroll
     for (int i = 0; i < N; ++i) {
         float& m = part[(i >> 1) & 1][(i & 1) + 2 * ((i >> 2) & 1)];
-        m = fmaxf(m, value(i));
+        m = fmaxf(m, s[i]);
     }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -216,11 +217,6 @@ __device__ __forceinline__ void row_max_of(Value&& value, float (&mx)[2]) {
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 1));
         mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xFFFFFFFFu, mx[h], 2));
     }
-}
-// The maxima of the thread's two rows over an m64nN accumulator.
-template <int N>
-__device__ __forceinline__ void row_max(const float (&s)[N], float (&mx)[2]) {
-    row_max_of<N>([&](int i) { return s[i]; }, mx);
 }
 
 // o's rows times alpha[h], each half (h = 0: rows r, h = 1: rows r + 8) skipped when none of the warp's
@@ -301,30 +297,6 @@ __device__ __forceinline__ void consumer_pipeline_waits(Wait&& wait, u64* empty,
         wgmma_wait0();
         if (t >= 1) mbar_arrive(&empty[(t - 1) % STAGES]);  // tile t-1's operands are read
         done(t);
-    }
-    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
-}
-// consumer_pipeline_waits with each phase's products in two groups: issue_a(t), then issue_b(t); a_done(t)
-// runs once the first group is done (while the second may still run: it must not touch the second's
-// registers), b_done(t) once both are and tile t - 1's stage is released.
-template <int STAGES, bool PINGPONG, class Wait, class IssueA, class IssueB, class ADone, class BDone>
-__device__ __forceinline__ void consumer_pipeline_split(Wait&& wait, u64* empty, int ntiles, int cw, IssueA&& issue_a,
-                                                        IssueB&& issue_b, ADone&& a_done, BDone&& b_done) {
-    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
-    for (int t = 0; t <= ntiles; ++t) {
-        wait(t);
-        if (PINGPONG) named_sync(4 + cw, 256);
-        wgmma_fence();
-        issue_a(t);
-        wgmma_commit();
-        issue_b(t);
-        wgmma_commit();
-        if (PINGPONG) named_arrive(4 + (1 - cw), 256);
-        wgmma_wait1();
-        a_done(t);
-        wgmma_wait0();
-        if (t >= 1) mbar_arrive(&empty[(t - 1) % STAGES]);  // tile t-1's operands are read
-        b_done(t);
     }
     if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
 }

@@ -280,10 +280,8 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
             cp_async16(smem_addr(sh.vr[s]) + sw128(krow, 16 * ch), vbase + b * P.stride_vb + r * P.stride_vt, ok);
             if (ch == 0) sh.valid[s][krow] = ok ? 1 : 0;
         }
-        cp_async_commit();
-        cp_async_wait<0>();     // (the warp transposes this tile next anyway)
-        fence_async_shared();   // (K read by wgmma)
-        mbar_arrive(&sh.loaded[s]);  // (releases the lane's copies and flags)
+        cp_async_mbar_arrive(&sh.loaded[s]);
+        mbar_arrive(&sh.loaded[s]);  // (releases the thread's flags)
     }
 }
 
@@ -308,18 +306,9 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
     }
 }
 
-// q8 . k8 times the float64 factor F, saturated to float32 (-inf stays)
-__device__ __forceinline__ float saturated_logit(float v, double F) {
-    return v == NEG_INF ? v : (float)fmin(fmax((double)v * F, -3.4028234663852886e38), 3.4028234663852886e38);
-}
-
 // A consumer thread's online-softmax state for its two rows (h = 0, 1: rows r and r + 8 of its warp).
 struct Softmax {
     float m[2], l[2];  // running maximum (an integer or -inf) and the partial row sum of this thread's keys
-    float msafe[2];    // the tile's maximum (0 for -inf) and rescale factor, from softmax_max
-    float alpha[2];
-    u32 visible[2];    // an edge tile's mask: bit i % 32 of word i / 32 for accumulator element i
-    bool edge;
     float f[2];        // the rows' logit factors (fast path)
     double F[2];       // the same in float64 (saturating path)
     int pos[2];
@@ -327,64 +316,51 @@ struct Softmax {
     bool fast;         // every row's factor in (2^-96, 2^96): a logit is one float32 product
 };
 
-// The softmax of tile t in two parts, around the wait for O += p8(t-1) v(t-1) (still running on the tensor
-// cores during the first). FAST (sm.fast, uniform): every row's factor in (2^-96, 2^96), a logit is one
-// float32 product; else the float64 saturating path.
-// Part 1 reads S and writes none of it (a write to an accumulator while a wgmma group is in flight makes
-// ptxas serialize them, C7515): the keys visible to each row of an edge tile (all_valid: every key's flag
-// set; n0: its first key) as bits, the integer running maximum over the visible logits and the rescale
-// factors alpha = 2^(m_old - m_new) (l *= alpha).
+// Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
+// (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments (pack_p8).
+// FAST (sm.fast, uniform): every row's factor in (2^-96, 2^96), a logit is one float32 product;
+// else the float64 saturating path.
 template <bool FAST>
-__device__ __forceinline__ void softmax_max(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
-                                            bool all_valid, const Cta& cta, int c, const float (&sa)[64]) {
-    sm.edge = !(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi);
-    sm.visible[0] = sm.visible[1] = ~0u;
-    if (sm.edge) {
+__device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
+                                             bool all_valid, const Cta& cta, int c, float (&sa)[64], float (&o)[64],
+                                             u32 (&pa)[4][4]) {
+    if (!(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi)) {  // an edge tile: mask
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
-                const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, h = e >> 1, i = 4 * j + e;
+                const int key = 8 * j + 2 * c + (e & 1), n = n0 + key, h = e >> 1;
                 const bool vis = sh.valid[s][key] && sm.rv[h] && n > sm.pos[h] - P.window &&
                                  (!P.causal || n <= sm.pos[h]);
-                if (!vis) sm.visible[i >> 5] &= ~(1u << (i & 31));
+                sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
             }
     }
-    auto logit = [&](int i) { return FAST ? sa[i] : saturated_logit(sa[i], sm.F[(i >> 1) & 1]); };
-    float mx[2];
-    if (sm.edge) row_max_of<64>([&](int i) { return (sm.visible[i >> 5] >> (i & 31)) & 1u ? logit(i) : NEG_INF; }, mx);
-    else row_max_of<64>(logit, mx);
+    if constexpr (!FAST) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            const float v = sa[i];
+            sa[i] = v == NEG_INF ? v : (float)fmin(fmax((double)v * sm.F[(i >> 1) & 1], -3.4028234663852886e38),
+                                                     3.4028234663852886e38);
+        }
+    }
+    float mx[2], msafe[2], alpha[2];
+    row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float mnew = fmaxf(sm.m[h], ceilf(FAST ? __fmul_rn(mx[h], sm.f[h]) : mx[h]));  // an integer (or -inf)
-        sm.msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
-        sm.alpha[h] = pow2(sm.m[h] - sm.msafe[h]);  // exact (0 from -inf)
+        msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
+        alpha[h] = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
         sm.m[h] = mnew;
-        sm.l[h] *= sm.alpha[h];
+        sm.l[h] *= alpha[h];
     }
-}
-// Part 2, once O and p8's registers are free: the mask and the saturated logits (!FAST) in place, O *=
-// alpha, p = 2^(logit - m) (l += p, float32, before
-// rounding), p8 = e4m3(p / prob_scale) as wgmma A fragments (pack_p8).
-template <bool FAST>
-__device__ __forceinline__ void softmax_p(const Params& P, Softmax& sm, float (&sa)[64], float (&o)[64],
-                                          u32 (&pa)[4][4]) {
-    if (sm.edge) {
-#pragma unroll
-        for (int i = 0; i < 64; ++i) sa[i] = (sm.visible[i >> 5] >> (i & 31)) & 1u ? sa[i] : NEG_INF;
-    }
-    if constexpr (!FAST) {
-#pragma unroll
-        for (int i = 0; i < 64; ++i) sa[i] = saturated_logit(sa[i], sm.F[(i >> 1) & 1]);
-    }
-    rescale_rows(o, sm.alpha);  // (the maximum moved)
+    rescale_rows(o, alpha);  // (the maximum moved: rarely)
     float lsum[2][4] = {};  // (four chains a row)
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         const int h = (i >> 1) & 1;
         // the rounded logit minus the maximum (an FMA would keep the product's rounding error, up to half
         // an ulp of a logit: 2^87 near 1e34, which made p 0 or inf)
-        const float x = exp2_approx(FAST ? __fsub_rn(__fmul_rn(sa[i], sm.f[h]), sm.msafe[h]) : sa[i] - sm.msafe[h]);
+        const float x = exp2_approx(FAST ? __fsub_rn(__fmul_rn(sa[i], sm.f[h]), msafe[h]) : sa[i] - msafe[h]);
         lsum[h][(i & 1) + 2 * ((i >> 2) & 1)] += x;
         sa[i] = x;
     }
@@ -442,20 +418,23 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     fence_async_shared();
     const bool fast = named_sync_and(2 + cw, 128, fast_row);  // q8 and row_f written (the warpgroup's rows)
 
-    // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h; (query row, head) of each
-    // (recomputed for the epilogue: fewer registers live through the tiles)
-    auto row_of = [&](int h) { return 64 * cw + 16 * warp + r + 8 * h; };
-    auto token_of = [&](int h) { return cta.qb * P.block_q + row_of(h) / P.group; };
+    // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
     int pos[2];
     bool rv[2];
     float f[2];
     double F[2];
+    i64 orow[2];
+    int lse_idx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        rv[h] = row_of(h) / P.group < P.block_q && token_of(h) < cta.q_len;
-        pos[h] = cta.seq_len - cta.q_len + token_of(h);
-        F[h] = sh.row_f[row_of(h)];
+        const int row = 64 * cw + 16 * warp + r + 8 * h, qi = row / P.group, tin = cta.qb * P.block_q + qi;
+        const int qh = cta.kvh * P.group + row % P.group;
+        rv[h] = qi < P.block_q && tin < cta.q_len;
+        pos[h] = cta.seq_len - cta.q_len + tin;
+        F[h] = sh.row_f[row];
         f[h] = (float)F[h];
+        lse_idx[h] = (cta.q_start + (rv[h] ? tin : 0)) * P.HQ + qh;
+        orow[h] = (i64)lse_idx[h] * D;
     }
 
     Softmax sm{};
@@ -475,28 +454,20 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     float sa[64];
     u32 pa[4][4];
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
-    bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by its softmax)
-    // Phase t: S = q8 k(t)^T (t < ntiles), then O += p8(t-1) v(t-1) (t >= 1), two wgmma groups; the first
-    // part of tile t's softmax once S is in, the second once O is (consumer_pipeline_split: the waits,
-    // the stage release and the ping-pong turns)
-    auto issue_s = [&](int t) {
+    bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by done(t))
+    // Phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, then runs the
+    // softmax of tile t (consumer_pipeline: the waits, the stage release and the ping-pong turns)
+    auto issue = [&](int t) {
+        if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO));
         if (t < cta.ntiles) issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[t % STAGES])));
     };
-    auto issue_o = [&](int t) {
-        if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO));
-    };
-    auto s_done = [&](int t) {
+    auto done = [&](int t) {
+        fence_acc(o);
         fence_acc(sa);
         if (t == cta.ntiles) return;
         const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
-        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_max<true>(sh, P, sm, s, n0, all_valid, cta, c, sa);
-        else softmax_max<false>(sh, P, sm, s, n0, all_valid, cta, c, sa);
-    };
-    auto o_done = [&](int t) {
-        fence_acc(o);
-        if (t == cta.ntiles) return;
-        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_p<true>(P, sm, sa, o, pa);
-        else softmax_p<false>(P, sm, sa, o, pa);
+        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        else softmax_tile<false>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
     };
     // phase t reads K of tile t and V^T of tile t - 1
     auto wait = [&](int t) {
@@ -505,8 +476,9 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
             all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[t % STAGES])[lane] == 0x01010101u);
         }
         if (t >= 1) mbar_wait(&sh.vready[(t - 1) % STAGES], ((t - 1) / STAGES) & 1);
+        if constexpr (!TMA) fence_async_shared();  // (K written by cp.async, read by wgmma)
     };
-    consumer_pipeline_split<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue_s, issue_o, s_done, o_done);
+    consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done);
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
     const float v_scale = P.vs[cta.kvh * P.stride_vsh];
@@ -515,14 +487,13 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
         if (!rv[h]) continue;
-        const int lse_idx = (cta.q_start + token_of(h)) * P.HQ + cta.kvh * P.group + row_of(h) % P.group;
         const float ls = l[h] > 0.0f ? l[h] : 1.0f;
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-            store_out2(P.out, (i64)lse_idx * D + 8 * j + 2 * c, (__fdiv_rn(o[4 * j + 2 * h], ls) * v_scale) * P.prob_scale,
+            store_out2(P.out, orow[h] + 8 * j + 2 * c, (__fdiv_rn(o[4 * j + 2 * h], ls) * v_scale) * P.prob_scale,
                        (__fdiv_rn(o[4 * j + 2 * h + 1], ls) * v_scale) * P.prob_scale);
         if (P.write_lse && c == 0)
-            P.lse[lse_idx] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : NEG_INF;
+            P.lse[lse_idx[h]] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : NEG_INF;
     }
 }
 
