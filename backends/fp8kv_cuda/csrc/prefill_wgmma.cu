@@ -83,8 +83,8 @@ __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
 // Tile t's copies into its stage: thread (key row krow, chunk ch) copies chunk ch of keys krow + 16 i.
 __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int t, const int* bt_row, const u8* kbase,
                                            const u8* vbase, i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size,
-                                           int bs_shift, int num_blocks, int pt) {
-    const int ch = pt & 7, krow = pt >> 3, s = t % STAGES;
+                                           int bs_shift, int num_blocks) {
+    const int pt = threadIdx.x, ch = pt & 7, krow = pt >> 3, s = t % STAGES;
     const int n0 = cta.n_start + t * BLOCK_N;
     const u32 kdst = smem_addr(sh.kr[s]), vdst = smem_addr(sh.vr[s]);
     // the block ids of the thread's keys first (independent loads: one latency, not one a key)
@@ -105,12 +105,13 @@ __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int 
         cp_async16(vdst + key * RAW_PITCH + 16 * ch, vbase + blk * v_sb + in_block * v_st + 16 * ch, ok);
         if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
     }
+    cp_async_commit();
 }
 
-// Stage s's raw codes (landed) to K in the query's type and V^T in float16, the share of thread pt of 128;
-// returns its NaN-V-byte bits.
-__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s, int pt) {
-    const int warp = pt >> 5, lane = pt & 31;
+// Stage s's raw codes (landed) to K in the query's type and V^T in float16; returns this thread's
+// NaN-V-byte bits.
+__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
+    const int pt = threadIdx.x, warp = pt >> 5, lane = pt & 31;
     // K: thread (kq, ch, kg) widens chunk ch (16 codes) of keys 8 (2 i + kg) + kq into 32 bytes (the 8
     // lanes of a quarter warp take 8 keys of one chunk: conflict-free reads and stores)
     {
@@ -160,34 +161,18 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s, int pt) {
     return nan;
 }
 
-// The producer warpgroup: warp w < STAGES takes tiles t = w, w + STAGES, ... (stage w): once the stage is
-// free it copies the tile's codes, waits for them, widens them (the work of the 128 threads of
-// issue_tile and widen_tile, as four passes of its 32 lanes), flags a NaN V code and hands the tile over.
-// The warps work in parallel: no copy waits for another tile's widening.
 __device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, const u8* kbase, const u8* vbase,
                         i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size, int num_blocks) {
-    static_assert(STAGES <= 4, "a producer warp per stage");
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp >= STAGES) return;
-    for (int t = warp; t < cta.ntiles; t += STAGES) {
-        const int s = t % STAGES;
-        mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
-#pragma unroll 1
-        for (int pass = 0; pass < 4; ++pass)
-            issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks,
-                       lane + 32 * pass);
-        cp_async_commit();
-        cp_async_wait<0>();
-        __syncwarp();  // (every lane's copies landed)
-        int nan = 0;
-#pragma unroll 1
-        for (int pass = 0; pass < 4; ++pass) nan |= widen_tile(sh, s, lane + 32 * pass);
-        const bool any_nan = __any_sync(0xFFFFFFFFu, nan != 0);
-        if (lane == 0) sh.vnan[s] = any_nan ? 1u : 0u;
-        fence_async_shared();
-        mbar_arrive(&sh.full[s]);  // (32 arrivals: releases the lanes' stores)
-    }
+    auto issue = [&](int t) {
+        if (threadIdx.x == 0) sh.vnan[t % STAGES] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
+        issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
+    };
+    auto finish = [&](int t) {  // (after the producer's barrier: vnan's reset is seen)
+        const int nan = widen_tile(sh, t % STAGES);
+        if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[t % STAGES], 1u);
+    };
+    producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
 }
 
 // ---- the consumers ----
@@ -329,7 +314,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
 
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
-            mbar_init(&sh.full[st], 32);
+            mbar_init(&sh.full[st], 128);
             mbar_init(&sh.empty[st], 256);
         }
         sh.abort = 0u;
@@ -432,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
         *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
     }
     __syncthreads();
-    widen_tile(sh, 0, tid);
+    widen_tile(sh, 0);
     fence_async_shared();
     __syncthreads();
     float sa[32], o[64];
