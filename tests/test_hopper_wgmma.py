@@ -1,12 +1,15 @@
 """The Hopper backend's CUDA prefill kernel (``fp8kv_hopper/csrc/fp8_prefill.cu``) on the CPU.
 
 * It compiles for sm_90a with NVRTC 12 from PyPI (``cuda-compile`` extra), for every query type, with
-  and without the ping-pong schedule, without spills, without ptxas serializing the wgmma for lack of
+  and without the ping-pong schedule, with TMA or cp.async loads (TMA boxes in the PTX or none), without
+  spills, without ptxas serializing the wgmma for lack of
   registers, and its PTX has both e4m3 wgmma forms (A from shared memory for ``q8 @ k8^T``, A from
   registers for ``p8 @ v8``).
 * The host's mirrors of the kernel's structs (``Params`` passed by value, the shared-memory size) have
   the kernel's sizes (checked by ``static_assert`` in a compile).
-* The index maps: the producer's V transpose writes every byte of V^T once with the right V byte,
+* Which caches the TMA loads describe (``wgmma.tma_maps``; the rest take the cp.async loads).
+* The index maps: the producer's V transpose (from TMA's 128-byte swizzle) writes every byte of V^T
+  once with the right V byte, its loads and stores free of bank conflicts,
   and the consumers' packing of p8 into wgmma A registers agrees with the key order of V^T, both
   evaluated through CUTLASS's documented fragment layouts of an m64nNk32 wgmma
   (``cute/atom/mma_traits_sm90_gmma.hpp``: ``CLayout_64xN`` for the accumulator, ``ALayout_64x32``
@@ -18,6 +21,7 @@ Running it is tests/test_hopper_gpu.py's job (sm90 only).
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 
 import numpy as np
@@ -32,12 +36,14 @@ WGMMA_SS = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
 MAX_REGS = 65536 // wgmma.THREADS // 8 * 8  # one CTA of 384 threads per SM: 168
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp_async"])
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_compiles_for_sm90a_without_spills(dtype, pingpong):
+def test_compiles_for_sm90a_without_spills(dtype, pingpong, tma):
     from fp8kv_cuda import compile as cc
 
-    _, log = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype, pingpong), "sm_90a")
+    opts = wgmma.options(dtype, pingpong, tma=tma)
+    _, log = cc.compile_text(wgmma.source(), "fp8_prefill.cu", opts, "sm_90a")
     info = cc.parse_ptxas(log)
     assert set(info) == {wgmma.ENTRY, wgmma.LAYOUT_TEST}, log[-2000:]
     assert "C7512" not in log, log  # "wgmma.mma_async instructions are serialized" (too few registers)
@@ -46,13 +52,28 @@ def test_compiles_for_sm90a_without_spills(dtype, pingpong):
     for entry, x in info.items():
         assert x["spill_stores"] == 0 and x["spill_loads"] == 0 and x["stack"] == 0, (entry, x)
     assert info[wgmma.ENTRY]["regs"] <= MAX_REGS, info
-    ptx, _ = cc.compile_text(wgmma.source(), "fp8_prefill.cu", wgmma.options(dtype, pingpong), "compute_90a",
-                             ptx=True)
+    ptx, _ = cc.compile_text(wgmma.source(), "fp8_prefill.cu", opts, "compute_90a", ptx=True)
     ptx = ptx.decode(errors="replace")
     body = ptx[ptx.index(f".entry {wgmma.ENTRY}"):]
     ss = len(re.findall(re.escape(WGMMA_SS) + r"[^}]*\}, %rd\d+, %rd\d+", body))
     rs = len(re.findall(re.escape(WGMMA_SS) + r"[^}]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", body))
     assert ss >= 4 and rs >= 4, (ss, rs)  # the 4 k32 steps of each product (more where paths are unrolled twice)
+    tma_loads = len(re.findall(r"cp\.async\.bulk\.tensor\.4d", body))
+    assert (tma_loads > 0) == tma, tma_loads  # K and V boxes by TMA, or none (cp.async)
+
+
+def test_tma_maps_decline_what_a_box_cannot_cover():
+    """Pages that neither divide 128 keys nor are a multiple of them, and caches whose head and key strides
+    are ordered differently for K and V, go to the cp.async loads (None) before any driver call."""
+    import fp8kv
+
+    for page in (12, 48, 96, 200):
+        cache = fp8kv.KVCache.allocate(4, page, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+        assert wgmma.tma_maps(cache) is None, page
+    nhd = fp8kv.KVCache.allocate(4, 16, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    hnd = fp8kv.KVCache.allocate(4, 16, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor", layout="HND")
+    mixed = dataclasses.replace(nhd, value_cache=hnd.value_cache.permute(0, 2, 1, 3))  # V: HND strides
+    assert wgmma.tma_maps(mixed) is None
 
 
 def test_host_structs_have_the_kernels_sizes():
