@@ -217,9 +217,11 @@ def test_wgmma_prefill_ignores_nan_codes_past_the_sequence(layout):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("scale", [1e31, 1e-30])
+@pytest.mark.parametrize("scale", [1e31, 100.0, 1e-30])
 def test_wgmma_prefill_extreme_scales(scale):
-    """Logit factors outside (2^-96, 2^96): the kernel's saturating float64 path."""
+    """The kernel's three logit paths by the rows' factors f: 1e-30 puts them below 2^-96 (the saturating
+    float64 path), 100 and 1e31 in (2^-5, 2^96) (the rounded float32 product; at 1e31 the logits near
+    1e34), the other tests' scales at or below 2^-5 (one FMA)."""
     g = torch.Generator().manual_seed(4)
     H, HQ, D, page, seqs, new, cached = 8, 32, 128, 16, 2, 150, 100
     L = new + cached

@@ -309,18 +309,29 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
 // A consumer thread's online-softmax state for its two rows (h = 0, 1: rows r and r + 8 of its warp).
 struct Softmax {
     float m[2], l[2];  // running maximum (an integer or -inf) and the partial row sum of this thread's keys
-    float f[2];        // the rows' logit factors (fast path)
+    float f[2];        // the rows' logit factors (float32 paths)
     double F[2];       // the same in float64 (saturating path)
     int pos[2];
     bool rv[2];
-    bool fast;         // every row's factor in (2^-96, 2^96): a logit is one float32 product
+    int mode;          // the warpgroup's logit path (LOGIT_*), uniform
 };
 
-// Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running maximum, p = 2^(logit - m)
-// (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A fragments (pack_p8).
-// FAST (sm.fast, uniform): every row's factor in (2^-96, 2^96), a logit is one float32 product;
-// else the float64 saturating path.
-template <bool FAST>
+// How a consumer warpgroup forms logits (the same for all its rows, from their factors f):
+constexpr int LOGIT_SATURATED = 0;  // some f outside (2^-96, 2^96): q8 . k8 times the float64 factor, saturated
+constexpr int LOGIT_PRODUCT = 1;    // every f in (2^-96, 2^96): the float32 product, rounded, minus the maximum
+constexpr int LOGIT_FMA = 2;        // every f in (2^-96, 2^-5]: one FMA, q8 . k8 f - m
+// Why LOGIT_FMA is the definition's logit within the same error: |q8 . k8| < 2^24.62 (128 products of at
+// most 448^2), so |q8 . k8 f| < 2^19.62. The FMA rounds q8 . k8 f - m once, the product path twice (the
+// product, then the difference), so the FMA's logit is at least as close to the exact one; the running
+// maximum is the same rounded product as on the product path, so a p may exceed 1 by at most 2^(ulp/2)
+// of a logit below 2^20 (2^(2^-4): p8 still rounds to at most 1, or saturates as p = 1 would). Above
+// 2^24 half an ulp is at least 1 and p could leave [2^-1, 1] for the row's largest logit (at k_scale 1e31
+// it made every p 0): hence the bound on f.
+
+// Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running
+// maximum, p = 2^(logit - m) (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A
+// fragments (pack_p8). MODE: the warpgroup's logit path (sm.mode, LOGIT_*).
+template <int MODE>
 __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
                                              bool all_valid, const Cta& cta, int c, float (&sa)[64], float (&o)[64],
                                              u32 (&pa)[4][4]) {
@@ -335,6 +346,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
                 sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
             }
     }
+    constexpr bool FAST = MODE != LOGIT_SATURATED;
     if constexpr (!FAST) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
 #pragma unroll
         for (int i = 0; i < 64; ++i) {
@@ -358,9 +370,11 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
         const int h = (i >> 1) & 1;
-        // the rounded logit minus the maximum (an FMA would keep the product's rounding error, up to half
-        // an ulp of a logit: 2^87 near 1e34, which made p 0 or inf)
-        const float x = exp2_approx(FAST ? __fsub_rn(__fmul_rn(sa[i], sm.f[h]), msafe[h]) : sa[i] - msafe[h]);
+        // (LOGIT_PRODUCT: the rounded product minus the maximum, where an FMA could keep the product's
+        // rounding error of up to half an ulp of a logit: 2^87 near 1e34, which made p 0 or inf)
+        const float x = exp2_approx(MODE == LOGIT_FMA       ? __fmaf_rn(sa[i], sm.f[h], -msafe[h])
+                                    : MODE == LOGIT_PRODUCT ? __fsub_rn(__fmul_rn(sa[i], sm.f[h]), msafe[h])
+                                                            : sa[i] - msafe[h]);
         lsum[h][(i & 1) + 2 * ((i >> 2) & 1)] += x;
         sa[i] = x;
     }
@@ -378,7 +392,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     const int ct = threadIdx.x - 128 * (cw + 1);
     const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
     const float k_scale = P.ks[cta.kvh * P.stride_ksh];
-    bool fast_row;
+    bool fast_row, fma_row;
     {  // q8 = e4m3(q / q_scale): thread ct quantizes half (64 dims) of row ct / 2
         const int ql = ct >> 1, half = ct & 1, row = 64 * cw + ql;
         const int qi = row / P.group, tin = cta.qb * P.block_q + qi;
@@ -414,9 +428,11 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         const double F = (double)qs * (double)k_scale * (double)P.sm_mant * ldexp(1.0, P.sm_exp);
         if (half == 0) sh.row_f[row] = F;
         fast_row = !valid || (F > 0x1p-96 && F < 0x1p96);
+        fma_row = !valid || (F > 0x1p-96 && F <= 0x1p-5);
     }
     fence_async_shared();
     const bool fast = named_sync_and(2 + cw, 128, fast_row);  // q8 and row_f written (the warpgroup's rows)
+    const bool fma_ok = named_sync_and(2 + cw, 128, fma_row);
 
     // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
     int pos[2];
@@ -438,7 +454,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     }
 
     Softmax sm{};
-    sm.fast = fast;
+    sm.mode = fma_ok ? LOGIT_FMA : fast ? LOGIT_PRODUCT : LOGIT_SATURATED;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         sm.m[h] = NEG_INF;
@@ -466,8 +482,10 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         fence_acc(sa);
         if (t == cta.ntiles) return;
         const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
-        if (__all_sync(0xFFFFFFFFu, sm.fast)) softmax_tile<true>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
-        else softmax_tile<false>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        else if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_PRODUCT))
+            softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        else softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
     };
     // phase t reads K of tile t and V^T of tile t - 1
     auto wait = [&](int t) {
