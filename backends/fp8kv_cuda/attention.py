@@ -209,7 +209,7 @@ def wgmma_smem_bytes(head_size: int = 128, block_n: int = 64, stages: int = WGMM
     widened K in the query's 16-bit type, V^T in float16 (rows padded by 16 bytes every 8 dims), the
     raw K and V codes (rows of 144 bytes), the key bits, flags and mbarriers."""
     per_stage = block_n * 2 * head_size + (head_size // 8) * (16 * block_n + 16) + 2 * block_n * 144 + block_n
-    size = 128 * 2 * head_size + stages * per_stage + 4 * stages + 4 + 24 * stages
+    size = 128 * 2 * head_size + stages * per_stage + 4 * stages + 4 + 16 * stages
     return (size + 127) // 128 * 128
 
 

@@ -58,7 +58,6 @@ struct __align__(128) WgmmaShared {
     u32 vnan[STAGES];                     // nonzero: the tile has a NaN V code
     u32 abort;                            // nonzero: the CTA hands back (redo[cta] = 1)
     u64 full[STAGES], empty[STAGES];      // mbarriers: tile ready (producer), tile consumed (consumers)
-    u64 loaded[STAGES];                   //   the tile's raw codes and key bits landed (the loader warp)
 };
 constexpr int WGMMA_SMEM_BYTES = (int)sizeof(WgmmaShared);
 
@@ -84,8 +83,8 @@ __device__ __forceinline__ u32 f16x2_to_bf16x2(u32 h) {
 // Tile t's copies into its stage: thread (key row krow, chunk ch) copies chunk ch of keys krow + 16 i.
 __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int t, const int* bt_row, const u8* kbase,
                                            const u8* vbase, i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size,
-                                           int bs_shift, int num_blocks, int pt) {
-    const int ch = pt & 7, krow = pt >> 3, s = t % STAGES;
+                                           int bs_shift, int num_blocks) {
+    const int pt = threadIdx.x, ch = pt & 7, krow = pt >> 3, s = t % STAGES;
     const int n0 = cta.n_start + t * BLOCK_N;
     const u32 kdst = smem_addr(sh.kr[s]), vdst = smem_addr(sh.vr[s]);
     // the block ids of the thread's keys first (independent loads: one latency, not one a key)
@@ -106,12 +105,13 @@ __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int 
         cp_async16(vdst + key * RAW_PITCH + 16 * ch, vbase + blk * v_sb + in_block * v_st + 16 * ch, ok);
         if (ch == 0) sh.valid[s][key] = ok ? 1 : 0;
     }
+    cp_async_commit();
 }
 
-// Stage s's raw codes (landed) to K in the query's type and V^T in float16, the share of thread pt of 128;
-// returns its NaN-V-byte bits.
-__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s, int pt) {
-    const int warp = pt >> 5, lane = pt & 31;
+// Stage s's raw codes (landed) to K in the query's type and V^T in float16; returns this thread's
+// NaN-V-byte bits.
+__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
+    const int pt = threadIdx.x, warp = pt >> 5, lane = pt & 31;
     // K: thread (kq, ch, kg) widens chunk ch (16 codes) of keys 8 (2 i + kg) + kq into 32 bytes (the 8
     // lanes of a quarter warp take 8 keys of one chunk: conflict-free reads and stores)
     {
@@ -161,40 +161,18 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s, int pt) {
     return nan;
 }
 
-// The producer warpgroup. Warp 0, the loader, copies tile t's codes (the work of issue_tile's 128
-// threads in four passes of its lanes) once its stage is free, without waiting for them: each lane's
-// copies complete on loaded[stage] (cp.async.mbarrier.arrive.noinc), its key bits on an ordinary
-// arrival. Warps 1..3 widen each landed tile (widen_tile's 128 threads: threads 0..31 also take 96..127)
-// and hand it over on full[stage]. No copy waits for a widening, nor a widening for the next copies'
-// block ids.
 __device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, const u8* kbase, const u8* vbase,
                         i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size, int num_blocks) {
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-    const int pt = threadIdx.x;
-    if (pt < 32) {
-        for (int t = 0; t < cta.ntiles; ++t) {
-            const int s = t % STAGES;
-            mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
-            if (pt == 0) sh.vnan[s] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
-#pragma unroll 1
-            for (int pass = 0; pass < 4; ++pass)
-                issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift,
-                           num_blocks, pt + 32 * pass);
-            cp_async_mbar_arrive_noinc(&sh.loaded[s]);
-            mbar_arrive(&sh.loaded[s]);  // (releases the lane's key bits and the vnan reset)
-        }
-    } else {
-        const int wt = pt - 32;  // 0..95
-        for (int t = 0; t < cta.ntiles; ++t) {
-            const int s = t % STAGES;
-            mbar_wait(&sh.loaded[s], (t / STAGES) & 1);
-            int nan = widen_tile(sh, s, wt);
-            if (wt < 32) nan |= widen_tile(sh, s, wt + 96);
-            if (__any_sync(0xFFFFFFFFu, nan != 0) && (wt & 31) == 0) atomicOr(&sh.vnan[s], 1u);
-            fence_async_shared();
-            mbar_arrive(&sh.full[s]);
-        }
-    }
+    auto issue = [&](int t) {
+        if (threadIdx.x == 0) sh.vnan[t % STAGES] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
+        issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
+    };
+    auto finish = [&](int t) {  // (after the producer's barrier: vnan's reset is seen)
+        const int nan = widen_tile(sh, t % STAGES);
+        if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[t % STAGES], 1u);
+    };
+    producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
 }
 
 // ---- the consumers ----
@@ -336,8 +314,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
 
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
-            mbar_init(&sh.full[st], 96);
-            mbar_init(&sh.loaded[st], 64);  // 32 lanes' copies (noinc) and 32 ordinary arrivals
+            mbar_init(&sh.full[st], 128);
             mbar_init(&sh.empty[st], 256);
         }
         sh.abort = 0u;
@@ -440,7 +417,7 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
         *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
     }
     __syncthreads();
-    widen_tile(sh, 0, tid);
+    widen_tile(sh, 0);
     fence_async_shared();
     __syncthreads();
     float sa[32], o[64];

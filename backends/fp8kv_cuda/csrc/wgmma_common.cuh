@@ -96,10 +96,6 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(u64* bar, u32 bytes) {
 __device__ __forceinline__ void cp_async_mbar_arrive(u64* bar) {
     asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
-// one arrival (counted in the barrier's expected count) once every earlier cp.async of this thread has landed
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(u64* bar) {
-    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
 __device__ __forceinline__ void named_sync(int id, int count) {
     asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
 }
@@ -257,9 +253,30 @@ __device__ __forceinline__ void consumer_registers() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 }
 
-// Tiles t = 0..ntiles-1 go through STAGES shared-memory stages, each handed over on an mbarrier by the
-// kernel's producer warps; empty[s] (256 arrivals) says that its consumers are done with stage s. Named
-// barriers 4 and 5: the consumers' turns.
+// Tiles t = 0..ntiles-1 go through STAGES shared-memory stages; full[s] (128 arrivals) says stage s holds
+// a tile, empty[s] (256 arrivals) that its consumers are done with it. Named barriers: 1 (the producer),
+// 4 and 5 (the consumers' turns).
+
+// The producer: issue(t) starts tile t's copies into stage t % STAGES (one cp.async group) once the
+// stage is free; a tile later, when its copies have landed, finish(t) prepares it in shared memory
+// (ordinary stores) and the tile is handed over.
+template <int STAGES, class Issue, class Finish>
+__device__ __forceinline__ void producer_pipeline(u64* full, u64* empty, int ntiles, Issue&& issue, Finish&& finish) {
+    for (int t = 0; t <= ntiles; ++t) {
+        if (t < ntiles) {
+            mbar_wait(&empty[t % STAGES], ((t / STAGES) & 1) ^ 1);
+            issue(t);
+        }
+        if (t >= 1) {
+            if (t < ntiles) cp_async_wait<1>();
+            else cp_async_wait<0>();
+            named_sync(1, 128);  // every producer thread's copies of tile t - 1 have landed
+            finish(t - 1);
+            fence_async_shared();
+            mbar_arrive(&full[(t - 1) % STAGES]);
+        }
+    }
+}
 
 // A consumer warpgroup (cw = 0, 1): phase t = 0..ntiles runs wait(t) (returns once phase t's operands are
 // in shared memory), has issue(t) issue its wgmma (the previous tile's second product and tile t's
