@@ -258,3 +258,48 @@ def test_wgmma_prefill_at_size_and_under_graph_capture():
 
     capture_and_replay(run, out)
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
+def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
+    """fp8kv.testing.safety's hostile metadata at head size 128 (its own check runs at 16, which this kernel
+    does not serve): block ids num_blocks, 2^31 - 1 and -5, lengths past the table and negative, query
+    offsets past the step, with the host checks off. The cache is the middle of larger tensors filled with
+    NaN codes: the TMA boxes (a block coordinate outside the tensor map) and the cp.async loads (page 12)
+    must read none of them, and the output stays finite."""
+    import dataclasses
+
+    from fp8kv_hopper import attention, wgmma
+
+    page = 12 if layout.endswith("page12") else 16
+    lay = layout.split("-")[0]
+    H, HQ, D, NB, G = 2, 8, 128, 6, 2
+    shape = (NB + 2 * G, page, H, D) if lay == "NHD" else (NB + 2 * G, H, page, D)
+    parents = [torch.full(shape, 0x7F, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    cache = fp8kv.KVCache.from_tensors(parents[0][G:G + NB], parents[1][G:G + NB], kv_dtype="fp8_e4m3",
+                                       layout=lay, scale_granularity="head",
+                                       k_scale=torch.tensor([0.05, 0.02], device=DEV),
+                                       v_scale=torch.tensor([0.07, 0.03], device=DEV))
+    assert (wgmma.tma_maps(cache) is None) == (page == 12)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(NB * page, H, D, generator=g).to(DEV)
+    fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device=DEV))
+    snapshot = [p.clone() for p in parents]
+    tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device=DEV)
+    for lens, qsl, T in (([100, -3], [0, 1, 2], 2), ([30, 36], [0, 7, 3], 4), ([36, 36], [0, 150, 300], 300)):
+        q = torch.randn(T, HQ, D, generator=g).to(DEV, torch.bfloat16)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device=DEV)
+        cfg = dataclasses.replace(attention.choose_config(group=HQ // H, num_seqs=2, num_kv_heads=H,
+                                                          max_query_len=T, max_keys=3 * page, num_sms=132),
+                                  kernel="wgmma")
+        out = torch.full_like(q, float("nan"))
+        attention.paged_attention_fp8(q, cache, tables, lens_t, qsl_t, 10**9, 128**-0.5, True, None, None, out,
+                                      q_scale=None, prob_scale=1.0, config=cfg)
+        torch.cuda.synchronize()
+        rows = torch.zeros(T, dtype=torch.bool, device=DEV)  # the rows some sequence's query range covers
+        for a, b in zip(qsl[:-1], qsl[1:], strict=True):
+            rows[max(a, 0):min(max(b, a), T)] = True
+        assert torch.isfinite(out[rows]).all(), (lens, qsl)
+    for a, b in zip(parents, snapshot, strict=True):
+        assert torch.equal(a, b)
