@@ -6,13 +6,13 @@
 //
 // CTA = 3 warpgroups (384 threads), rows and keys as the Triton kernel: 128 query rows of one sequence
 // and KV head (row = token * group + head in the group), tiles of 128 keys.
-//   warpgroup 0, the producer. Warp 0 loads each tile's K and V codes through the block table once the
-//     stage is free, with TMA (one box per page, or per 128 keys of a longer page; FP8KV_TMA) or else
-//     cp.async (16 bytes a copy), both landing on the stage's `loaded` mbarrier; keys whose block id is
-//     outside the cache are zero-filled, and they and the keys past the CTA's range are marked invalid.
-//     Warps 1..3 transpose each landed V tile in shared memory (4 x 4 byte blocks, PRMT; V rows past the
-//     range zeroed) so that p8 @ v8 is an e4m3 wgmma too, and hand V^T over on `vready`; STAGES tiles in
-//     flight.
+//   warpgroup 0, the producer: warp w takes tiles w, w + 4, ... (stage w). Once the stage is free it loads
+//     the tile's K and V codes through the block table, with TMA (one box per page, or per 128 keys of a
+//     longer page; FP8KV_TMA) or else cp.async (16 bytes a copy), landing on the stage's `loaded`
+//     mbarrier; keys whose block id is outside the cache are zero-filled, and they and the keys past the
+//     CTA's range are marked invalid. Then it waits for the tile, transposes V in shared memory (4 x 4
+//     byte blocks, PRMT; V rows past the range zeroed) so that p8 @ v8 is an e4m3 wgmma too, and hands
+//     V^T over on `vready`.
 //   warpgroups 1 and 2, the consumers, 64 rows each: q8 = e4m3(q / q_scale) once (bit for bit as the
 //     cache's own quantization), then per tile S = q8 k8^T (4 wgmma m64n128k32 e4m3, A and B from
 //     shared memory), the online softmax against an integer running maximum (every rescaling an
@@ -207,7 +207,7 @@ struct Cta {
     int ntiles;
 };
 
-// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), encoded on the host (fp8kv_cuda.runtime.tensor_map)
+// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), encoded on the host (fp8kv_cuda.runtime.tensor_map_uint8)
 struct alignas(64) TensorMap {
     u64 words[16];
 };
