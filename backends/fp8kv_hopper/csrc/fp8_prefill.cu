@@ -258,7 +258,7 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
         }
         reinterpret_cast<u32*>(sh.valid[s])[lane] = flags;
         __syncwarp();
-        if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[s], 2 * TILE_BYTES);  // (releases warp 0's flags)
+        if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[s], 2 * TILE_BYTES);  // (releases the warp's flags)
         for (int box = lane; box * P.box_rows < BLOCK_N; box += 32) {
             const int n = n0 + box * P.box_rows, blk = block_id(P, bt_row, cta, n);
             const int c3 = blk >= 0 && blk < P.num_blocks ? blk : P.num_blocks, r = in_page(P, n);
