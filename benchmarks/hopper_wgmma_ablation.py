@@ -1,6 +1,7 @@
 """Where the Hopper FP8 wgmma prefill's time goes: the kernel timed with parts of it removed from its
 source (the outputs are wrong then; only the times mean anything), at 4 x 2048 new over 2048 cached
-(GQA 32/8, D=128, block 16, dynamic q scale, bf16 queries).
+(GQA 32/8, D=128, block 16, dynamic q scale, bf16 queries); medians of CUDA-graph replays, as
+``hopper_prefill.py`` times.
 
     python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
 
@@ -23,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
-from fp8kv_bench.kernels import environment  # noqa: E402
+from fp8kv_bench.kernels import environment, time_graph  # noqa: E402
 from fp8kv_cuda import runtime  # noqa: E402
 from fp8kv_hopper import attention, wgmma  # noqa: E402
 from test_hopper_gpu import _case  # noqa: E402
@@ -74,16 +75,7 @@ def main(argv=None) -> int:
         def run(cfg=cfg, out=out):
             attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
                                           q_scale=None, prob_scale=1.0, config=cfg)
-        for _ in range(3):
-            run()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(args.reps):
-            run()
-        stop.record()
-        torch.cuda.synchronize()
-        us = start.elapsed_time(stop) / args.reps * 1e3
+        us = time_graph(run, calls=3, reps=args.reps) * 1e3
         rows.append({"variant": name, "stages": stages, "pingpong": pingpong, "us": round(us, 1),
                      "useful_tflops": round(useful / us / 1e6, 1)})
         print(f"  {name:12s} {us:8.1f} us  {useful / us / 1e6:6.0f} TFLOP/s", flush=True)
