@@ -133,19 +133,21 @@ def test_the_merge_waits_for_the_attention_kernel_only_where_launched_dependent(
     assert "griddepcontrol" not in cc.compile_ptx(v, "sm80")
 
 
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp.async"])
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("io_dtype", ["bfloat16", "float16"])
-def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong):
+def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong, tma):
     """``csrc/prefill_wgmma.cu`` for sm_90a: no spills, ptxas keeps the wgmma asynchronous (no C7512,
     no ignored setmaxnreg C7508), both products are wgmma in the PTX (16-bit Q K^T from shared memory,
-    float16 P V with P from registers), and the host's shared-memory size is the kernel's."""
+    float16 P V with P from registers), TMA tile loads only in the TMA variant, and the host's
+    shared-memory size is the kernel's."""
     import re
 
     from fp8kv_cuda import compile as cc
     from fp8kv_cuda.attention import wgmma_smem_bytes
     from fp8kv_cuda.variants import arch_target, options, prefill_wgmma_variant, source
 
-    v = prefill_wgmma_variant(io_dtype, pingpong)
+    v = prefill_wgmma_variant(io_dtype, pingpong, tma)
     assert arch_target(v.kernel, 90) == "sm_90a"
     _, log = cc.compile_text(source(v.kernel), "prefill_wgmma.cu", options(v), "sm_90a")
     info = cc.parse_ptxas(log)["fp8kv_prefill_wgmma"]
@@ -157,16 +159,31 @@ def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong):
     assert re.search(rf"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.{qk} \{{[^}}]*\}}, %rd\d+, %rd\d+", ptx)
     assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.f16\.f16 \{[^}]*\}, \{%r\d+, %r\d+, %r\d+, "
                      r"%r\d+\}, %rd\d+", ptx)
-    probe = f'static_assert(sizeof(fp8kv::WgmmaShared) == {wgmma_smem_bytes()}, "WgmmaShared");\n'
+    assert ("cp.async.bulk.tensor.4d" in ptx) == tma and ("cp.async.cg.shared.global" in ptx) == (not tma)
+    probe = f'static_assert(sizeof(fp8kv::WgmmaShared) == {wgmma_smem_bytes(tma=tma)}, "WgmmaShared");\n'
     cc.compile_text(source(v.kernel) + probe, "probe.cu", options(v), "compute_90a", ptx=True)
 
 
 def test_the_wgmma_prefill_producer_maps_cover_each_byte_once():
     """``csrc/prefill_wgmma.cu``'s producer, as the kernel indexes it: the K widening writes every
     (key, 16-byte chunk) of a 64-key tile once, the V transpose every (dim, key) of V^T once with the
-    V byte of that key and dim; K-major tiles as wgmma reads them (8-row x 16-byte core matrices)."""
+    V byte of that key and dim; K-major tiles as wgmma reads them (8-row x 16-byte core matrices). The
+    raw tiles' loads are free of bank conflicts in both raw layouts (TMA's 128-byte swizzle, cp.async's
+    144-byte rows) and the V^T stores take the minimum two wavefronts a warp."""
     def kmajor(row, kb, sbo):
         return (row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15)
+
+    def sw128(row, kb):
+        return row * 128 + ((((kb >> 4) ^ row) & 7) << 4) + (kb & 15)
+
+    raw = {"tma": sw128, "cp.async": lambda row, kb: row * 144 + kb}
+
+    def wavefronts(addresses, width):  # shared-memory wavefronts of one warp's accesses of `width` bytes
+        banks = {}
+        for addr in addresses:
+            for b in range(addr // 4, (addr + width) // 4):
+                banks.setdefault(b % 32, set()).add(b)
+        return max(len(words) for words in banks.values())
 
     seen = {}
     for pt in range(128):
@@ -176,20 +193,39 @@ def test_the_wgmma_prefill_producer_maps_cover_each_byte_once():
             for half in range(2):
                 seen.setdefault(kmajor(key, 32 * ch + 16 * half, 2048), []).append((key, ch, half))
     assert len(seen) == 64 * 8 * 2 and all(len(v) == 1 for v in seen.values())
+    for layout in raw.values():  # a quarter warp (8 lanes) per 16-byte wavefront: 8 different chunks
+        for i in range(4):
+            for q0 in range(0, 128, 8):
+                lanes = [(pt & 7, (pt >> 3) & 7, pt >> 6) for pt in range(q0, q0 + 8)]
+                assert wavefronts([layout(8 * (2 * i + kg) + kq, 16 * ch) for kq, ch, kg in lanes], 16) == 1
 
     vt = {}
-    for pt in range(128):
-        warp, lane = pt >> 5, pt & 31
-        a, w = lane & 7, lane >> 3
-        for step in range(4):
-            combo = warp * 4 + step
-            dg, chunk = combo & 3, combo >> 2
-            dim0, key0 = 4 * (a + 8 * dg), 16 * chunk + 4 * w
-            for j in range(4):  # y_j holds byte j (dim dim0 + j) of keys key0 .. key0 + 3, widened to 8 bytes
-                for i in range(4):
-                    addr = kmajor(dim0 + j, 2 * key0, 1040) + 2 * i
-                    assert addr not in vt
-                    vt[addr] = (key0 + i, dim0 + j)
+    for warp in range(4):
+        for kh in range(2):
+            for dh in range(2):
+                loads = {name: [] for name in raw}
+                stores = {j: [] for j in range(4)}
+                for lane in range(32):
+                    a, w = lane % 16, lane // 16
+                    key0, dim0 = 16 * warp + 8 * kh + 4 * w, 64 * dh + 4 * a
+                    swz = 64 * w + 16 * (a >> 2)
+                    for i in range(4):  # the kernel's addresses of raw byte (key0 + i, dim0)
+                        row_t = (16 * warp + 4 * w) * 128 + 4 * (a & 3) + (8 * kh + i) * 128
+                        assert row_t + (swz ^ (64 * dh + 16 * i)) == sw128(key0 + i, dim0)
+                        for name, layout in raw.items():
+                            loads[name].append((i, layout(key0 + i, dim0)))
+                    base = kmajor(4 * a, 32 * warp + 8 * w, 1040)
+                    for j in range(4):  # y_j: byte j (dim dim0 + j) of keys key0 .. key0 + 3, widened to 8 bytes
+                        addr = base + 8 * dh * 1040 + 128 * kh + 16 * j
+                        assert addr == kmajor(dim0 + j, 2 * key0, 1040)
+                        stores[j].append(addr)
+                        for i in range(4):
+                            assert addr + 2 * i not in vt
+                            vt[addr + 2 * i] = (key0 + i, dim0 + j)
+                for name in raw:
+                    for i in range(4):
+                        assert wavefronts([x for k, x in loads[name] if k == i], 4) == 1, (name, warp, kh, dh, i)
+                assert all(wavefronts(addrs, 8) == 2 for addrs in stores.values())
     assert len(vt) == 64 * 128
     for dim in range(128):
         for key in range(64):

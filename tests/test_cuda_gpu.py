@@ -658,11 +658,75 @@ def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch)
     assert torch.equal(graph_out.view(torch.int16), out.view(torch.int16))
 
 
+WGMMA_CACHE_LAYOUTS = {  # name: (page, layout); TMA loads unless the page neither divides nor is a multiple of 64
+    "page16": (16, "NHD"), "page1": (1, "NHD"), "page32": (32, "NHD"), "page128": (128, "NHD"),
+    "page256": (256, "NHD"), "hnd": (16, "HND"), "hnd_page64": (64, "HND"), "page12": (12, "NHD"),
+    "page48": (48, "NHD"),
+}
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
+@pytest.mark.parametrize("layout", list(WGMMA_CACHE_LAYOUTS))
+def test_wgmma_prefill_cache_layouts_with_nan_codes_past_the_sequence(layout, monkeypatch):
+    """The sm90 wgmma prefill on pages of 1..256 keys and both cache layouts: TMA loads (one box per page,
+    per 64 keys of a longer page) except for pages of 12 and 48 keys (cp.async). Every cache slot past a
+    sequence's length holds NaN codes in K and V: TMA loads whole pages, so they reach shared memory,
+    and must not reach the output; the causal chunk starts mid-page, a window cuts the first keys."""
+    from fp8kv_cuda import attention as cuda_attention
+    from fp8kv_cuda.attention import plan
+    from fp8kv_cuda.tma import paged_cache_maps
+
+    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", True)
+    page, lay = WGMMA_CACHE_LAYOUTS[layout]
+    g = torch.Generator().manual_seed(page)
+    H, Hq, D = 4, 16, 128
+    lens, q_lens = [333, 231], [150, 131]
+    need = [-(-n // page) for n in lens]
+    nblocks = sum(need) + 1
+    cache = fp8kv.KVCache.allocate(nblocks, page, H, D, kv_dtype="fp8_e4m3", layout=lay, scale_granularity="head",
+                                   k_scale=torch.linspace(0.01, 0.03, H), v_scale=torch.linspace(0.03, 0.01, H),
+                                   device="cuda")
+    assert (paged_cache_maps(cache, 64) is None) == (layout in ("page12", "page48"))
+    n = nblocks * page
+    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+                   torch.arange(n, device="cuda"))
+    perm = torch.randperm(nblocks, generator=g).int()
+    tables = torch.full((len(lens), max(need)), nblocks, dtype=torch.int32)  # (past the lengths: outside)
+    at = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[at:at + k]
+        at += k
+        for pos in range(lens[i], k * page):  # NaN codes (0x7F) in every slot past the length
+            blk = int(tables[i, pos // page])
+            for t in (cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8)):
+                (t[blk, pos % page] if lay == "NHD" else t[blk, :, pos % page]).fill_(0x7F)
+    tables = tables.cuda()
+    T = sum(q_lens)
+    query = (torch.randn(T, Hq, D, generator=g) * 2).to(torch.bfloat16).cuda()
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    p = plan(query.device, num_tokens=T, num_kv_heads=H, group=Hq // H, head_size=D, max_keys=tables.shape[1] * page,
+             query_dtype=query.dtype, fmt="fp8_e4m3", max_query_len=max(q_lens), num_seqs=len(lens))
+    assert p.prefill and p.num_splits == 1
+    for window in (None, 250):
+        kw = dict(query_start_loc=qsl, causal=True, sliding_window=window, max_query_len=max(q_lens), validate=False)
+        out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="cuda", return_lse=True, **kw)
+        ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="reference", return_lse=True, **kw)
+        assert torch.isfinite(out).all() and torch.isfinite(ref).all()
+        bounds = paged_attention_bounds(query, cache, tables, lens_t, qsl, causal=True, sliding_window=window,
+                                        logits_soft_cap=None)
+        assert_attention_close(out, ref, **bounds)
+        assert_lse_close(lse, ref_lse, **bounds)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp.async"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_wgmma16_layouts(dtype):
-    """The wgmma prefill's operand layouts, K widening, V transpose and both wgmma forms on raw codes
+def test_wgmma16_layouts(dtype, tma):
+    """The wgmma prefill's operand layouts, K widening, V transpose (from either raw layout: TMA's
+    128-byte swizzle, cp.async's padded rows) and both wgmma forms on raw codes
     (``fp8kv_wgmma16_layout_test``): S = Q K^T, P = float16(S / 16) through the A-register packing,
     O = P V. Products are exact and accumulate in float32 (K = 128 and 64 terms)."""
     from fp8kv_cuda import runtime as r
@@ -678,10 +742,10 @@ def test_wgmma16_layouts(dtype):
     s = torch.empty(64, 64, dtype=torch.float32, device="cuda")
     p = torch.empty(64, 64, dtype=torch.float16, device="cuda")
     o = torch.empty(64, 128, dtype=torch.float32, device="cuda")
-    variant = prefill_wgmma_variant(str(dtype).removeprefix("torch."))
+    variant = prefill_wgmma_variant(str(dtype).removeprefix("torch."), tma=tma)
     r.launch(variant, "fp8kv_wgmma16_layout_test", q.device, (1, 1, 1), 128,
              [r.ptr(q), r.ptr(k), r.ptr(v), r.ptr(s), r.ptr(p), r.ptr(o), r.f32(2.0**-4)],
-             shared_mem=wgmma_smem_bytes())
+             shared_mem=wgmma_smem_bytes(tma=tma))
     torch.cuda.synchronize()
     e4 = torch.float8_e4m3fn
     qf, kf, vf = q.double(), k.view(e4).double(), v.view(e4).double()

@@ -19,9 +19,11 @@ import torch
 from fp8kv.cache import KVCache
 
 from . import runtime
+from .tma import paged_cache_maps
 from .variants import (
     ATTN_THREADS,
     MMA_TILES,
+    WGMMA_BLOCK_N,
     WGMMA_PREFILL_FORMATS,
     WGMMA_STAGES,
     WGMMA_THREADS,
@@ -202,15 +204,21 @@ WGMMA_PREFILL = True
 (the benchmark times both). Measured on the H100: docs/cuda.md."""
 WGMMA_PINGPONG = True
 """The wgmma prefill's two consumer warpgroups issue their products in turn (FA3's schedule)."""
+_NO_TENSOR_MAP = bytes(runtime.TENSOR_MAP_BYTES)  # (the cp.async variant's unused tensor-map parameters)
 
 
-def wgmma_smem_bytes(head_size: int = 128, block_n: int = 64, stages: int = WGMMA_STAGES) -> int:
-    """``sizeof(WgmmaShared)`` of ``csrc/prefill_wgmma.cu`` (it traps if launched with less): Q and the
-    widened K in the query's 16-bit type, V^T in float16 (rows padded by 16 bytes every 8 dims), the
-    raw K and V codes (rows of 144 bytes), the key bits, flags and mbarriers."""
-    per_stage = block_n * 2 * head_size + (head_size // 8) * (16 * block_n + 16) + 2 * block_n * 144 + block_n
-    size = 128 * 2 * head_size + stages * per_stage + 4 * stages + 4 + 16 * stages
-    return (size + 127) // 128 * 128
+def wgmma_smem_bytes(head_size: int = 128, block_n: int = WGMMA_BLOCK_N, stages: int = WGMMA_STAGES,
+                     tma: bool = True) -> int:
+    """``sizeof(WgmmaShared)`` of ``csrc/prefill_wgmma.cu`` (it traps if launched with less; 1024-byte
+    aligned): the raw K and V codes (TMA: 4 tiles in the 128-byte swizzle; cp.async: one a stage, rows of
+    144 bytes), Q and the widened K in the query's 16-bit type, V^T in float16 (rows padded by 16 bytes
+    every 8 dims), the key flags, NaN flags and mbarriers."""
+    raw_stages, pitch = (4, 128) if tma else (stages, 144)
+    size = 2 * raw_stages * block_n * pitch + 128 * 2 * head_size
+    size += stages * (block_n * 2 * head_size + (head_size // 8) * (16 * block_n + 16) + block_n)
+    size += raw_stages * block_n + 4 * stages + 4
+    size = -(-size // 8) * 8 + 8 * (2 * stages + raw_stages)
+    return -(-size // 1024) * 1024
 
 
 def wgmma_prefill_serves(sm: int, fmt: str, query: torch.Tensor, logits_soft_cap, num_splits: int) -> bool:
@@ -380,8 +388,12 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         smem = prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
         pargs = [*args, r.ptr(redo)]
         if wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap, p.num_splits):  # (same contract)
-            runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG), "fp8kv_prefill_wgmma", dev, grid,
-                           WGMMA_THREADS, pargs, shared_mem=wgmma_smem_bytes(D))
+            maps = paged_cache_maps(cache, WGMMA_BLOCK_N)  # (None: cp.async loads)
+            tmap_k, tmap_v, head_inner, box_rows = maps or (_NO_TENSOR_MAP, _NO_TENSOR_MAP, 0, 0)
+            runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG, tma=maps is not None),
+                           "fp8kv_prefill_wgmma", dev, grid, WGMMA_THREADS,
+                           [*pargs, tmap_k, tmap_v, r.i32(head_inner), r.i32(box_rows)],
+                           shared_mem=wgmma_smem_bytes(D, tma=maps is not None))
         else:
             runtime.launch(variant, entry, dev, grid, 32 * p.warps, pargs, shared_mem=smem)
         runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, pargs, shared_mem=smem)

@@ -161,6 +161,9 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     """Launch ``entry`` of ``variant`` on torch's current stream of ``device`` with ``shared_mem``
     bytes of dynamic shared memory (above 48 KiB the kernel is opted in once).
 
+    ``args``: :func:`ptr`, :func:`i64`, :func:`i32`, :func:`f32` values, or ``bytes`` for a struct
+    passed by value (a ``CUtensorMap`` from :func:`tensor_map_uint8`).
+
     ``dependent``: the kernel starts with ``griddepcontrol.wait`` when built for sm90+ (it reads
     nothing the previous kernel on the stream writes before that), so there it goes out as a
     programmatic dependent launch (:func:`pdl_launch`): its CTAs are scheduled as the previous
@@ -173,6 +176,11 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
         _allow_shared_memory(fn.ptr, shared_mem)
         if dependent and pdl_available(index):
             pdl_launch(fn.ptr, grid, block, shared_mem, stream.cuda_stream, args)
+            return
+        if any(isinstance(a, bytes) for a in args):  # a struct by value (a TMA descriptor): CuPy takes none
+            values = _c_values(args)
+            params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+            _launch_ex(fn.ptr, grid, block, shared_mem, stream.cuda_stream, params, None, "struct arguments")
             return
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
 
@@ -304,13 +312,20 @@ def _tensor_map_encode_tiled():
 _C_TYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
 
 
+def _c_values(args: list) -> list:
+    """Kernel arguments as ctypes values (the driver reads each through a pointer): numpy scalars by
+    type, ``bytes`` as a byte array of the struct."""
+    return [(ctypes.c_uint8 * len(a)).from_buffer_copy(a) if isinstance(a, bytes) else _C_TYPES[type(a)](a.item())
+            for a in args]
+
+
 def pdl_launch(function_ptr: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream_ptr: int,
                args: list) -> None:
     """``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: a launch
     that may start before the previous kernel on the stream has finished; the kernel must wait for
     it (``griddepcontrol.wait``) before reading its results. Arguments typed as :func:`launch`'s
     (``ptr``, ``i64``, ``i32``, ``f32``). Captured into CUDA graphs as a programmatic edge."""
-    values = [_C_TYPES[type(a)](a.item()) for a in args]
+    values = _c_values(args)
     params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     _launch_ex(function_ptr, grid, block, shared_mem, stream_ptr, params, _pdl_attribute(),
                "programmatic dependent launch")

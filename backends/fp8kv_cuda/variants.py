@@ -164,6 +164,8 @@ def prefill_mma_variant(fmt: str, io_dtype: str, head_size: int = 128, warps: in
 WGMMA_PREFILL_FORMATS = ("fp8_e4m3",)
 """Cache formats of the sm90 prefill kernel (``csrc/prefill_wgmma.cu``)."""
 WGMMA_STAGES = 3
+WGMMA_BLOCK_N = 64
+"""Keys per tile of the sm90 prefill kernel."""
 WGMMA_THREADS = 384
 SM90A_KERNELS = ("prefill_wgmma",)
 """Kernel families built for ``sm_90a`` (wgmma and setmaxnreg need the architecture-specific target)."""
@@ -175,12 +177,13 @@ def arch_target(kernel: str, sm: int) -> str:
     return f"sm_{sm}a" if kernel in SM90A_KERNELS else f"sm_{sm}"
 
 
-def prefill_wgmma_variant(io_dtype: str, pingpong: bool = True) -> Variant:
+def prefill_wgmma_variant(io_dtype: str, pingpong: bool = True, tma: bool = True) -> Variant:
     """The sm90 (wgmma) chunked-prefill kernel: e4m3 cache, static scales, head size 128, float16 or
-    bfloat16 queries; ``pingpong``: its two consumer warpgroups issue their products in turn."""
+    bfloat16 queries; ``pingpong``: its two consumer warpgroups issue their products in turn; ``tma``:
+    K and V tiles loaded by TMA (:mod:`fp8kv_cuda.tma`), else by cp.async (caches TMA cannot describe)."""
     return Variant("prefill_wgmma", "fp8_e4m3", (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
                                                  ("FP8KV_FULL_P_KEYS", FULL_P_KEYS), ("FP8KV_STAGES", WGMMA_STAGES),
-                                                 ("FP8KV_PINGPONG", int(pingpong))))
+                                                 ("FP8KV_PINGPONG", int(pingpong)), ("FP8KV_TMA", int(tma))))
 
 
 def codec_variant(fmt: str) -> Variant:

@@ -125,37 +125,13 @@ def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_s
 
 def tma_maps(cache) -> tuple[bytes, bytes, int, int] | None:
     """TMA descriptors of the K and V caches for the kernel (``tmap_k``, ``tmap_v``, ``head_inner``,
-    ``box_rows``), or None where TMA cannot describe them (the kernel then copies with cp.async): a
-    page that neither divides 128 keys nor is a multiple of them, K and V with their head and key
-    strides in different orders, or addresses and strides that are not multiples of 16 bytes."""
-    from fp8kv_triton.kernels import cache_strides
+    ``box_rows``: :func:`fp8kv_cuda.tma.paged_cache_maps` for 128-key tiles), or None where TMA cannot
+    describe them (the kernel then copies with cp.async): a page that neither divides 128 keys nor is
+    a multiple of them, K and V with their head and key strides in different orders, or addresses and
+    strides that are not multiples of 16 bytes."""
+    from fp8kv_cuda.tma import paged_cache_maps
 
-    page = cache.block_size
-    if not (128 % page == 0 or page % 128 == 0):
-        return None
-    rows = min(page, BLOCK_N)
-    strides = {which: cache_strides(cache, which) for which in ("key", "value")}
-    head_inner = {which: kh <= kt for which, (_, kt, kh) in strides.items()}
-    if head_inner["key"] != head_inner["value"]:
-        return None
-    inner = head_inner["key"]
-    H, nblk = cache.num_kv_heads, cache.key_cache.shape[0]
-    maps = []
-    for which, t in (("key", cache.key_cache), ("value", cache.value_cache)):
-        kb, kt, kh = strides[which]
-        if t.data_ptr() % 16 or any(x % 16 or x <= 0 for x in (kb, kt, kh)):
-            return None
-        dims, st, box = ((HEAD_SIZE, H, page, nblk), (kh, kt, kb), (HEAD_SIZE, 1, rows, 1)) if inner else \
-            ((HEAD_SIZE, page, H, nblk), (kt, kh, kb), (HEAD_SIZE, rows, 1, 1))
-        maps.append(_tensor_map(t.data_ptr(), dims, st, box))
-    return maps[0], maps[1], int(inner), rows
-
-
-@functools.lru_cache(maxsize=512)
-def _tensor_map(address: int, dims, strides, box) -> bytes:
-    from fp8kv_cuda import runtime
-
-    return runtime.tensor_map_uint8(address, dims, strides, box)
+    return paged_cache_maps(cache, BLOCK_N)
 
 
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,

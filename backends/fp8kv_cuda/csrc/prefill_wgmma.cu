@@ -9,11 +9,17 @@
 //
 // CTA = 3 warpgroups, rows as prefill_mma.cu (row = (token - first token) * group + query head, 128
 // rows from the end of the sequence's rows first), tiles of 64 keys, STAGES in flight:
-//   warpgroup 0, the producer: copies each tile's K and V codes (cp.async, 16 bytes, through the block
-//     table; keys past the CTA's range or with a block id outside the cache zero-filled and marked
-//     invalid), widens K to the query's 16-bit type (exact: every e4m3 value is a float16 and a
-//     bfloat16) and V to float16 transposed (V^T, K-major, as wgmma's B wants it), flags tiles with a
-//     NaN V code, and hands the tile over on an mbarrier;
+//   warpgroup 0, the producer: loads each tile's K and V codes through the block table, widens K to
+//     the query's 16-bit type (exact: every e4m3 value is a float16 and a bfloat16) and V to float16
+//     transposed (V^T, K-major, as wgmma's B wants it), flags tiles with a NaN V code, and hands the
+//     tile over on an mbarrier. Loads (FP8KV_TMA):
+//       1: TMA, one box per page (per 64 keys of a longer page) into a ring of RAW_STAGES raw tiles in
+//          the 128-byte swizzle, issued by warp 0 RAW_STAGES tiles ahead; a box whose block id is
+//          outside the cache gets a block coordinate outside the tensor map (zero-filled); the keys
+//          past the CTA's range or in such a box are marked invalid, and their V rows widened as zeros
+//          (a whole page lands: p = 0 times a NaN code would still be NaN);
+//       0: cp.async, 16 bytes a copy (caches TMA cannot describe: fp8kv_cuda.tma), invalid keys
+//          zero-filled, one raw tile per stage;
 //   warpgroups 1 and 2, the consumers, 64 rows each: Q staged once as it is (16-bit), then per tile
 //     S = Q K^T (8 wgmma m64n64k16, exact products, float32 accumulation), the online softmax
 //     (p = 2^(s f - m), l += p in float32), P as float16 (hi + lo where a row sees fewer than
@@ -25,8 +31,8 @@
 // ids outside [0, num_blocks) never loaded (the keys masked), rows past a sequence's queries neither
 // read nor written.
 //
-// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_FULL_P_KEYS, FP8KV_STAGES, FP8KV_PINGPONG, and
-// the format's (e4m3 only).
+// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_FULL_P_KEYS, FP8KV_STAGES, FP8KV_PINGPONG, FP8KV_TMA,
+// and the format's (e4m3 only).
 #include "attention_common.cuh"
 #include "wgmma_common.cuh"
 
@@ -43,21 +49,25 @@ constexpr bool BF16 = QT == 2;
 constexpr int ROW16 = 2 * D;        // bytes of a 16-bit Q or K row
 constexpr int SBO16 = 8 * ROW16;    // 8-row groups of the 16-bit Q and K tiles
 constexpr int VT_SBO = 8 * 2 * BLOCK_N + 16;  // 8-dim groups of V^T (64 keys x 2 bytes a dim, + 16)
-constexpr int RAW_PITCH = 144;      // bytes a raw key row (128 + 16: conflict-free reads)
+constexpr bool TMA = FP8KV_TMA != 0;
+constexpr int RAW_STAGES = TMA ? 4 : STAGES;  // raw tiles in flight (TMA: loaded RAW_STAGES tiles ahead)
+constexpr int RAW_PITCH = TMA ? 128 : 144;    // bytes a raw key row (TMA: sw128; cp.async: + 16, conflict-free)
 
 static_assert(QT == 1 || QT == 2, "prefill_wgmma.cu: float16 or bfloat16 queries");
 static_assert(FP8KV_MANT == 3 && FP8KV_BIAS == 7 && !FP8KV_FNUZ, "prefill_wgmma.cu: the OCP e4m3 format");
 
-struct __align__(128) WgmmaShared {
-    u8 q[BLOCK_M * ROW16];                // Q, K-major (consumer cw's 64 rows at 16384 cw)
-    u8 k[STAGES][BLOCK_N * ROW16];        // K in the query's type, K-major
-    u8 vt[STAGES][(D / 8) * VT_SBO];      // V^T in float16, K-major (rows = dims)
-    u8 kr[STAGES][BLOCK_N * RAW_PITCH];   // raw K and V codes as copied
-    u8 vr[STAGES][BLOCK_N * RAW_PITCH];
-    u8 valid[STAGES][BLOCK_N];            // 1: the key is in the CTA's range and its block id in the cache
-    u32 vnan[STAGES];                     // nonzero: the tile has a NaN V code
-    u32 abort;                            // nonzero: the CTA hands back (redo[cta] = 1)
-    u64 full[STAGES], empty[STAGES];      // mbarriers: tile ready (producer), tile consumed (consumers)
+struct __align__(1024) WgmmaShared {          // (1024: the swizzled raw tiles' alignment)
+    u8 kr[RAW_STAGES][BLOCK_N * RAW_PITCH];  // raw K and V codes as loaded (TMA: sw128)
+    u8 vr[RAW_STAGES][BLOCK_N * RAW_PITCH];
+    u8 q[BLOCK_M * ROW16];                   // Q, K-major (consumer cw's 64 rows at 16384 cw)
+    u8 k[STAGES][BLOCK_N * ROW16];           // K in the query's type, K-major
+    u8 vt[STAGES][(D / 8) * VT_SBO];         // V^T in float16, K-major (rows = dims)
+    u8 valid[STAGES][BLOCK_N];               // 1: the key is in the CTA's range and its block id in the cache
+    u8 raw_valid[RAW_STAGES][BLOCK_N];       // (TMA) the same for a raw tile, as its loader flagged it
+    u32 vnan[STAGES];                        // nonzero: the tile has a NaN V code
+    u32 abort;                               // nonzero: the CTA hands back (redo[cta] = 1)
+    u64 full[STAGES], empty[STAGES];         // mbarriers: tile ready (producer), tile consumed (consumers)
+    u64 loaded[RAW_STAGES];                  //   (TMA) a raw tile landed
 };
 constexpr int WGMMA_SMEM_BYTES = (int)sizeof(WgmmaShared);
 
@@ -108,18 +118,23 @@ __device__ __forceinline__ void issue_tile(WgmmaShared& sh, const Cta& cta, int 
     cp_async_commit();
 }
 
-// Stage s's raw codes (landed) to K in the query's type and V^T in float16; returns this thread's
-// NaN-V-byte bits.
-__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
+// Byte b of raw key row `key` in a raw tile
+__device__ __forceinline__ u32 raw_off(int key, int b) { return TMA ? sw128(key, b) : (u32)(key * RAW_PITCH + b); }
+
+// Raw tile rs (landed) to K in the query's type and V^T in float16 in stage s; returns this thread's
+// NaN-V-byte bits. ZERO_INVALID: V rows of keys not flagged in raw_valid[rs] are taken as zeros (TMA
+// loads whole pages).
+template <bool ZERO_INVALID>
+__device__ __forceinline__ int widen_tile(WgmmaShared& sh, int rs, int s) {
     const int pt = threadIdx.x, warp = pt >> 5, lane = pt & 31;
     // K: thread (kq, ch, kg) widens chunk ch (16 codes) of keys 8 (2 i + kg) + kq into 32 bytes (the 8
-    // lanes of a quarter warp take 8 keys of one chunk: conflict-free reads and stores)
+    // lanes of a quarter warp take 8 keys of one chunk: conflict-free reads, in either raw layout, and stores)
     {
         const int kq = pt & 7, ch = (pt >> 3) & 7, kg = pt >> 6;
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 16; ++i) {
             const int key = 8 * (2 * i + kg) + kq;
-            const uint4 x = *reinterpret_cast<const uint4*>(sh.kr[s] + key * RAW_PITCH + 16 * ch);
+            const uint4 x = *reinterpret_cast<const uint4*>(sh.kr[rs] + raw_off(key, 16 * ch));
             const u32 w[4] = {x.x, x.y, x.z, x.w};
             u32 o[8];
 #pragma unroll
@@ -134,28 +149,40 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int s) {
             *reinterpret_cast<uint4*>(sh.k[s] + kmajor(key, 32 * ch + 16, SBO16)) = make_uint4(o[4], o[5], o[6], o[7]);
         }
     }
-    // V^T: a lane moves a 4 x 4 byte block (keys 4 w .. 4 w + 3 of a 16-key chunk, dims 4 a' .. 4 a' + 3)
-    // per step, widened: V^T[dim][key] at kmajor(dim, 2 key, VT_SBO). Warp `warp` takes chunk `warp`,
-    // step dg dims 4 a + 32 dg + j: every address is the thread's base plus a constant.
+    // V^T: warp `warp` takes keys 16 warp .. 16 warp + 15; per step (kh, dh) lane (a, w) = (lane % 16,
+    // lane / 16) moves the 4 x 4 byte block of keys key0 .. key0 + 3 (key0 = 16 warp + 8 kh + 4 w) and
+    // dims 64 dh + 4 a .. + 3, widened: V^T[dim][key] at kmajor(dim, 2 key, VT_SBO). The loads are
+    // conflict-free in both raw layouts (sw128: key % 8 = 4 w + i, so the 32 lanes' 16-byte chunks
+    // (4 dh + a / 4) ^ (4 w + i) are 8 different ones), the 8-byte stores take the minimum two wavefronts.
     int nan = 0;
-    const int a = lane & 7, w = lane >> 3, key0 = 16 * warp + 4 * w;
-    const u8* src = sh.vr[s] + key0 * RAW_PITCH + 4 * a;
-    u8* dst = sh.vt[s] + kmajor(4 * a, 2 * key0, VT_SBO);  // + 16 j + 4 dg VT_SBO for dim 4 a + 32 dg + j
+    const int a = lane & 15, w = lane >> 4;
+    // (32-bit shared addresses, each the thread's base plus a constant, or an XOR with one, for sw128:
+    // raw byte (key0 + i, 64 dh + 4 a) = row * 128 + 16 ((4 dh + a / 4) ^ (4 w + i)) + 4 (a % 4))
+    const u32 src = smem_addr(sh.vr[rs]) + (u32)(16 * warp + 4 * w) * RAW_PITCH + (TMA ? 4 * (a & 3) : 4 * a);
+    const u32 swz = (u32)(64 * w + 16 * (a >> 2));
+    const u32 dst = smem_addr(sh.vt[s]) + kmajor(4 * a, 32 * warp + 8 * w, VT_SBO);  // dims 4 a + j: + 16 j
 #pragma unroll
-    for (int dg = 0; dg < 4; ++dg) {
-        u32 x[4];
+    for (int kh = 0; kh < 2; ++kh) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            x[i] = *reinterpret_cast<const u32*>(src + i * RAW_PITCH + 32 * dg);
-            nan |= (int)nonfinite_bytes(x[i]);
-        }
-        u32 y[4];
-        transpose4x4(x, y);
+        for (int dh = 0; dh < 2; ++dh) {
+            u32 x[4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {  // dim 4 a + 32 dg + j, keys key0 .. key0 + 3, in float16
-            uint2 v;
-            widen_native(y[j], v.x, v.y);
-            *reinterpret_cast<uint2*>(dst + 16 * j + 4 * dg * VT_SBO) = v;
+            for (int i = 0; i < 4; ++i) {
+                const u32 row = src + (u32)((8 * kh + i) * RAW_PITCH);
+                const u32 at = TMA ? row + (swz ^ (u32)(64 * dh + 16 * i)) : row + (u32)(64 * dh);
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(at));
+                if (ZERO_INVALID && !sh.raw_valid[rs][16 * warp + 8 * kh + 4 * w + i]) x[i] = 0u;
+                nan |= (int)nonfinite_bytes(x[i]);
+            }
+            u32 y[4];
+            transpose4x4(x, y);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // dim 64 dh + 4 a + j, keys key0 .. key0 + 3, in float16
+                u32 lo, hi;
+                widen_native(y[j], lo, hi);
+                asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(dst + (u32)(8 * dh * VT_SBO + 128 * kh + 16 * j)),
+                             "r"(lo), "r"(hi));
+            }
         }
     }
     return nan;
@@ -169,10 +196,78 @@ __device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, cons
         issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
     };
     auto finish = [&](int t) {  // (after the producer's barrier: vnan's reset is seen)
-        const int nan = widen_tile(sh, t % STAGES);
+        const int nan = widen_tile<false>(sh, t % STAGES, t % STAGES);
         if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[t % STAGES], 1u);
     };
     producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
+}
+
+// The TMA loads' tensor maps (fp8kv_cuda.tma.paged_cache_maps): each cache as a 4-d uint8 tensor (128
+// codes, X, Y, blocks), 128-byte swizzle, box (128, 1 or box_rows, box_rows or 1, 1); X, Y = KV head, key
+// in the page when head_inner (the smaller stride first), else the other way round.
+struct TmaMaps {
+    const TensorMap *k, *v;
+    int head_inner, box_rows;  // box_rows = min(page, BLOCK_N); BLOCK_N % page == 0 or page % BLOCK_N == 0
+};
+
+// Tile t's raw K and V codes into raw tile t % RAW_STAGES by warp 0 (lane 0..31), landing on
+// sh.loaded[rs] (one arrival: the expect_tx), with the flags of its keys in raw_valid[rs] (lane l: keys
+// 2 l, 2 l + 1). A box's block id is read only for a box starting before the CTA's last key (n < ke <=
+// the clamped length <= the table's keys: inside the table row).
+__device__ __forceinline__ void load_tile_tma(WgmmaShared& sh, const Cta& cta, const TmaMaps& tm, const int* bt_row,
+                                              int t, int lane, int block_size, int bs_shift, int num_blocks) {
+    const int rs = t % RAW_STAGES, n0 = cta.n_start + t * BLOCK_N;
+    auto page_of = [&](int n) { return bs_shift >= 0 ? n >> bs_shift : n / block_size; };
+    u32 flags = 0;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+        const int n = n0 + 2 * lane + j;
+        const int id = n >= cta.kb && n < cta.ke ? __ldg(bt_row + page_of(n)) : -1;
+        flags |= (u32)(id >= 0 && id < num_blocks) << (8 * j);
+    }
+    reinterpret_cast<unsigned short*>(sh.raw_valid[rs])[lane] = (unsigned short)flags;
+    __syncwarp();
+    if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[rs], 2 * BLOCK_N * 128);  // (releases the warp's flags)
+    for (int box = lane; box * tm.box_rows < BLOCK_N; box += 32) {
+        const int n = n0 + box * tm.box_rows, page = page_of(n);
+        const int id = n < cta.ke ? __ldg(bt_row + page) : -1;
+        const int c3 = id >= 0 && id < num_blocks ? id : num_blocks, r = n - page * block_size;
+        const int c1 = tm.head_inner ? cta.h : r, c2 = tm.head_inner ? r : cta.h;
+        const u32 off = (u32)(box * tm.box_rows * 128);
+        tma_load_4d(smem_addr(sh.kr[rs]) + off, tm.k, 0, c1, c2, c3, &sh.loaded[rs]);
+        tma_load_4d(smem_addr(sh.vr[rs]) + off, tm.v, 0, c1, c2, c3, &sh.loaded[rs]);
+    }
+}
+
+// The producer with TMA loads: warp 0 keeps RAW_STAGES tiles in flight; all four warps widen tile t
+// (raw tile t % RAW_STAGES) into stage t % STAGES once its consumers are done with that stage, copy its
+// key flags there, and hand it over on full[s]; warp 0 then loads tile t + RAW_STAGES into the raw
+// tile just read.
+__device__ void produce_tma(WgmmaShared& sh, const Cta& cta, const TmaMaps& tm, const int* bt_row, int block_size,
+                            int num_blocks) {
+    const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp == 0) {
+        for (int t = 0; t < RAW_STAGES && t < cta.ntiles; ++t)
+            load_tile_tma(sh, cta, tm, bt_row, t, lane, block_size, bs_shift, num_blocks);
+    }
+    for (int t = 0; t < cta.ntiles; ++t) {
+        const int s = t % STAGES, rs = t % RAW_STAGES;
+        mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
+        mbar_wait(&sh.loaded[rs], (t / RAW_STAGES) & 1);
+        const bool all_valid = __all_sync(
+            0xFFFFFFFFu, lane >= BLOCK_N / 4 || reinterpret_cast<const u32*>(sh.raw_valid[rs])[lane] == 0x01010101u);
+        const int nan = all_valid ? widen_tile<false>(sh, rs, s) : widen_tile<true>(sh, rs, s);
+        if (threadIdx.x < BLOCK_N / 4)
+            reinterpret_cast<u32*>(sh.valid[s])[threadIdx.x] = reinterpret_cast<const u32*>(sh.raw_valid[rs])[threadIdx.x];
+        if (threadIdx.x == 0) sh.vnan[s] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
+        named_sync(1, 128);  // raw tile rs read by every producer thread; vnan's reset seen
+        if (__any_sync(0xFFFFFFFFu, nan != 0) && lane == 0) atomicOr(&sh.vnan[s], 1u);
+        fence_async_shared();
+        mbar_arrive(&sh.full[s]);
+        if (warp == 0 && t + RAW_STAGES < cta.ntiles)
+            load_tile_tma(sh, cta, tm, bt_row, t + RAW_STAGES, lane, block_size, bs_shift, num_blocks);
+    }
 }
 
 // ---- the consumers ----
@@ -271,10 +366,15 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float
 }  // namespace fp8kv
 
 // Parameters and grid as fp8kv_prefill_mma (split == 0, use_cap == 0: the launcher's choice).
+// FP8KV_TMA: tmap_k, tmap_v, tma_head_inner and tma_box_rows as TmaMaps describes (unused without).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8KV_ATTENTION_PARAMS(D_arg),
-                                                                              int* __restrict__ redo) {
-    extern __shared__ __align__(128) u8 wgmma_smem[];
+                                                                              int* __restrict__ redo,
+                                                                              const __grid_constant__ TensorMap tmap_k,
+                                                                              const __grid_constant__ TensorMap tmap_v,
+                                                                              int tma_head_inner, int tma_box_rows) {
+    extern __shared__ __align__(1024) u8 wgmma_smem[];
     trap_unless_smem(WGMMA_SMEM_BYTES);
+    if (smem_addr(wgmma_smem) & 1023u) __trap();  // (the swizzled raw tiles need 1024-byte alignment)
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
     const i64 cta_id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
     const int s = blockIdx.z;  // one split: grid z = num_seqs
@@ -317,13 +417,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
             mbar_init(&sh.full[st], 128);
             mbar_init(&sh.empty[st], 256);
         }
+        for (int st = 0; st < RAW_STAGES; ++st) mbar_init(&sh.loaded[st], 1);
+        fence_mbarrier_init();  // (visible to the TMA unit)
         sh.abort = 0u;
     }
     __syncthreads();
     if (threadIdx.x < 128) {
         producer_registers();
-        produce(sh, cta, block_tables + (i64)s * bt_stride, key_cache + (i64)cta.h * k_sh, value_cache + (i64)cta.h * v_sh,
-                k_sb, k_st, v_sb, v_st, block_size, num_blocks);
+        if constexpr (TMA) {
+            const TmaMaps tm{&tmap_k, &tmap_v, tma_head_inner, tma_box_rows};
+            produce_tma(sh, cta, tm, block_tables + (i64)s * bt_stride, block_size, num_blocks);
+        } else {
+            produce(sh, cta, block_tables + (i64)s * bt_stride, key_cache + (i64)cta.h * k_sh,
+                    value_cache + (i64)cta.h * v_sh, k_sb, k_st, v_sb, v_st, block_size, num_blocks);
+        }
         return;
     }
     consumer_registers();
@@ -406,18 +513,19 @@ extern "C" __global__ void __launch_bounds__(128, 1) fp8kv_wgmma16_layout_test(c
                                                                                 u16* __restrict__ P_out,
                                                                                 float* __restrict__ O_out,
                                                                                 float p_scale) {
-    extern __shared__ __align__(128) u8 wgmma_smem[];
+    extern __shared__ __align__(1024) u8 wgmma_smem[];
     trap_unless_smem(WGMMA_SMEM_BYTES);
+    if (smem_addr(wgmma_smem) & 1023u) __trap();
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, r = lane >> 2, c = lane & 3;
     for (int i = tid; i < 64 * 16; i += 128)  // Q rows: 16 chunks of 16 bytes
         *reinterpret_cast<uint4*>(sh.q + kmajor(i >> 4, 16 * (i & 15), SBO16)) = reinterpret_cast<const uint4*>(Q)[i];
     for (int i = tid; i < 64 * 8; i += 128) {
-        *reinterpret_cast<uint4*>(sh.kr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(K)[i];
-        *reinterpret_cast<uint4*>(sh.vr[0] + (i >> 3) * RAW_PITCH + 16 * (i & 7)) = reinterpret_cast<const uint4*>(V)[i];
+        *reinterpret_cast<uint4*>(sh.kr[0] + raw_off(i >> 3, 16 * (i & 7))) = reinterpret_cast<const uint4*>(K)[i];
+        *reinterpret_cast<uint4*>(sh.vr[0] + raw_off(i >> 3, 16 * (i & 7))) = reinterpret_cast<const uint4*>(V)[i];
     }
     __syncthreads();
-    widen_tile(sh, 0);
+    widen_tile<false>(sh, 0, 0);
     fence_async_shared();
     __syncthreads();
     float sa[32], o[64];

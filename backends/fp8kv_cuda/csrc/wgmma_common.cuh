@@ -115,6 +115,11 @@ __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool ok) {  // zero-filled unless ok
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(ok ? 16 : 0) : "memory");
 }
+// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), encoded on the host (fp8kv_cuda.runtime.tensor_map_uint8)
+// and passed as a __grid_constant__ kernel parameter (or a field of one)
+struct alignas(64) TensorMap {
+    u64 words[16];
+};
 // TMA: the box at coordinates (c0, c1, c2, c3) of the 4-d tensor map `tmap` (a __grid_constant__ kernel
 // parameter) into shared memory at dst; its bytes complete on `bar` (coordinates outside the tensor are
 // zero-filled)

@@ -207,11 +207,6 @@ struct Cta {
     int ntiles;
 };
 
-// A CUtensorMap (opaque, 128 bytes, 64-byte aligned), encoded on the host (fp8kv_cuda.runtime.tensor_map_uint8)
-struct alignas(64) TensorMap {
-    u64 words[16];
-};
-
 struct Params {
     // FP8KV_TMA: the K and V caches as 4-d uint8 tensors (128 codes, X, Y, blocks), 128-byte swizzle, box
     // (128, 1 or box_rows, box_rows or 1, 1); X, Y = KV head, key in the page when head_inner (the
