@@ -722,6 +722,53 @@ def test_wgmma_prefill_cache_layouts_with_nan_codes_past_the_sequence(layout, mo
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
                     reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
+@pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
+def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout, monkeypatch):
+    """fp8kv.testing.safety's hostile metadata at head size 128 (its own check runs at 16, which the wgmma
+    prefill does not serve): block ids num_blocks, 2^31 - 1 and -5, lengths past the table and negative,
+    query offsets past the step, host checks off. The cache is the middle of larger tensors filled with
+    NaN codes: the TMA boxes (a block coordinate outside the tensor map) and the cp.async loads (page
+    12) read none of them, nothing outside the cache is written, and the covered rows stay finite."""
+    from fp8kv_cuda import attention as cuda_attention
+    from fp8kv_cuda.attention import plan_prefill
+    from fp8kv_cuda.tma import paged_cache_maps
+
+    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", True)
+    page = 12 if layout.endswith("page12") else 16
+    lay = layout.split("-")[0]
+    H, HQ, D, NB, G = 2, 8, 128, 6, 2
+    shape = (NB + 2 * G, page, H, D) if lay == "NHD" else (NB + 2 * G, H, page, D)
+    parents = [torch.full(shape, 0x7F, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    cache = fp8kv.KVCache.from_tensors(parents[0][G:G + NB], parents[1][G:G + NB], kv_dtype="fp8_e4m3",
+                                       layout=lay, scale_granularity="head",
+                                       k_scale=torch.tensor([0.05, 0.02], device="cuda"),
+                                       v_scale=torch.tensor([0.07, 0.03], device="cuda"))
+    assert (paged_cache_maps(cache, 64) is None) == (page == 12)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(NB * page, H, D, generator=g).cuda()
+    fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device="cuda"))
+    snapshot = [p.clone() for p in parents]
+    tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device="cuda")
+    for lens, qsl, T in (([100, -3], [0, 1, 2], 2), ([30, 36], [0, 7, 3], 4), ([36, 36], [0, 150, 300], 300)):
+        q = torch.randn(T, HQ, D, generator=g).to("cuda", torch.bfloat16)
+        lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
+        p = plan_prefill(q.device, num_seqs=2, num_kv_heads=H, group=HQ // H, head_size=D, max_keys=3 * page,
+                         max_query_len=T, num_splits=1)
+        out = torch.full_like(q, float("nan"))
+        cuda_attention.paged_attention(q, cache, tables, lens_t, qsl_t, D**-0.5, True, None, None, out, None,
+                                       plan_=p)
+        torch.cuda.synchronize()
+        rows = torch.zeros(T, dtype=torch.bool, device="cuda")  # the rows some sequence's query range covers
+        for a, b in zip(qsl[:-1], qsl[1:], strict=True):
+            rows[max(a, 0):min(max(b, a), T)] = True
+        assert torch.isfinite(out[rows]).all(), (lens, qsl)
+    for a, b in zip(parents, snapshot, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp.async"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_wgmma16_layouts(dtype, tma):

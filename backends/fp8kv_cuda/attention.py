@@ -217,7 +217,7 @@ def wgmma_smem_bytes(head_size: int = 128, block_n: int = WGMMA_BLOCK_N, stages:
     size = 2 * raw_stages * block_n * pitch + 128 * 2 * head_size
     size += stages * (block_n * 2 * head_size + (head_size // 8) * (16 * block_n + 16) + block_n)
     size += raw_stages * block_n + 4 * stages + 4
-    size = -(-size // 8) * 8 + 8 * (2 * stages + raw_stages)
+    size = -(-size // 8) * 8 + 8 * (2 * stages + 2 * raw_stages)
     return -(-size // 1024) * 1024
 
 

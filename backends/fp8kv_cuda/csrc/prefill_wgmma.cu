@@ -52,6 +52,10 @@ constexpr int VT_SBO = 8 * 2 * BLOCK_N + 16;  // 8-dim groups of V^T (64 keys x 
 constexpr bool TMA = FP8KV_TMA != 0;
 constexpr int RAW_STAGES = TMA ? 4 : STAGES;  // raw tiles in flight (TMA: loaded RAW_STAGES tiles ahead)
 constexpr int RAW_PITCH = TMA ? 128 : 144;    // bytes a raw key row (TMA: sw128; cp.async: + 16, conflict-free)
+// setmaxnreg: the widening producer gets 96 registers (its loads all in flight before the conversions; at
+// 56 it was latency-bound: 1387 against 1233 us on the H100), the consumers 200 (no spills)
+constexpr int PRODUCER_REGS_WIDEN = 96;
+constexpr int CONSUMER_REGS_WIDEN = 200;
 
 static_assert(QT == 1 || QT == 2, "prefill_wgmma.cu: float16 or bfloat16 queries");
 static_assert(FP8KV_MANT == 3 && FP8KV_BIAS == 7 && !FP8KV_FNUZ, "prefill_wgmma.cu: the OCP e4m3 format");
@@ -64,10 +68,11 @@ struct __align__(1024) WgmmaShared {          // (1024: the swizzled raw tiles' 
     u8 vt[STAGES][(D / 8) * VT_SBO];         // V^T in float16, K-major (rows = dims)
     u8 valid[STAGES][BLOCK_N];               // 1: the key is in the CTA's range and its block id in the cache
     u8 raw_valid[RAW_STAGES][BLOCK_N];       // (TMA) the same for a raw tile, as its loader flagged it
-    u32 vnan[STAGES];                        // nonzero: the tile has a NaN V code
+    u8 vnan[STAGES][4];                      // per producer warp, nonzero: its part of the tile has a NaN V code
     u32 abort;                               // nonzero: the CTA hands back (redo[cta] = 1)
     u64 full[STAGES], empty[STAGES];         // mbarriers: tile ready (producer), tile consumed (consumers)
-    u64 loaded[RAW_STAGES];                  //   (TMA) a raw tile landed
+    u64 loaded[RAW_STAGES];                  //   (TMA) a raw tile landed,
+    u64 raw_free[RAW_STAGES];                //   (TMA) and was read by every producer thread
 };
 constexpr int WGMMA_SMEM_BYTES = (int)sizeof(WgmmaShared);
 
@@ -131,10 +136,14 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int rs, int s) {
     // lanes of a quarter warp take 8 keys of one chunk: conflict-free reads, in either raw layout, and stores)
     {
         const int kq = pt & 7, ch = (pt >> 3) & 7, kg = pt >> 6;
+        uint4 xs[BLOCK_N / 16];  // (every load first: one shared-memory latency, not one a row)
+#pragma unroll
+        for (int i = 0; i < BLOCK_N / 16; ++i)
+            xs[i] = *reinterpret_cast<const uint4*>(sh.kr[rs] + raw_off(8 * (2 * i + kg) + kq, 16 * ch));
 #pragma unroll
         for (int i = 0; i < BLOCK_N / 16; ++i) {
             const int key = 8 * (2 * i + kg) + kq;
-            const uint4 x = *reinterpret_cast<const uint4*>(sh.kr[rs] + raw_off(key, 16 * ch));
+            const uint4 x = xs[i];
             const u32 w[4] = {x.x, x.y, x.z, x.w};
             u32 o[8];
 #pragma unroll
@@ -161,6 +170,17 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int rs, int s) {
     const u32 src = smem_addr(sh.vr[rs]) + (u32)(16 * warp + 4 * w) * RAW_PITCH + (TMA ? 4 * (a & 3) : 4 * a);
     const u32 swz = (u32)(64 * w + 16 * (a >> 2));
     const u32 dst = smem_addr(sh.vt[s]) + kmajor(4 * a, 32 * warp + 8 * w, VT_SBO);  // dims 4 a + j: + 16 j
+    u32 xs[2][2][4];  // (every load first)
+#pragma unroll
+    for (int kh = 0; kh < 2; ++kh)
+#pragma unroll
+        for (int dh = 0; dh < 2; ++dh)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const u32 row = src + (u32)((8 * kh + i) * RAW_PITCH);
+                const u32 at = TMA ? row + (swz ^ (u32)(64 * dh + 16 * i)) : row + (u32)(64 * dh);
+                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(xs[kh][dh][i]) : "r"(at));
+            }
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh) {
 #pragma unroll
@@ -168,9 +188,7 @@ __device__ __forceinline__ int widen_tile(WgmmaShared& sh, int rs, int s) {
             u32 x[4];
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
-                const u32 row = src + (u32)((8 * kh + i) * RAW_PITCH);
-                const u32 at = TMA ? row + (swz ^ (u32)(64 * dh + 16 * i)) : row + (u32)(64 * dh);
-                asm volatile("ld.shared.b32 %0, [%1];" : "=r"(x[i]) : "r"(at));
+                x[i] = xs[kh][dh][i];
                 if (ZERO_INVALID && !sh.raw_valid[rs][16 * warp + 8 * kh + 4 * w + i]) x[i] = 0u;
                 nan |= (int)nonfinite_bytes(x[i]);
             }
@@ -192,12 +210,12 @@ __device__ void produce(WgmmaShared& sh, const Cta& cta, const int* bt_row, cons
                         i64 k_sb, i64 k_st, i64 v_sb, i64 v_st, int block_size, int num_blocks) {
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     auto issue = [&](int t) {
-        if (threadIdx.x == 0) sh.vnan[t % STAGES] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
         issue_tile(sh, cta, t, bt_row, kbase, vbase, k_sb, k_st, v_sb, v_st, block_size, bs_shift, num_blocks);
     };
-    auto finish = [&](int t) {  // (after the producer's barrier: vnan's reset is seen)
+    auto finish = [&](int t) {  // (its stage's readers, tile t - STAGES's consumers, are done)
         const int nan = widen_tile<false>(sh, t % STAGES, t % STAGES);
-        if (__any_sync(0xFFFFFFFFu, nan != 0) && (threadIdx.x & 31) == 0) atomicOr(&sh.vnan[t % STAGES], 1u);
+        const bool any = __any_sync(0xFFFFFFFFu, nan != 0);
+        if ((threadIdx.x & 31) == 0) sh.vnan[t % STAGES][threadIdx.x >> 5] = any ? 1 : 0;
     };
     producer_pipeline<STAGES>(sh.full, sh.empty, cta.ntiles, issue, finish);
 }
@@ -210,7 +228,7 @@ struct TmaMaps {
     int head_inner, box_rows;  // box_rows = min(page, BLOCK_N); BLOCK_N % page == 0 or page % BLOCK_N == 0
 };
 
-// Tile t's raw K and V codes into raw tile t % RAW_STAGES by warp 0 (lane 0..31), landing on
+// Tile t's raw K and V codes into raw tile t % RAW_STAGES by one warp (lane 0..31), landing on
 // sh.loaded[rs] (one arrival: the expect_tx), with the flags of its keys in raw_valid[rs] (lane l: keys
 // 2 l, 2 l + 1). A box's block id is read only for a box starting before the CTA's last key (n < ke <=
 // the clamped length <= the table's keys: inside the table row).
@@ -239,10 +257,10 @@ __device__ __forceinline__ void load_tile_tma(WgmmaShared& sh, const Cta& cta, c
     }
 }
 
-// The producer with TMA loads: warp 0 keeps RAW_STAGES tiles in flight; all four warps widen tile t
-// (raw tile t % RAW_STAGES) into stage t % STAGES once its consumers are done with that stage, copy its
-// key flags there, and hand it over on full[s]; warp 0 then loads tile t + RAW_STAGES into the raw
-// tile just read.
+// The producer with TMA loads, RAW_STAGES tiles in flight: all four warps widen tile t (raw tile
+// rs = t % RAW_STAGES) into stage t % STAGES once its consumers are done with that stage, copy its key
+// flags there, hand it over on full[s] and release the raw tile on raw_free[rs]; warp t % 4 then waits
+// for that release and loads tile t + RAW_STAGES into it (no barrier across the producer's warps).
 __device__ void produce_tma(WgmmaShared& sh, const Cta& cta, const TmaMaps& tm, const int* bt_row, int block_size,
                             int num_blocks) {
     const int bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
@@ -260,13 +278,15 @@ __device__ void produce_tma(WgmmaShared& sh, const Cta& cta, const TmaMaps& tm, 
         const int nan = all_valid ? widen_tile<false>(sh, rs, s) : widen_tile<true>(sh, rs, s);
         if (threadIdx.x < BLOCK_N / 4)
             reinterpret_cast<u32*>(sh.valid[s])[threadIdx.x] = reinterpret_cast<const u32*>(sh.raw_valid[rs])[threadIdx.x];
-        if (threadIdx.x == 0) sh.vnan[s] = 0u;  // (its readers, tile t - STAGES's consumers, are done)
-        named_sync(1, 128);  // raw tile rs read by every producer thread; vnan's reset seen
-        if (__any_sync(0xFFFFFFFFu, nan != 0) && lane == 0) atomicOr(&sh.vnan[s], 1u);
+        const bool any = __any_sync(0xFFFFFFFFu, nan != 0);
+        if (lane == 0) sh.vnan[s][warp] = any ? 1 : 0;  // (its readers, tile t - STAGES's consumers, are done)
         fence_async_shared();
         mbar_arrive(&sh.full[s]);
-        if (warp == 0 && t + RAW_STAGES < cta.ntiles)
+        mbar_arrive(&sh.raw_free[rs]);
+        if (warp == (t & 3) && t + RAW_STAGES < cta.ntiles) {
+            mbar_wait(&sh.raw_free[rs], (t / RAW_STAGES) & 1);
             load_tile_tma(sh, cta, tm, bt_row, t + RAW_STAGES, lane, block_size, bs_shift, num_blocks);
+        }
     }
 }
 
@@ -356,7 +376,8 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float
         fence_acc(sa);
         if (t == cta.ntiles) return;
         const int s = t % STAGES, n0 = cta.n_start + t * BLOCK_N;
-        if ((n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) && sh.vnan[s] && (ct & 127) == 0)
+        if ((n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) && *reinterpret_cast<const u32*>(sh.vnan[s]) != 0u &&
+            (ct & 127) == 0)
             atomicOr(&sh.abort, 1u);  // a NaN V code where some row does not see the whole tile
         softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, o, pa, pl);
     };
@@ -417,13 +438,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
             mbar_init(&sh.full[st], 128);
             mbar_init(&sh.empty[st], 256);
         }
-        for (int st = 0; st < RAW_STAGES; ++st) mbar_init(&sh.loaded[st], 1);
+        for (int st = 0; st < RAW_STAGES; ++st) {
+            mbar_init(&sh.loaded[st], 1);
+            mbar_init(&sh.raw_free[st], 128);
+        }
         fence_mbarrier_init();  // (visible to the TMA unit)
         sh.abort = 0u;
     }
     __syncthreads();
     if (threadIdx.x < 128) {
-        producer_registers();
+        producer_registers<PRODUCER_REGS_WIDEN, CONSUMER_REGS_WIDEN>();
         if constexpr (TMA) {
             const TmaMaps tm{&tmap_k, &tmap_v, tma_head_inner, tma_box_rows};
             produce_tma(sh, cta, tm, block_tables + (i64)s * bt_stride, block_size, num_blocks);
@@ -433,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
         }
         return;
     }
-    consumer_registers();
+    consumer_registers<PRODUCER_REGS_WIDEN, CONSUMER_REGS_WIDEN>();
     const int cw = threadIdx.x >= 256 ? 1 : 0, ct = threadIdx.x - 128 * (cw + 1);
     const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
 

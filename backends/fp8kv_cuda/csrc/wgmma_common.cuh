@@ -251,11 +251,17 @@ __device__ __forceinline__ void store_acc(float* out, int ld, const float (&d)[N
 constexpr int WS_THREADS = 384;
 constexpr int PRODUCER_REGS = 56;   // setmaxnreg: 128 x 56 + 256 x 224 = 384 x 168 (a 384-thread launch's pool)
 constexpr int CONSUMER_REGS = 224;
+// The producer warpgroup's and the consumers' register counts (multiples of 8); a split that asks for more
+// than the launch's pool would leave the consumers' setmaxnreg.inc waiting forever.
+template <int PRODUCER = PRODUCER_REGS, int CONSUMER = CONSUMER_REGS>
 __device__ __forceinline__ void producer_registers() {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+    static_assert(128 * PRODUCER + 256 * CONSUMER <= WS_THREADS * 168 && PRODUCER % 8 == 0, "setmaxnreg split");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER) : "memory");
 }
+template <int PRODUCER = PRODUCER_REGS, int CONSUMER = CONSUMER_REGS>
 __device__ __forceinline__ void consumer_registers() {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+    static_assert(128 * PRODUCER + 256 * CONSUMER <= WS_THREADS * 168 && CONSUMER % 8 == 0, "setmaxnreg split");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER) : "memory");
 }
 
 // Tiles t = 0..ntiles-1 go through STAGES shared-memory stages; full[s] (128 arrivals) says stage s holds
