@@ -48,7 +48,8 @@ def test_compiles_for_sm90a_without_spills(dtype, pingpong, tma):
     assert set(info) == {wgmma.ENTRY, wgmma.LAYOUT_TEST}, log[-2000:]
     assert "C7512" not in log, log  # "wgmma.mma_async instructions are serialized" (too few registers)
     assert "C7508" not in log, log  # setmaxnreg ignored
-    assert "C7515" not in log and "C7520" not in log, log  # wgmma serialized (accumulators written, divergence)
+    assert not any(c in log for c in ("C7514", "C7515", "C7520")), log  # wgmma serialized (accumulators read or
+    # written mid-stage, divergence)
     for entry, x in info.items():
         assert x["spill_stores"] == 0 and x["spill_loads"] == 0 and x["stack"] == 0, (entry, x)
     assert info[wgmma.ENTRY]["regs"] <= MAX_REGS, info
