@@ -99,11 +99,12 @@ def test_probe_notes_explain_toolkit_and_codec():
     assert device_notes(simulated("gfx942")) == [] and device_notes(simulated("cpu")) == []
 
 
-def test_decode_priority_only_where_measured_faster():
-    """cuda ranks above triton (110 > 100) only for decode-only attention its tensor-core kernel
-    serves on sm90; prefill, float32 queries, fnuz at D=256, sm80 keep None."""
+def test_priority_only_where_measured_faster():
+    """cuda ranks above triton (110 > 100) only on sm90 for decode-only attention its tensor-core kernel
+    serves and chunked prefill its wgmma kernel serves (e4m3, static scales, D=128, no soft-cap); other
+    prefill, float32 queries, fnuz at D=256, sm80 keep None."""
     import torch
-    from fp8kv_cuda.capabilities import DECODE_PRIORITY, priority
+    from fp8kv_cuda.capabilities import DECODE_PRIORITY, PREFILL_PRIORITY, priority
 
     from fp8kv.hookspecs import Request
 
@@ -115,10 +116,16 @@ def test_decode_priority_only_where_measured_faster():
     assert priority(h100, r(io=torch.float16, D=64, features=("sliding_window",))) == DECODE_PRIORITY
     assert priority(h100, r("fp8_e5m2", D=256)) == DECODE_PRIORITY
     assert priority(h100, r(gran="token_head")) == DECODE_PRIORITY
-    for no in (r(features=("chunked_prefill",)), r(io=torch.float32), r(D=40),
-               r("fp8_e4m3fnuz", D=256), r(op="write_kv"), r(features=("fp8_attention",))):
+    prefill = ("chunked_prefill",)
+    assert priority(h100, r(features=prefill)) == PREFILL_PRIORITY > 100
+    assert priority(h100, r(io=torch.float16, gran="head", features=(*prefill, "sliding_window"))) == PREFILL_PRIORITY
+    for no in (r(io=torch.float32), r(D=40), r("fp8_e4m3fnuz", D=256), r(op="write_kv"),
+               r(features=("fp8_attention",)), r("fp8_e5m2", features=prefill), r(D=64, features=prefill),
+               r(gran="token_head", features=prefill), r(features=(*prefill, "soft_cap")),
+               r(io=torch.float32, features=prefill), r(features=(*prefill, "fp8_attention"))):
         assert priority(h100, no) is None, no
-    assert priority(simulated("sm80"), r()) is None and priority(simulated("sm75"), r()) is None
+    for arch in ("sm80", "sm75"):
+        assert priority(simulated(arch), r()) is None and priority(simulated(arch), r(features=prefill)) is None
 
 
 def test_probe_command_shows_cuda_serving_on_sm70(capsys):

@@ -41,7 +41,7 @@ import torch
 from fp8kv.hookspecs import Request
 from fp8kv.probe import DeviceInfo
 
-from .variants import mma_arch_serves
+from .variants import WGMMA_PREFILL_FORMATS, mma_arch_serves
 
 _IO = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 MIN_SM = 70
@@ -150,14 +150,33 @@ DECODE_FASTER_ARCHES = frozenset({"sm90"})
 the four decode shapes). Other sm80+ architectures keep Triton until measured."""
 
 
+PREFILL_PRIORITY = 110
+"""Priority of chunked prefill the sm90 wgmma kernel serves on :data:`PREFILL_FASTER_ARCHES` (above
+Triton's 100)."""
+PREFILL_FASTER_ARCHES = frozenset({"sm90"})
+"""Where the wgmma prefill was measured faster than Triton's prefill (2026-11-26,
+``benchmarks/results/cuda_prefill/h100.json``, one run: 1.59x on 4 x 2048 over 2048 and 1.63x on
+1 x 16384 causal on the H100). It serves an e4m3 cache with static scales, head size 128, float16 or
+bfloat16 queries, no soft-cap; a step it cannot take at launch (a KV split for few CTAs, an unaligned
+query) runs the mma prefill kernel, 0.93-1.01x Triton on the same shapes."""
+
+
 def priority(device: DeviceInfo, request: Request) -> int | None:
     """:data:`DECODE_PRIORITY` for attention without chunked prefill (decode steps) that the
-    tensor-core kernel serves on an architecture where it was measured faster; else None. The
-    kernel's 16-byte row alignment is checked at launch (an unaligned cache falls back to the
-    CUDA-core kernel)."""
-    if (request.op != "paged_attention" or request.features & {"chunked_prefill", "fp8_attention"}
-            or device.arch not in DECODE_FASTER_ARCHES or device.sm is None
-            or request.io_dtype not in (torch.float16, torch.bfloat16)
+    tensor-core kernel serves on an architecture where it was measured faster;
+    :data:`PREFILL_PRIORITY` for chunked prefill the sm90 wgmma kernel serves; else None. The
+    kernels' alignment is checked at launch (an unaligned cache falls back to the CUDA-core kernel,
+    an unaligned query to the mma prefill kernel)."""
+    if (request.op != "paged_attention" or "fp8_attention" in request.features or device.sm is None
+            or request.io_dtype not in (torch.float16, torch.bfloat16)):
+        return None
+    if "chunked_prefill" in request.features:
+        if (device.arch in PREFILL_FASTER_ARCHES and request.kv_dtype in WGMMA_PREFILL_FORMATS
+                and request.head_size == 128 and request.scale_granularity in ("tensor", "head")
+                and "soft_cap" not in request.features):
+            return PREFILL_PRIORITY
+        return None
+    if (device.arch not in DECODE_FASTER_ARCHES
             or not mma_arch_serves(device.sm, request.kv_dtype, request.head_size, _IO[request.io_dtype])):
         return None
     return DECODE_PRIORITY
@@ -205,7 +224,11 @@ def device_notes(device: DeviceInfo) -> list[str]:
         mma = "decode on CUDA cores (Volta's m8n8k4 tensor cores are not used yet)"
     if device.arch in DECODE_FASTER_ARCHES:
         mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"
-    if device.sm >= 80:
+    if device.arch in PREFILL_FASTER_ARCHES:
+        prefill = ("chunked prefill on wgmma tensor cores (e4m3, float16/bfloat16 queries, static scales, head size "
+                   f"128, no soft-cap; ranked above triton on {device.arch}: measured faster), else on mma.sync "
+                   "tensor cores below triton")
+    elif device.sm >= 80:
         prefill = ("chunked prefill on tensor cores (float16/bfloat16 queries, static scales, head size 128; "
                    "not faster than triton, so ranked below it)")
     elif device.sm >= 75:

@@ -1,7 +1,8 @@
 """The CUDA backend as an fp8kv plugin (entry point ``cuda`` in ``fp8kv.backends``).
 
-Priority 90: below Triton (100) wherever both serve (NVIDIA sm80+), except decode-only steps on
-sm90 that its tensor-core kernel serves (110: measured faster, ``capabilities.priority``); above
+Priority 90: below Triton (100) wherever both serve (NVIDIA sm80+), except on sm90 decode-only steps
+that its tensor-core kernel serves and chunked prefill that its wgmma kernel serves (110: measured
+faster, ``capabilities.priority``); above
 the reference (0) everywhere; on sm70/sm75, where Triton does not run, it is what ``auto``
 picks. CuPy and the kernels are imported only when an op runs.
 """
