@@ -165,6 +165,49 @@ def test_the_sm90_wgmma_prefill_compiles_without_spills(io_dtype, pingpong, tma)
     cc.compile_text(source(v.kernel) + probe, "probe.cu", options(v), "compute_90a", ptx=True)
 
 
+def test_tma_maps_decline_what_a_box_cannot_cover(monkeypatch):
+    """fp8kv_cuda.tma.paged_cache_maps for the sm90 prefill's 64-key tiles: pages that neither divide 64
+    keys nor are a multiple of them, K and V with their head and key strides ordered differently, and a
+    cache the driver's encoder refuses all go to the cp.async loads (None); the boxes otherwise cover a
+    page (or 64 keys of a longer one) of one head, dimensions ordered by stride."""
+    import dataclasses
+
+    from fp8kv_cuda import runtime, tma
+
+    import fp8kv
+    from fp8kv.errors import InvalidArgument
+
+    calls = []
+
+    def encode(address, dims, strides, box):
+        calls.append((dims, strides, box))
+        return bytes(runtime.TENSOR_MAP_BYTES)
+
+    monkeypatch.setattr(runtime, "tensor_map_uint8", encode)
+    tma._tensor_map.cache_clear()
+    for page in (12, 48, 96, 200):
+        cache = fp8kv.KVCache.allocate(4, page, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+        assert tma.paged_cache_maps(cache, 64) is None, page
+    nhd = fp8kv.KVCache.allocate(4, 16, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    hnd = fp8kv.KVCache.allocate(4, 16, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor", layout="HND")
+    mixed = dataclasses.replace(nhd, value_cache=hnd.value_cache.permute(0, 2, 1, 3))  # V: HND strides
+    assert tma.paged_cache_maps(mixed, 64) is None and not calls
+    expected = ((nhd, 1, (128, 2, 16, 4), (128, 1, 16, 1)), (hnd, 0, (128, 16, 2, 4), (128, 16, 1, 1)))
+    for cache, inner, dims, box in expected:
+        _, _, head_inner, rows = tma.paged_cache_maps(cache, 64)
+        assert (head_inner, rows) == (inner, 16) and calls[-1][0] == dims and calls[-1][2] == box
+    long_pages = fp8kv.KVCache.allocate(2, 256, 2, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    assert tma.paged_cache_maps(long_pages, 64)[3] == 64 and calls[-1][2] == (128, 1, 64, 1)
+
+    def refuse(*args):
+        raise InvalidArgument("cuTensorMapEncodeTiled refused")
+
+    monkeypatch.setattr(runtime, "tensor_map_uint8", refuse)
+    tma._tensor_map.cache_clear()
+    assert tma.paged_cache_maps(nhd, 64) is None
+    tma._tensor_map.cache_clear()
+
+
 def test_the_wgmma_prefill_producer_maps_cover_each_byte_once():
     """``csrc/prefill_wgmma.cu``'s producer, as the kernel indexes it: the K widening writes every
     (key, 16-byte chunk) of a 64-key tile once, the V transpose every (dim, key) of V^T once with the

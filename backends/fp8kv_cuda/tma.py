@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 
 from fp8kv.cache import KVCache
+from fp8kv.errors import InvalidArgument
 
 from .write import cache_strides
 
@@ -22,8 +23,9 @@ def paged_cache_maps(cache: KVCache, block_n: int) -> tuple[bytes, bytes, int, i
     """``(tmap_k, tmap_v, head_inner, box_rows)`` for tiles of ``block_n`` keys of ``cache`` (head size
     at most 128 bytes a row), or None where TMA cannot describe it and the kernel must copy with
     cp.async: a page that neither divides ``block_n`` keys nor is a multiple of them, K and V with
-    their head and key strides in different orders, or addresses and strides that are not multiples
-    of 16 bytes (TMA's alignment)."""
+    their head and key strides in different orders, addresses and strides that are not multiples of
+    16 bytes (TMA's alignment), or a tensor the driver's ``cuTensorMapEncodeTiled`` refuses (a
+    dimension or stride beyond its limits)."""
     page, D = cache.block_size, cache.head_size
     if not (block_n % page == 0 or page % block_n == 0) or D * cache.key_cache.element_size() > 128:
         return None
@@ -41,7 +43,10 @@ def paged_cache_maps(cache: KVCache, block_n: int) -> tuple[bytes, bytes, int, i
             return None
         dims, st, box = ((D, H, page, nblk), (kh, kt, kb), (D, 1, rows, 1)) if inner else \
             ((D, page, H, nblk), (kt, kh, kb), (D, rows, 1, 1))
-        maps.append(_tensor_map(t.data_ptr(), dims, st, box))
+        try:
+            maps.append(_tensor_map(t.data_ptr(), dims, st, box))
+        except InvalidArgument:  # (the driver's limits: the cp.async loads serve the cache)
+            return None
     return maps[0], maps[1], int(inner), rows
 
 
