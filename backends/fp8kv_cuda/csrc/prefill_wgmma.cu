@@ -14,7 +14,8 @@
 //     transposed (V^T, K-major, as wgmma's B wants it), flags tiles with a NaN V code, and hands the
 //     tile over on an mbarrier. Loads (FP8KV_TMA):
 //       1: TMA, one box per page (per 64 keys of a longer page) into a ring of RAW_STAGES raw tiles in
-//          the 128-byte swizzle, issued by warp 0 RAW_STAGES tiles ahead; a box whose block id is
+//          the 128-byte swizzle, RAW_STAGES tiles ahead (tile t + RAW_STAGES by warp t % 4, once every
+//          producer thread has read tile t's raw codes); a box whose block id is
 //          outside the cache gets a block coordinate outside the tensor map (zero-filled); the keys
 //          past the CTA's range or in such a box are marked invalid, and their V rows widened as zeros
 //          (a whole page lands: p = 0 times a NaN code would still be NaN);
