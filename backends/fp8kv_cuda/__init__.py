@@ -10,6 +10,7 @@ and in CuPy's on-disk kernel cache). Modules:
 * :mod:`~fp8kv_cuda.variants`: kernel variants (macros), sources and NVRTC options;
 * :mod:`~fp8kv_cuda.runtime`: compile-and-cache through CuPy, launches on torch's stream;
 * :mod:`~fp8kv_cuda.write` / :mod:`~fp8kv_cuda.attention`: the host launchers;
+* :mod:`~fp8kv_cuda.tma`: TMA descriptors of a paged cache for the sm90 kernels' tile loads;
 * :mod:`~fp8kv_cuda.compile`: ``python -m fp8kv_cuda.compile``, the CPU compile cells (NVRTC
   12.x from PyPI, every architecture sm70..sm90, registers and spills from ptxas).
 
@@ -18,9 +19,10 @@ serve) where CuPy is missing.
 
 Public for other in-tree backends (the Hopper backend's CUDA kernel uses them): in
 :mod:`~fp8kv_cuda.runtime`, ``compile_source`` (NVRTC through CuPy), ``module`` (compile once per
-process and device), ``launch_struct`` (a kernel whose one parameter is a struct, on torch's stream)
-and ``device_index``; in :mod:`~fp8kv_cuda.compile`, ``compile_text`` and ``parse_ptxas`` (CPU
-compile cells through NVRTC 12 from PyPI). Everything else is private.
+process and device), ``launch_struct`` (a kernel whose one parameter is a struct, on torch's stream),
+``device_index`` and ``tensor_map_uint8``; :mod:`~fp8kv_cuda.tma`'s ``paged_cache_maps``; in
+:mod:`~fp8kv_cuda.compile`, ``compile_text`` and ``parse_ptxas`` (CPU compile cells through NVRTC 12
+from PyPI). Everything else is private.
 """
 
 from fp8kv._version import __version__
