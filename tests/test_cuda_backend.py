@@ -310,6 +310,25 @@ def test_programmatic_dependent_launch_packs_the_driver_call(monkeypatch):
     assert not runtime.pdl_available(0)
 
 
+def test_kernel_arguments_with_tensor_maps_pass_by_value():
+    """runtime.launch's arguments as the driver reads them (the sm90 prefill passes two TMA descriptors
+    by value among its scalars): numpy scalars in their C types, ``bytes`` as a byte array of the
+    struct, each through its own pointer."""
+    import ctypes
+
+    import numpy as np
+    from fp8kv_cuda import runtime
+
+    tmap = bytes(range(128))
+    values = runtime._c_values([np.uint64(2**40 + 8), tmap, np.int32(-7), np.float32(0.5), np.int64(-2**40)])
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    assert ctypes.cast(params[0], ctypes.POINTER(ctypes.c_uint64))[0] == 2**40 + 8
+    assert ctypes.string_at(params[1], 128) == tmap and ctypes.sizeof(values[1]) == runtime.TENSOR_MAP_BYTES
+    assert ctypes.cast(params[2], ctypes.POINTER(ctypes.c_int32))[0] == -7
+    assert ctypes.cast(params[3], ctypes.POINTER(ctypes.c_float))[0] == 0.5
+    assert ctypes.cast(params[4], ctypes.POINTER(ctypes.c_int64))[0] == -2**40
+
+
 def test_a_struct_parameter_launch_packs_the_driver_call(monkeypatch):
     """launch_struct's driver call (the Hopper backend's CUDA kernel takes its ~50 arguments as one
     struct by value): cuLaunchKernelEx with no attribute and one parameter pointing at the struct."""
