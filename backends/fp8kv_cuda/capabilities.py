@@ -158,7 +158,8 @@ PREFILL_FASTER_ARCHES = frozenset({"sm90"})
 ``benchmarks/results/cuda_prefill/h100.json``, one run: 1.59x on 4 x 2048 over 2048 and 1.63x on
 1 x 16384 causal on the H100). It serves an e4m3 cache with static scales, head size 128, float16 or
 bfloat16 queries, no soft-cap; a step it cannot take at launch (a KV split for few CTAs, an unaligned
-query) runs the mma prefill kernel, 0.93-1.01x Triton on the same shapes."""
+query) runs the mma prefill kernel, 0.93-1.01x Triton on the same shapes (short chunks over long
+contexts, which are split, were not measured against Triton)."""
 
 
 def priority(device: DeviceInfo, request: Request) -> int | None:
