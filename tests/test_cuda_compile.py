@@ -4,8 +4,8 @@ NVRTC 12.x from PyPI (``cuda-compile`` extra: ``nvidia-cuda-nvrtc-cu12`` + ``cud
 compiles a representative variant per kernel and format class (OCP and fnuz, each I/O dtype,
 static and per-token-head scales, the largest tiles: head size 256 with 16 query heads per CTA)
 to cubins for sm70, sm75, sm80, sm86, sm89 and sm90 on this CPU, no GPU or driver involved.
-A compile error fails, and so does any spill in a hot kernel (ptxas -v; the tensor-core prefill
-kernels are compiled and their spills reported, not yet hot: see ``fp8kv_cuda.compile.HOT_KERNELS``).
+A compile error fails, and so does any spill in a hot kernel (ptxas -v; sm90's wgmma prefill is hot,
+the mma prefill kernels are compiled and their spills reported: see ``fp8kv_cuda.compile.HOT_KERNELS``).
 ~60 s on 2 cores.
 The full set is ``python -m fp8kv_cuda.compile --set full`` (the CI matrix's compile cells;
 results in ci/reports/compile/cuda_full.json).
@@ -34,12 +34,16 @@ def test_every_kernel_compiles_for_every_architecture_without_spills(tmp_path):
     results = report["results"]
     assert report["failures"] == [] and all(x["ok"] for x in results)
     prefill = {"fp8kv_prefill_mma", "fp8kv_prefill_mma_exact"}
+    wgmma = {"fp8kv_prefill_wgmma", "fp8kv_wgmma16_layout_test"}  # (sm_90a, e4m3 only)
     for arch in cc.ARCHES:
         mine = [x for x in results if x["arch"] == arch]
-        extra = prefill if int(arch[2:]) >= 75 else set()
+        extra = (prefill if int(arch[2:]) >= 75 else set()) | (wgmma if arch == cc.WGMMA_ARCH else set())
         assert {x["kernel"] for x in mine} == set(cc.hot_kernels(arch)) | extra, arch
         for kernel in (*cc.hot_kernels(arch), *extra):
             fmts = {x["fmt"] for x in mine if x["kernel"] == kernel}
+            if kernel in wgmma:
+                assert fmts == {"fp8_e4m3"} and len([x for x in mine if x["kernel"] == kernel]) == 2, kernel
+                continue
             assert fmts & {"fp8_e4m3", "fp8_e5m2"} and fmts & {"fp8_e4m3fnuz", "fp8_e5m2fnuz"}, (arch, kernel)
         for x in mine:
             assert x["regs"] and x["spill_stores"] is not None, x
@@ -104,6 +108,11 @@ def test_the_variant_sets():
     assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * 2 * w
     # tensor-core prefill: 4 formats x 2 query dtypes, head size 128, static scales, sm80+
     assert len([v for v in cc.variants("full", "sm86") if v.kernel == "prefill_mma"]) == 4 * 2
+    # sm90's wgmma prefill (sm_90a): 2 query dtypes x ping-pong x TMA/cp.async; none elsewhere
+    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "prefill_wgmma"]) == 2 * 2 * 2
+    assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "prefill_wgmma"]) == 2
+    assert not [v for a in ("sm80", "sm86", "sm89") for s in ("representative", "full")
+                for v in cc.variants(s, a) if v.kernel == "prefill_wgmma"]
     assert len([v for v in cc.variants("full", "sm75") if v.kernel == "prefill_mma"]) == 4 * 1
 
 

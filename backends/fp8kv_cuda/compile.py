@@ -32,6 +32,7 @@ from .variants import (
     MMA_TILES,
     MMA_WARPS,
     Variant,
+    arch_target,
     attention_mma_variant,
     attention_tile,
     attention_variant,
@@ -39,22 +40,29 @@ from .variants import (
     options,
     prefill_arch_serves,
     prefill_mma_variant,
+    prefill_wgmma_variant,
     source,
     write_d_pad,
     write_variant,
 )
 
 ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
-HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_paged_attention_mma", "fp8kv_merge")
-"""Kernels in which any spill fails the compile cell: every kernel ``auto`` can pick. Not yet the
-tensor-core prefill kernels (``fp8kv_prefill_mma[_exact]``, reported with their spills): slower than
-Triton wherever both run, so only ``backend="cuda"`` reaches them (docs/cuda.md)."""
+HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_paged_attention_mma", "fp8kv_merge",
+               "fp8kv_prefill_wgmma")
+"""Kernels in which any spill fails the compile cell: the kernels ``auto``'s picks run on their fast
+path (sm90's wgmma prefill included: ``auto`` picks it where it serves). Not yet the mma prefill
+kernels (``fp8kv_prefill_mma[_exact]``, reported with their spills): ``auto`` reaches them only on sm90,
+for the steps the wgmma kernel cannot take (a KV split, an unaligned query) and the CTAs it hands back
+(docs/cuda.md)."""
+WGMMA_ARCH = "sm90"
+"""The architecture of the ``sm_90a`` kernels (``variants.SM90A_KERNELS``), compiled only for it."""
 
 
 def hot_kernels(arch: str) -> tuple[str, ...]:
-    """The hot kernels compiled for ``arch`` (the tensor-core kernel only where it serves at all)."""
+    """The hot kernels compiled for ``arch`` (the tensor-core kernels only where they serve at all)."""
     mma = mma_arch_serves(int(arch[2:]), "fp8_e4m3", 128, "float16")
-    return tuple(k for k in HOT_KERNELS if k != "fp8kv_paged_attention_mma" or mma)
+    return tuple(k for k in HOT_KERNELS if (k != "fp8kv_paged_attention_mma" or mma)
+                 and (k != "fp8kv_prefill_wgmma" or arch == WGMMA_ARCH))
 
 
 @dataclass
@@ -99,13 +107,13 @@ def compile_cubin(variant: Variant, arch: str) -> tuple[bytes, str]:
 
     Raises RuntimeError with the log on a compile error.
     """
-    return _compile(variant, f"sm_{arch[2:]}", ptx=False)
+    return _compile(variant, arch_target(variant.kernel, int(arch[2:])), ptx=False)
 
 
 def compile_ptx(variant: Variant, arch: str) -> str:
     """The PTX of one variant for ``arch``'s virtual architecture (``"sm75"`` -> ``compute_75``):
     what ``FP8KV_CUDA_ARCH`` has the driver JIT-compile on a newer GPU (fp8kv_cuda.runtime)."""
-    image, _ = _compile(variant, f"compute_{arch[2:]}", ptx=True)
+    image, _ = _compile(variant, arch_target(variant.kernel, int(arch[2:])).replace("sm_", "compute_"), ptx=True)
     return image.rstrip(b"\x00").decode()
 
 
@@ -192,6 +200,8 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
         for fmt, io in (("fp8_e4m3", "bfloat16" if sm >= 80 else "float16"), ("fp8_e5m2fnuz", "float16")):
             if prefill_arch_serves(sm, fmt, 128, io):
                 out.append(prefill_mma_variant(fmt, io, sm=sm))
+        if arch == WGMMA_ARCH:  # both loaders (TMA, cp.async), both query types
+            out += [prefill_wgmma_variant("bfloat16", True, True), prefill_wgmma_variant("float16", False, False)]
         return out
     if set_name == "full":
         out = []
@@ -204,6 +214,9 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                     out += [attention_mma_variant(fmt, io, d, w, tok, sm) for w in MMA_WARPS]
                 if not tok and prefill_arch_serves(sm, fmt, d, io):
                     out.append(prefill_mma_variant(fmt, io, d, sm=sm))
+        if arch == WGMMA_ARCH:
+            out += [prefill_wgmma_variant(io, pingpong, tma)
+                    for io, pingpong, tma in itertools.product(("bfloat16", "float16"), (True, False), (True, False))]
         return out
     raise ValueError(f"set: got {set_name!r}, expected 'representative' or 'full'")
 
