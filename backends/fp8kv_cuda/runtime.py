@@ -178,9 +178,7 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
             pdl_launch(fn.ptr, grid, block, shared_mem, stream.cuda_stream, args)
             return
         if any(isinstance(a, bytes) for a in args):  # a struct by value (a TMA descriptor): CuPy takes none
-            values = _c_values(args)
-            params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-            _launch_ex(fn.ptr, grid, block, shared_mem, stream.cuda_stream, params, None, "struct arguments")
+            _launch_args(fn.ptr, grid, block, shared_mem, stream.cuda_stream, args, None, "struct arguments")
             return
         fn(grid, (block, 1, 1), tuple(args), stream=_external_stream(stream.cuda_stream, index), shared_mem=shared_mem)
 
@@ -319,16 +317,22 @@ def _c_values(args: list) -> list:
             for a in args]
 
 
+def _launch_args(function_ptr: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream_ptr: int,
+                 args: list, attribute: ctypes.Structure | None, what: str) -> None:
+    """:func:`_launch_ex` with :func:`launch`'s arguments, each passed through a pointer to its C value."""
+    values = _c_values(args)  # (alive until the driver has copied them)
+    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
+    _launch_ex(function_ptr, grid, block, shared_mem, stream_ptr, params, attribute, what)
+
+
 def pdl_launch(function_ptr: int, grid: tuple[int, int, int], block: int, shared_mem: int, stream_ptr: int,
                args: list) -> None:
     """``cuLaunchKernelEx`` with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``: a launch
     that may start before the previous kernel on the stream has finished; the kernel must wait for
     it (``griddepcontrol.wait``) before reading its results. Arguments typed as :func:`launch`'s
     (``ptr``, ``i64``, ``i32``, ``f32``). Captured into CUDA graphs as a programmatic edge."""
-    values = _c_values(args)
-    params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-    _launch_ex(function_ptr, grid, block, shared_mem, stream_ptr, params, _pdl_attribute(),
-               "programmatic dependent launch")
+    _launch_args(function_ptr, grid, block, shared_mem, stream_ptr, args, _pdl_attribute(),
+                 "programmatic dependent launch")
 
 
 def ptr(t: torch.Tensor) -> np.uint64:
