@@ -247,15 +247,10 @@ __device__ __forceinline__ void load_tile_tma(WgmmaShared& sh, const Cta& cta, c
     reinterpret_cast<unsigned short*>(sh.raw_valid[rs])[lane] = (unsigned short)flags;
     __syncwarp();
     if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[rs], 2 * BLOCK_N * 128);  // (releases the warp's flags)
-    for (int box = lane; box * tm.box_rows < BLOCK_N; box += 32) {
-        const int n = n0 + box * tm.box_rows, page = page_of(n);
-        const int id = n < cta.ke ? __ldg(bt_row + page) : -1;
-        const int c3 = id >= 0 && id < num_blocks ? id : num_blocks, r = n - page * block_size;
-        const int c1 = tm.head_inner ? cta.h : r, c2 = tm.head_inner ? r : cta.h;
-        const u32 off = (u32)(box * tm.box_rows * 128);
-        tma_load_4d(smem_addr(sh.kr[rs]) + off, tm.k, 0, c1, c2, c3, &sh.loaded[rs]);
-        tma_load_4d(smem_addr(sh.vr[rs]) + off, tm.v, 0, c1, c2, c3, &sh.loaded[rs]);
-    }
+    tma_load_boxes(
+        smem_addr(sh.kr[rs]), smem_addr(sh.vr[rs]), tm.k, tm.v, &sh.loaded[rs], n0, BLOCK_N, tm.box_rows, tm.head_inner,
+        cta.h, num_blocks, lane, [&](int n) { return n < cta.ke ? __ldg(bt_row + page_of(n)) : -1; },
+        [&](int n) { return n - page_of(n) * block_size; });
 }
 
 // The producer with TMA loads, RAW_STAGES tiles in flight: all four warps widen tile t (raw tile

@@ -128,6 +128,25 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const void* tmap, int c0, i
         "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
         ::"r"(dst), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar)) : "memory");
 }
+// A tile's K and V codes as TMA boxes, by one warp (lane 0..31): box b holds keys n0 + b box_rows ..
+// + box_rows - 1 (a page, or box_rows keys of a longer one) of KV head `head`, 128 codes a key, at byte
+// b box_rows 128 of kdst / vdst; `keys` keys in all. block_of(n): the block id of key n's page (-1:
+// none; an id outside [0, num_blocks) gets the block coordinate num_blocks, outside the map: zero-filled),
+// in_page(n): n's key in its page. The maps (fp8kv_cuda.tma.paged_cache_maps) are 4-d: 128 codes, X, Y,
+// blocks, with X, Y = head, key in the page when head_inner, else the other way round.
+template <class BlockOf, class InPage>
+__device__ __forceinline__ void tma_load_boxes(u32 kdst, u32 vdst, const void* tmap_k, const void* tmap_v, u64* bar,
+                                               int n0, int keys, int box_rows, int head_inner, int head,
+                                               int num_blocks, int lane, BlockOf&& block_of, InPage&& in_page) {
+    for (int box = lane; box * box_rows < keys; box += 32) {
+        const int n = n0 + box * box_rows, blk = block_of(n);
+        const int c3 = blk >= 0 && blk < num_blocks ? blk : num_blocks, r = in_page(n);
+        const int c1 = head_inner ? head : r, c2 = head_inner ? r : head;
+        const u32 off = (u32)(box * box_rows * 128);
+        tma_load_4d(kdst + off, tmap_k, 0, c1, c2, c3, bar);
+        tma_load_4d(vdst + off, tmap_v, 0, c1, c2, c3, bar);
+    }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }

@@ -254,14 +254,9 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
         reinterpret_cast<u32*>(sh.valid[s])[lane] = flags;
         __syncwarp();
         if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[s], 2 * TILE_BYTES);  // (releases the warp's flags)
-        for (int box = lane; box * P.box_rows < BLOCK_N; box += 32) {
-            const int n = n0 + box * P.box_rows, blk = block_id(P, bt_row, cta, n);
-            const int c3 = blk >= 0 && blk < P.num_blocks ? blk : P.num_blocks, r = in_page(P, n);
-            const int c1 = P.head_inner ? cta.kvh : r, c2 = P.head_inner ? r : cta.kvh;
-            const u32 off = (u32)(box * P.box_rows * 128);
-            tma_load_4d(smem_addr(sh.k[s]) + off, &P.tmap_k, 0, c1, c2, c3, &sh.loaded[s]);
-            tma_load_4d(smem_addr(sh.vr[s]) + off, &P.tmap_v, 0, c1, c2, c3, &sh.loaded[s]);
-        }
+        tma_load_boxes(smem_addr(sh.k[s]), smem_addr(sh.vr[s]), &P.tmap_k, &P.tmap_v, &sh.loaded[s], n0, BLOCK_N,
+                       P.box_rows, P.head_inner, cta.kvh, P.num_blocks, lane,
+                       [&](int n) { return block_id(P, bt_row, cta, n); }, [&](int n) { return in_page(P, n); });
     } else {
         const int ch = lane & 7, krow0 = lane >> 3;  // lane: chunk ch of keys krow0 + 4 i
         const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
