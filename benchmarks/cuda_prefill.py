@@ -69,13 +69,16 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     vd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
     record("sdpa bf16", time_graph(lambda: causal_sdpa_bf16(q4, kd, vd), calls=3, reps=args.reps))
     outs = {}
-    default = cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG
+    default = cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM
     runs = [("triton", "triton", None), ("cuda", "cuda tensor-core prefill", None)]
     if args.wgmma and torch.cuda.get_device_capability(device) == (9, 0):  # the sm90 kernel (its default)
         runs += [("cuda", "cuda wgmma prefill (ping-pong)", True), ("cuda", "cuda wgmma prefill", False)]
+    if args.wmma and qdtype == torch.float16:  # Volta's kernel, on this GPU
+        runs += [("cuda", "cuda wmma prefill (Volta's kernel)", "wmma")]
     for name, label, pingpong in runs:
-        cuda_attention.WGMMA_PREFILL = pingpong is not None
+        cuda_attention.WGMMA_PREFILL = pingpong is not None and pingpong != "wmma"
         cuda_attention.WGMMA_PINGPONG = bool(pingpong)
+        cuda_attention.WMMA_PREFILL_BELOW_SM = 1000 if pingpong == "wmma" else default[2]
         meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=qdtype, block_tables=tables,
                                     seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
                                     max_query_len=new, max_seq_len=L, validate=False, backend=name)
@@ -95,7 +98,7 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         ms = time_graph(lambda be=be, meta=meta, out=out: be.paged_attention(query, cache, meta, out, None),
                         calls=3, reps=args.reps)
         record("fp8kv " + label, ms, **extra)
-    cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG = default
+    cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM = default
     if args.per_token and seqs * new <= 8192:
         p = plan(device, num_tokens=query.shape[0], num_kv_heads=HKV, group=HQ // HKV, head_size=D, max_keys=L,
                  query_dtype=qdtype, fmt="fp8_e4m3")  # the decode plan: one CTA row per token
@@ -114,6 +117,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
     ap.add_argument("--wgmma", action="store_true",
                     help="on sm90 also time the wgmma prefill kernel (the default there), ping-pong on and off")
+    ap.add_argument("--wmma", action="store_true",
+                    help="also time Volta's wmma prefill kernel on this GPU (float16 queries only)")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")
     ap.add_argument("--qdtype", choices=("bfloat16", "float16"), default="bfloat16",
                     help="query dtype of the fp8kv backends (SDPA stays bf16; FlashInfer only with bfloat16)")

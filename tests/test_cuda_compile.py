@@ -86,7 +86,10 @@ ptxas info    : Used 168 registers, used 1 barriers, 21328 bytes smem
 def test_the_variant_sets():
     from fp8kv_cuda import compile as cc
 
-    assert {v.kernel for v in cc.variants("representative", "sm70")} == {"write", "attention"}
+    volta = cc.variants("representative", "sm70")
+    assert {v.kernel for v in volta} == {"write", "attention", "prefill_wmma"}
+    # Volta's prefill: float16 queries (its variants have no query-type macro choice), both format classes
+    assert {v.fmt for v in volta if v.kernel == "prefill_wmma"} == {"fp8_e4m3", "fp8_e5m2fnuz"}
     turing = [v for v in cc.variants("representative", "sm75") if "mma" in v.kernel]
     assert {v.kernel for v in turing} == {"attention_mma", "prefill_mma"}
     # Turing: float16 queries only (no bfloat16 tensor cores), synchronous copies: the least ring depth
@@ -96,9 +99,10 @@ def test_the_variant_sets():
     assert {v.kernel for v in rep} == {"write", "attention", "attention_mma", "prefill_mma"}
     assert {v.fmt for v in rep if v.kernel == "attention_mma"} == {"fp8_e4m3", "fp8_e5m2fnuz", "fp8_e4m3fnuz"}
     assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 5
-    full = [v for v in cc.variants("full", "sm70") if v.kernel not in ("attention_mma", "prefill_mma")]
-    assert full == cc.variants("full", "sm70")
+    full = [v for v in cc.variants("full", "sm70") if v.kernel not in ("attention_mma", "prefill_mma", "prefill_wmma")]
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
+    assert len([v for v in cc.variants("full", "sm70") if v.kernel == "prefill_wmma"]) == 4
+    assert not [v for v in cc.variants("full", "sm70") if v.kernel in ("attention_mma", "prefill_mma")]
     assert {v.fmt for v in full} == set(cc.FORMAT_NAMES)
     # tensor-core kernel: 4 formats x 2 query dtypes x 2 granularities x (D 64, 128; D 256 only for OCP
     # formats on sm89+) x warps per CTA

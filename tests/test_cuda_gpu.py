@@ -528,29 +528,35 @@ PREFILL_CASES = {
 }
 
 
-@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core prefill kernel needs sm75+ (mma.sync)")
-@pytest.mark.parametrize("wgmma", [False, True], ids=["mma", "wgmma"])
+@pytest.mark.parametrize("kernel", ["mma", "wgmma", "wmma"])
 @pytest.mark.parametrize("specials", [False, True], ids=["finite-codes", "nan-codes"])
 @pytest.mark.parametrize("case", list(PREFILL_CASES), ids=list(PREFILL_CASES))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
-def test_tensor_core_prefill(fmt, dtype, case, specials, wgmma, monkeypatch):
+def test_tensor_core_prefill(fmt, dtype, case, specials, kernel, monkeypatch):
     """The tensor-core prefill kernel (``csrc/prefill_mma.cu``) on caches of raw random bytes (every
     finite code), GQA rows packed, causal/non-causal, window, soft-cap, a block-table hole, a split
     plan; with ``specials``, a NaN code in K (the rows that see it are NaN) and NaN/inf codes in V
     (those dims of the rows that see it), which send the CTAs on the bit-level path to the exact
     kernel. bfloat16 queries beyond a 2^31 range take the exact kernel's bfloat16-K path. ``wgmma``:
     the same with the sm90 kernel (``csrc/prefill_wgmma.cu``) as the fast kernel (e4m3 only; the
-    soft-capped and split cases keep ``fp8kv_prefill_mma``), a V NaN code in an edge tile handed back."""
+    soft-capped and split cases keep ``fp8kv_prefill_mma``), a V NaN code in an edge tile handed back.
+    ``wmma``: Volta's kernel (``csrc/prefill_wmma.cu``, float16 queries) on whatever GPU this is (no
+    sm70 has run it), the exact kernel's NaN/inf V fix-up included."""
     from fp8kv_cuda import attention as cuda_attention
     from fp8kv_cuda.attention import plan
-    from fp8kv_cuda.variants import WGMMA_PREFILL_FORMATS, prefill_arch_serves
+    from fp8kv_cuda.variants import MMA_MIN_SM, WGMMA_PREFILL_FORMATS, prefill_arch_serves
 
     if not prefill_arch_serves(BUILT_SM, fmt.name, 128, str(dtype).removeprefix("torch.")):
         pytest.skip(f"the tensor-core prefill kernel does not serve {dtype} queries on sm{BUILT_SM}")
-    if wgmma and (BUILT_SM != 90 or fmt.name not in WGMMA_PREFILL_FORMATS):
+    if kernel == "mma" and BUILT_SM < MMA_MIN_SM:
+        pytest.skip(f"the mma prefill kernel needs sm75+ (here sm{BUILT_SM}: the wmma kernel serves)")
+    if kernel == "wgmma" and (BUILT_SM != 90 or fmt.name not in WGMMA_PREFILL_FORMATS):
         pytest.skip(f"the wgmma prefill kernel needs sm90 (here sm{BUILT_SM}) and an e4m3 cache")
-    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", wgmma)
+    if kernel == "wmma" and dtype != torch.float16:
+        pytest.skip("Volta's wmma prefill kernel takes float16 queries only")
+    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", kernel == "wgmma")
+    monkeypatch.setattr(cuda_attention, "WMMA_PREFILL_BELOW_SM", 1000 if kernel == "wmma" else MMA_MIN_SM)
     lens, q_lens, Hq, H, causal, window, cap, hole = PREFILL_CASES[case]
     D, bs, B = 128, 16, len(lens)
     g = torch.Generator().manual_seed(sum(lens) + int(specials))
@@ -730,10 +736,25 @@ def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout, monkeypa
     NaN codes: the TMA boxes (a block coordinate outside the tensor map) and the cp.async loads (page
     12) read none of them, nothing outside the cache is written, and the covered rows stay finite."""
     from fp8kv_cuda import attention as cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", True)
+    _prefill_with_hostile_metadata(layout, torch.bfloat16, tma=True)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
+def test_volta_prefill_with_hostile_metadata_stays_in_its_cache(layout, monkeypatch):
+    """The same for Volta's wmma prefill kernel (float16 queries), run on whatever GPU this is."""
+    from fp8kv_cuda import attention as cuda_attention
+
+    monkeypatch.setattr(cuda_attention, "WMMA_PREFILL_BELOW_SM", 1000)
+    _prefill_with_hostile_metadata(layout, torch.float16, tma=False)
+
+
+def _prefill_with_hostile_metadata(layout: str, dtype: torch.dtype, tma: bool) -> None:
+    from fp8kv_cuda import attention as cuda_attention
     from fp8kv_cuda.attention import plan_prefill
     from fp8kv_cuda.tma import paged_cache_maps
 
-    monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", True)
     page = 12 if layout.endswith("page12") else 16
     lay = layout.split("-")[0]
     H, HQ, D, NB, G = 2, 8, 128, 6, 2
@@ -743,14 +764,15 @@ def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout, monkeypa
                                        layout=lay, scale_granularity="head",
                                        k_scale=torch.tensor([0.05, 0.02], device="cuda"),
                                        v_scale=torch.tensor([0.07, 0.03], device="cuda"))
-    assert (paged_cache_maps(cache, 64) is None) == (page == 12)
+    if tma:
+        assert (paged_cache_maps(cache, 64) is None) == (page == 12)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(NB * page, H, D, generator=g).cuda()
     fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device="cuda"))
     snapshot = [p.clone() for p in parents]
     tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device="cuda")
     for lens, qsl, T in (([100, -3], [0, 1, 2], 2), ([30, 36], [0, 7, 3], 4), ([36, 36], [0, 150, 300], 300)):
-        q = torch.randn(T, HQ, D, generator=g).to("cuda", torch.bfloat16)
+        q = torch.randn(T, HQ, D, generator=g).to("cuda", dtype)
         lens_t = torch.tensor(lens, dtype=torch.int32, device="cuda")
         qsl_t = torch.tensor(qsl, dtype=torch.int32, device="cuda")
         p = plan_prefill(q.device, num_seqs=2, num_kv_heads=H, group=HQ // H, head_size=D, max_keys=3 * page,

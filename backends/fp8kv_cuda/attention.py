@@ -22,11 +22,13 @@ from . import runtime
 from .tma import paged_cache_maps
 from .variants import (
     ATTN_THREADS,
+    MMA_MIN_SM,
     MMA_TILES,
     WGMMA_BLOCK_N,
     WGMMA_PREFILL_FORMATS,
     WGMMA_STAGES,
     WGMMA_THREADS,
+    WMMA_THREADS,
     attention_mma_variant,
     attention_tile,
     attention_variant,
@@ -36,6 +38,8 @@ from .variants import (
     prefill_mma_variant,
     prefill_stages,
     prefill_wgmma_variant,
+    prefill_wmma_variant,
+    wmma_smem_bytes,
 )
 from .write import cache_strides, scale_strides
 
@@ -231,15 +235,29 @@ def wgmma_prefill_serves(sm: int, fmt: str, query: torch.Tensor, logits_soft_cap
             and num_splits == 1)
 
 
+WMMA_PREFILL_BELOW_SM = MMA_MIN_SM
+"""Architectures below this one run Volta's prefill kernel (``csrc/prefill_wmma.cu``: wmma, which ptxas
+lowers to sm70's mma.sync m8n8k4) instead of ``csrc/prefill_mma.cu`` (m16n8k16, sm75+). The GPU tests
+raise it to run that kernel on the GPU they have (no sm70 has run it)."""
+
+
+def wmma_prefill(sm: int) -> bool:
+    """Whether chunked prefill on architecture ``sm`` takes Volta's wmma kernel (:data:`WMMA_PREFILL_BELOW_SM`)."""
+    return sm < WMMA_PREFILL_BELOW_SM
+
+
 def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
                    fmt: str) -> bool:
     """Whether the tensor-core prefill kernel serves this step (before the launch's alignment check):
-    float16/bfloat16 queries, static scales, :func:`fp8kv_cuda.variants.prefill_arch_serves`, and a
-    CTA that fits the device's shared memory."""
+    float16/bfloat16 queries (float16 only on Volta's wmma kernel), static scales,
+    :func:`fp8kv_cuda.variants.prefill_arch_serves`, and a CTA that fits the device's shared memory."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES or token_scales:
         return False
     sm = _sm(device)
     per_block, _ = _smem_limits(runtime.device_index(device))
+    if wmma_prefill(sm):
+        return (query_dtype == torch.float16 and prefill_arch_serves(sm, fmt, head_size, "float16")
+                and wmma_smem_bytes(head_size) <= per_block)
     return (prefill_arch_serves(sm, fmt, head_size, _IO[query_dtype])
             and prefill_smem_bytes(head_size, PREFILL_WARPS, prefill_stages(sm)) <= per_block)
 
@@ -350,7 +368,11 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
-    if p.prefill:
+    volta = p.prefill and wmma_prefill(p.sm)
+    if volta:
+        variant = prefill_wmma_variant(cache.fmt.name, D)
+        entry = "fp8kv_prefill_wmma"
+    elif p.prefill:
         variant = prefill_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, p.sm)
         entry = "fp8kv_prefill_mma"
     elif p.mma:
@@ -387,7 +409,11 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         redo = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=dev)
         smem = prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
         pargs = [*args, r.ptr(redo)]
-        if wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap, p.num_splits):  # (same contract)
+        if volta:  # (same contract)
+            smem = wmma_smem_bytes(D)
+            runtime.launch(variant, entry, dev, grid, WMMA_THREADS, pargs, shared_mem=smem)
+            runtime.launch(variant, "fp8kv_prefill_wmma_exact", dev, grid, WMMA_THREADS, pargs, shared_mem=smem)
+        elif wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap, p.num_splits):  # (same contract)
             maps = paged_cache_maps(cache, WGMMA_BLOCK_N)  # (None: cp.async loads)
             tmap_k, tmap_v, head_inner, box_rows = maps or (_NO_TENSOR_MAP, _NO_TENSOR_MAP, 0, 0)
             runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG, tma=maps is not None),
@@ -396,7 +422,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
                            shared_mem=wgmma_smem_bytes(D, tma=maps is not None))
         else:
             runtime.launch(variant, entry, dev, grid, 32 * p.warps, pargs, shared_mem=smem)
-        runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, pargs, shared_mem=smem)
+        if not volta:
+            runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, pargs, shared_mem=smem)
     elif p.mma:
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))

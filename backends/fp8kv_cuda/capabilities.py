@@ -12,9 +12,10 @@ Kernels: the write; decode attention on tensor cores (``csrc/attention_mma.cu``:
 from sm75 (Turing's m16n8k8), bfloat16 from sm80, any granularity, head sizes 64/128 (256 on sm89+
 for the OCP formats), 16-byte aligned K/V rows); chunked prefill on tensor cores
 (``csrc/prefill_mma.cu``: the same queries and architectures, static scales, head size 128, 16-byte
-aligned rows); everything else (float32 queries, bfloat16 queries on sm75, other head sizes,
-per-token-head prefill, sm70) on the CUDA-core kernel (``csrc/attention.cu``), one CTA row per
-query token.
+aligned rows; on Volta ``csrc/prefill_wmma.cu``: float16 queries through PTX wmma, which ptxas
+lowers to sm70's m8n8k4); everything else (float32 queries, bfloat16 queries below sm80, other head
+sizes, per-token-head prefill, decode on sm70) on the CUDA-core kernel (``csrc/attention.cu``), one
+CTA row per query token.
 
 Codec: the write encodes through the software codec (integer bits, ``csrc/codec.cuh``, a mirror
 of :mod:`fp8kv.codec`) on every architecture and for every format (a native encode enters only
@@ -236,7 +237,9 @@ def device_notes(device: DeviceInfo) -> list[str]:
         prefill = ("chunked prefill on tensor cores for float16 queries (static scales, head size 128), else on "
                    "CUDA cores, one CTA row per query token")
     else:
-        prefill = "chunked prefill on CUDA cores, one CTA row per query token"
+        prefill = ("chunked prefill on tensor cores for float16 queries (static scales, head size 128; PTX wmma, "
+                   "which ptxas lowers to Volta's m8n8k4: its code ran on an H100 only), else on CUDA cores, one CTA "
+                   "row per query token")
     lines = [toolkit_note(device), f"kernels: {ran}; {mma}; {prefill}"]
     lines += [codec_note(device, f) for f in ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")]
     return lines

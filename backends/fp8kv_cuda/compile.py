@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from .variants import (
     FORMAT_NAMES,
+    MMA_MIN_SM,
     MMA_TILES,
     MMA_WARPS,
     Variant,
@@ -39,7 +40,7 @@ from .variants import (
     mma_arch_serves,
     options,
     prefill_arch_serves,
-    prefill_mma_variant,
+    prefill_variant,
     prefill_wgmma_variant,
     source,
     write_d_pad,
@@ -48,9 +49,10 @@ from .variants import (
 
 ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 HOT_KERNELS = ("fp8kv_write_kv", "fp8kv_paged_attention", "fp8kv_paged_attention_mma", "fp8kv_merge",
-               "fp8kv_prefill_wgmma")
+               "fp8kv_prefill_wgmma", "fp8kv_prefill_wmma")
 """Kernels in which any spill fails the compile cell: the kernels ``auto``'s picks run on their fast
-path (sm90's wgmma prefill included: ``auto`` picks it where it serves). Not yet the mma prefill
+path (sm90's wgmma prefill and Volta's wmma prefill included: ``auto`` picks them where they
+serve). Not yet the mma prefill
 kernels (``fp8kv_prefill_mma[_exact]``, reported with their spills): ``auto`` reaches them only on sm90,
 for the steps the wgmma kernel cannot take (a KV split, an unaligned query) and the CTAs it hands back
 (docs/cuda.md)."""
@@ -61,8 +63,9 @@ WGMMA_ARCH = "sm90"
 def hot_kernels(arch: str) -> tuple[str, ...]:
     """The hot kernels compiled for ``arch`` (the tensor-core kernels only where they serve at all)."""
     mma = mma_arch_serves(int(arch[2:]), "fp8_e4m3", 128, "float16")
+    volta = int(arch[2:]) < MMA_MIN_SM
     return tuple(k for k in HOT_KERNELS if (k != "fp8kv_paged_attention_mma" or mma)
-                 and (k != "fp8kv_prefill_wgmma" or arch == WGMMA_ARCH))
+                 and (k != "fp8kv_prefill_wgmma" or arch == WGMMA_ARCH) and (k != "fp8kv_prefill_wmma" or volta))
 
 
 @dataclass
@@ -199,7 +202,7 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                 out.append(attention_mma_variant(fmt, io, d, w, tok, sm))
         for fmt, io in (("fp8_e4m3", "bfloat16" if sm >= 80 else "float16"), ("fp8_e5m2fnuz", "float16")):
             if prefill_arch_serves(sm, fmt, 128, io):
-                out.append(prefill_mma_variant(fmt, io, sm=sm))
+                out.append(prefill_variant(fmt, io, 128, sm))
         if arch == WGMMA_ARCH:  # both loaders (TMA, cp.async), both query types
             out += [prefill_wgmma_variant("bfloat16", True, True), prefill_wgmma_variant("float16", False, False)]
         return out
@@ -213,7 +216,7 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                 if d in MMA_TILES and mma_arch_serves(sm, fmt, d, io):
                     out += [attention_mma_variant(fmt, io, d, w, tok, sm) for w in MMA_WARPS]
                 if not tok and prefill_arch_serves(sm, fmt, d, io):
-                    out.append(prefill_mma_variant(fmt, io, d, sm=sm))
+                    out.append(prefill_variant(fmt, io, d, sm))
         if arch == WGMMA_ARCH:
             out += [prefill_wgmma_variant(io, pingpong, tma)
                     for io, pingpong, tma in itertools.product(("bfloat16", "float16"), (True, False), (True, False))]

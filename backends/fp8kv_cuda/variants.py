@@ -24,6 +24,7 @@ KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),
            "attention_mma": ("attention_mma.cu", ("fp8kv_paged_attention_mma", "fp8kv_merge")),
            "prefill_mma": ("prefill_mma.cu", ("fp8kv_prefill_mma", "fp8kv_prefill_mma_exact", "fp8kv_merge")),
+           "prefill_wmma": ("prefill_wmma.cu", ("fp8kv_prefill_wmma", "fp8kv_prefill_wmma_exact", "fp8kv_merge")),
            "prefill_wgmma": ("prefill_wgmma.cu", ("fp8kv_prefill_wgmma", "fp8kv_wgmma16_layout_test")),
            "codec": ("codec_kernels.cu", ("fp8kv_encode", "fp8kv_decode", "fp8kv_widen_f16", "fp8kv_widen_native"))}
 """kernel family -> (source file in csrc/, entry points)."""
@@ -146,10 +147,44 @@ def prefill_stages(sm: int) -> int:
     return PREFILL_STAGES if sm >= BF16_MMA_MIN_SM else 2
 
 
+WMMA_MIN_SM = 70
+"""Volta: the tensor-core prefill through PTX wmma (``csrc/prefill_wmma.cu``; mma.sync m8n8k4 there, whose
+fragments ``csrc/prefill_mma.cu``'s m16n8k16 layout does not fit), float16 queries."""
+WMMA_THREADS = 256
+"""Threads per CTA of ``csrc/prefill_wmma.cu`` (8 warps of 16 query rows)."""
+
+
 def prefill_arch_serves(sm: int, fmt: str, head_size: int, io_dtype: str) -> bool:
-    """Whether the tensor-core prefill kernel serves a format, head size and query dtype on ``sm``:
-    float16 queries from sm75 on, bfloat16 from sm80 on; head size 128; every format."""
-    return sm >= MMA_MIN_SM and head_size in PREFILL_HEAD_SIZES and _mma_query_ok(sm, io_dtype)
+    """Whether a tensor-core prefill kernel serves a format, head size and query dtype on ``sm``:
+    float16 queries from sm70 on (Volta: :func:`prefill_wmma_variant`), bfloat16 from sm80 on; head
+    size 128; every format."""
+    return sm >= WMMA_MIN_SM and head_size in PREFILL_HEAD_SIZES and _mma_query_ok(sm, io_dtype)
+
+
+def wmma_smem_bytes(head_size: int = 128) -> int:
+    """``sizeof(WmmaShared)`` of ``csrc/prefill_wmma.cu`` rounded up to 128 bytes (a ``static_assert``
+    there checks it is enough): Q, the step's K and V in float16 (rows padded by 16 bytes), the 8
+    warps' S tiles (16 rows of 44 floats), the step's V codes, the per-warp words and the key
+    addressing."""
+    ldh = head_size + 8
+    size = 2 * ldh * (128 + 2 * 32) + 8 * 16 * 44 * 4 + 32 * head_size + 3 * 8 * 4 + 80
+    return -(-size // 128) * 128
+
+
+def prefill_wmma_variant(fmt: str, head_size: int = 128) -> Variant:
+    """Volta's tensor-core chunked-prefill kernel (+ the split merge) for one format: float16 queries,
+    static (tensor or head) scales, head size 128."""
+    return Variant("prefill_wmma", fmt, (("FP8KV_QT", IO_KINDS["float16"]), ("FP8KV_TOKEN_SCALES", 0),
+                                         ("FP8KV_D", head_size), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS),
+                                         ("FP8KV_SMEM_BYTES", wmma_smem_bytes(head_size))))
+
+
+def prefill_variant(fmt: str, io_dtype: str, head_size: int, sm: int) -> Variant:
+    """The tensor-core prefill kernel architecture ``sm`` runs: Volta's wmma one below sm75, else
+    ``csrc/prefill_mma.cu`` (sm90 adds ``csrc/prefill_wgmma.cu`` where it serves)."""
+    if sm < MMA_MIN_SM:
+        return prefill_wmma_variant(fmt, head_size)
+    return prefill_mma_variant(fmt, io_dtype, head_size, sm=sm)
 
 
 def prefill_mma_variant(fmt: str, io_dtype: str, head_size: int = 128, warps: int = 4,

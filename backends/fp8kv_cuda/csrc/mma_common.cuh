@@ -143,6 +143,17 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
     return r;
 }
 
+// The pair (byte 0, byte 1) of w as lo and (byte 2, byte 3) as hi, in the 16-bit type TEXP.
+template <int TEXP, bool EXACT>
+__device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
+    if constexpr (NATIVE && TEXP == 5) {
+        widen_native(w, lo, hi);
+    } else {
+        lo = widen<TEXP, EXACT>(prmt(w, 0u, 0x1404u));
+        hi = widen<TEXP, EXACT>(prmt(w, 0u, 0x3424u));
+    }
+}
+
 // The query value i scaled by 2^-shift as the bits of K's 16-bit type KE (5: float16, 8: bfloat16);
 // the caller picks shift so that this is exact (see the kernel).
 template <int KE>

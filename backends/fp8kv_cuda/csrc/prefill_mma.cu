@@ -32,7 +32,7 @@
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (128), FP8KV_PREFILL_WARPS, FP8KV_STAGES,
 // FP8KV_FULL_P_KEYS, and the format's.
-#include "mma_common.cuh"
+#include "prefill_common.cuh"
 
 namespace fp8kv {
 
@@ -69,17 +69,6 @@ __device__ __forceinline__ int k_dim(int c, int ks) { return 64 * (ks >> 2) + 16
 __device__ __forceinline__ int k_chunk(int key, int ch) { return ch ^ ((key & 1) << 2); }
 __device__ __forceinline__ int v_chunk(int key, int ch) { return ch ^ (((key >> 1) & 3) << 1); }
 
-// Where the CTA's keys come from (in shared memory: registers are the kernel's limit).
-struct Keys {
-    const int* bt_row;
-    const u8* kbase;  // head offset included
-    const u8* vbase;
-    i64 k_sb, k_st, v_sb, v_st;
-    int kb, ke, block_size, bs_shift, num_blocks;
-    bool small;  // every K/V offset fits 31 bits: 32-bit address arithmetic
-    bool fast;   // small, and the block size a power of two dividing BLOCK_N (CopyPlan)
-};
-
 struct PrefillShared {
     uint4 q[PWARPS][MT][KS][32];           // A fragments of Q, per warp, m-tile, k step, lane
     uint4 k[STAGES][BLOCK_N][CPR];         // K tiles (swizzled chunks)
@@ -98,33 +87,11 @@ __device__ __forceinline__ uint4 lds128(u32 addr) {
     return r;
 }
 
-// The pair (byte 0, byte 1) of w as lo and (byte 2, byte 3) as hi, in the 16-bit type TEXP.
-template <int TEXP, bool EXACT>
-__device__ __forceinline__ void widen4(u32 w, u32& lo, u32& hi) {
-    if constexpr (NATIVE && TEXP == 5) {
-        widen_native(w, lo, hi);
-    } else {
-        lo = widen<TEXP, EXACT>(prmt(w, 0u, 0x1404u));
-        hi = widen<TEXP, EXACT>(prmt(w, 0u, 0x3424u));
-    }
-}
-
 // The rows a thread holds: (m-tile mt, half hf) -> warp row 16 mt + r + 8 hf.
 struct RowSpans {
     int lo[MT][2], hi[MT][2];  // visible keys [lo, hi) of each row (empty for rows past the queries)
 };
 
-// How raw q . k becomes a base-2 logit.
-struct Logit {
-    float f1, f2;      // (q . k * f1) * f2, saturated (scale_factors)
-    float fs;          // f1 * f2, when simple
-    float soft_cap;
-    int use_cap;
-    bool simple;       // the logit is q . k * fs: fs normal and > 0, no soft-cap, |q . k| * fs <= 2^126
-};
-
-
-__device__ __forceinline__ u32 zero_nonfinite(u32 w) { return w & ~((nonfinite_bytes(w) >> 7) * 0xFFu); }
 
 // O += p v for the NaN/inf V codes of the step (zeroed in p @ v), for the rows that see their key:
 // thread (r, c) holds O's dims 32 c + [0, 32) (n-tile j, columns 2c, 2c + 1) of rows r, r + 8; p of
@@ -404,9 +371,7 @@ __device__ __forceinline__ StepBlocks lookup(const PrefillShared& sh, int n0) {
     StepBlocks b;
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-        const int n = n0 + (int)threadIdx.x / CPR + hf * (BLOCK_N / 2);
-        const int page = ks.bs_shift >= 0 ? n >> ks.bs_shift : n / ks.block_size;
-        b.blk[hf] = n >= ks.kb && n < ks.ke ? ks.bt_row[page] : -1;
+        b.blk[hf] = key_block(ks, n0 + (int)threadIdx.x / CPR + hf * (BLOCK_N / 2));
     }
     return b;
 }
@@ -430,22 +395,12 @@ __device__ __forceinline__ void issue(PrefillShared& sh, int stage, int n0, cons
             ok = live ? (u32)blk * (u32)ks.k_sb + cp.k_off[hf] : 0u;
             ov = live ? (u32)blk * (u32)ks.v_sb + cp.v_off[hf] : 0u;
         } else if (live) {
-            const int page = ks.bs_shift >= 0 ? n >> ks.bs_shift : n / ks.block_size;
-            const int tib = n - page * ks.block_size;
-            if (ks.small) {
-                ok = (u32)blk * (u32)ks.k_sb + (u32)tib * (u32)ks.k_st + (u32)(16 * ch);
-                ov = (u32)blk * (u32)ks.v_sb + (u32)tib * (u32)ks.v_st + (u32)(16 * ch);
-            } else {
-                ok = (i64)blk * ks.k_sb + (i64)tib * ks.k_st + 16 * ch;
-                ov = (i64)blk * ks.v_sb + (i64)tib * ks.v_st + 16 * ch;
-            }
+            key_offsets(ks, n, blk, ch, ok, ov);
         }
         copy_async<16>(shared_address(&sh.k[stage][key][k_chunk(key, ch)]), ks.kbase + ok, live);
         copy_async<16>(shared_address(&sh.v[stage][key][v_chunk(key, ch)]), ks.vbase + ov, live);
         // lanes 0, CPR, 2 CPR, 3 CPR of the warp hold keys 4 warp + [0, 4) (+ BLOCK_N / 2)
-        // (bits 0, 8, 16, 24 of the ballot moved to 28..31 by one product: no two terms meet)
-        const u32 b = __ballot_sync(0xFFFFFFFFu, live && ch == 0);
-        bits |= (((b & 0x01010101u) * 0x10204080u) >> 28) << ((32 / CPR) * warp + hf * (BLOCK_N / 2));
+        bits |= key_bits(__ballot_sync(0xFFFFFFFFu, live && ch == 0), warp, hf * (BLOCK_N / 2));
     }
     if (lane == 0) reinterpret_cast<u32*>(&sh.valid[stage])[warp] = bits;
     copy_commit();
@@ -521,9 +476,8 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     const int num_splits = (int)gridDim.z / num_seqs;  // grid z = num_seqs * num_splits
     const int s = blockIdx.z / num_splits;
     const int z = blockIdx.z - s * num_splits;
-    const int q_lo = i32_min(i32_max(qsl[s], 0), T);
-    const int q_hi = i32_max(i32_min(i32_max(qsl[s + 1], 0), T), q_lo);
-    const int rows = (q_hi - q_lo) * group;
+    const RowKeys rk = row_keys(qsl, seq_lens, s, z, T, group, window, causal, max_blocks, block_size, keys_per_split);
+    const int q_lo = rk.q_lo, rows = rk.rows;
     const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest rows (causal) start first
     if (row0 >= rows) {  // uniform over the CTA
         if (!EXACT && threadIdx.x == 0) redo[cta] = 0;
@@ -531,37 +485,14 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     }
 
     // ---- key spans: row -> token q_lo + row / group; its visible keys, within split z
-    const i64 max_keys = (i64)max_blocks * block_size;
-    const i64 seq_len = (i64)i32_max(seq_lens[s], 0) < max_keys ? (i64)i32_max(seq_lens[s], 0) : max_keys;
-    const i64 z_lo = (i64)z * keys_per_split, z_hi = z_lo + keys_per_split;
-    auto span = [&](int row, int& lo, int& hi, bool whole = false) {  // whole: all splits
-        if (row >= rows) { lo = hi = 0; return; }
-        const i64 pos = seq_len - (q_hi - q_lo) + row / group;
-        i64 a = pos - window + 1 > 0 ? pos - window + 1 : 0;
-        i64 b = causal ? (pos + 1 < seq_len ? pos + 1 : seq_len) : seq_len;
-        a = a > z_lo || whole ? a : z_lo;
-        b = b < z_hi || whole ? b : z_hi;
-        lo = (int)a;
-        hi = (int)(b > a ? b : a);
-    };
     RowSpans rs;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int hf = 0; hf < 2; ++hf) span(row0 + 32 * warp + 16 * mt + r + 8 * hf, rs.lo[mt][hf], rs.hi[mt][hf]);
-    const int last = i32_min(row0 + BLOCK_M, rows) - 1;
-    int kb, ke, lo_max, hi_min, lo_last, hi_first;
-    span(row0, kb, hi_first);
-    span(last, lo_last, ke);
-    kb = i32_min(kb, lo_last);  // (spans are monotone in the row; empty ones are [0, 0))
-    ke = i32_max(ke, hi_first);
-    lo_max = i32_max(kb, lo_last);
-    hi_min = i32_min(ke, hi_first);
-    // the fewest keys a row sees (over all splits; monotone in the row, so at an end)
-    int a0, b0, a1, b1;
-    span(row0, a0, b0, true);
-    span(last, a1, b1, true);
-    const bool split_p = b0 - a0 < FP8KV_FULL_P_KEYS || b1 - a1 < FP8KV_FULL_P_KEYS;
+        for (int hf = 0; hf < 2; ++hf) rk.span(row0 + 32 * warp + 16 * mt + r + 8 * hf, rs.lo[mt][hf], rs.hi[mt][hf]);
+    const CtaKeys ck = cta_keys(rk, row0, BLOCK_M);
+    const int kb = ck.kb, ke = ck.ke, lo_max = ck.lo_max, hi_min = ck.hi_min;
+    const bool split_p = ck.split_p;
 
     // ---- stage Q fragments: raw bits, then (bfloat16) the CTA's range decides K's type and scale
     auto frag_row = [&](int mt, int hf) { return row0 + 32 * warp + 16 * mt + r + 8 * hf; };
@@ -627,30 +558,10 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     __syncwarp();
 
     // the logit factor; simple when q . k * f1 * f2 cannot overflow: |q . k| <= D max|q| max|code|
-    Logit lg;
-    scale_factors(k_scale[(i64)h * ks_sh], g_mant, g_exp + qshift, lg.f1, lg.f2);
-    lg.fs = lg.f1 * lg.f2;
-    lg.soft_cap = soft_cap;
-    lg.use_cap = use_cap;
-    const float qabs = u2f(qmax) * pow2i(i32_max(i32_min(-qshift, 127), -126));
-    const float bound = (float)D * qabs * u2f(MAXBITS) * lg.fs;  // (inf or NaN: not simple)
-    lg.simple = !use_cap && lg.fs >= 1.1754943508222875e-38f && lg.fs < FLOAT32_MAX && bound <= 0x1p126f;
+    const Logit lg = make_logit(k_scale[(i64)h * ks_sh], g_mant, g_exp, qshift, qmax, D, soft_cap, use_cap);
     if (threadIdx.x == 0) {
-        Keys& keys = sh.keys;
-        keys.bt_row = block_tables + (i64)s * bt_stride;
-        keys.kbase = key_cache + (i64)h * k_sh;
-        keys.vbase = value_cache + (i64)h * v_sh;
-        keys.k_sb = k_sb; keys.k_st = k_st; keys.v_sb = v_sb; keys.v_st = v_st;
-        keys.kb = kb; keys.ke = ke;
-        keys.block_size = block_size;
-        keys.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
-        keys.num_blocks = num_blocks;
-        auto fits = [&](i64 sb, i64 st) {  // (each product < 2^62)
-            return sb >= 0 && st >= 0 && sb < (1ll << 31) && st < (1ll << 31) &&
-                   (i64)num_blocks * sb + (i64)block_size * st + D < (1ll << 31);
-        };
-        keys.small = fits(k_sb, k_st) && fits(v_sb, v_st);
-        keys.fast = keys.small && keys.bs_shift >= 0 && block_size <= BLOCK_N;
+        set_keys(sh.keys, block_tables + (i64)s * bt_stride, key_cache + (i64)h * k_sh, value_cache + (i64)h * v_sh,
+                 k_sb, k_st, v_sb, v_st, kb, ke, block_size, num_blocks, D, BLOCK_N);
     }
     __syncthreads();
 
