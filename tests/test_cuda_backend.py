@@ -360,22 +360,21 @@ def test_a_struct_parameter_launch_packs_the_driver_call(monkeypatch):
 
 @pytest.mark.parametrize("change, serves", [
     ({}, True), ({"on": False}, False), ({"sm": 80}, False), ({"sm": 75}, False), ({"fmt": "fp8_e5m2"}, False),
-    ({"dtype": torch.float32}, False), ({"D": 64}, False), ({"cap": 30.0}, False), ({"splits": 2}, False),
-    ({"misaligned": True}, False),
+    ({"dtype": torch.float32}, False), ({"D": 64}, False), ({"cap": 30.0}, False), ({"misaligned": True}, False),
 ])
 def test_the_wgmma_prefill_takes_only_what_it_serves(change, serves, monkeypatch):
     """The sm90 wgmma prefill replaces the mma kernel unless switched off, on sm90 itself (not an
     older FP8KV_CUDA_ARCH), for e4m3 caches, head size 128,
-    16-bit queries stored 16-byte aligned, no soft-cap and one split."""
+    16-bit queries stored 16-byte aligned, no soft-cap (a KV split included)."""
     from fp8kv_cuda import attention
 
-    c = {"on": True, "sm": 90, "fmt": "fp8_e4m3", "dtype": torch.bfloat16, "D": 128, "cap": None, "splits": 1,
+    c = {"on": True, "sm": 90, "fmt": "fp8_e4m3", "dtype": torch.bfloat16, "D": 128, "cap": None,
          "misaligned": False, **change}
     monkeypatch.setattr(attention, "WGMMA_PREFILL", c["on"])
     storage = torch.zeros(4 * 8 * c["D"] + 8, dtype=c["dtype"])
     query = storage[1:1 + 4 * 8 * c["D"]] if c["misaligned"] else storage[: 4 * 8 * c["D"]]
     query = query.view(4, 8, c["D"])
-    assert attention.wgmma_prefill_serves(c["sm"], c["fmt"], query, c["cap"], c["splits"]) is serves
+    assert attention.wgmma_prefill_serves(c["sm"], c["fmt"], query, c["cap"]) is serves
     assert attention.WGMMA_PREFILL is c["on"]
 
 

@@ -225,14 +225,13 @@ def wgmma_smem_bytes(head_size: int = 128, block_n: int = WGMMA_BLOCK_N, stages:
     return -(-size // 1024) * 1024
 
 
-def wgmma_prefill_serves(sm: int, fmt: str, query: torch.Tensor, logits_soft_cap, num_splits: int) -> bool:
+def wgmma_prefill_serves(sm: int, fmt: str, query: torch.Tensor, logits_soft_cap) -> bool:
     """Whether the sm90 wgmma prefill takes this step (unless :data:`WGMMA_PREFILL` is off): sm90 (not
     an older ``FP8KV_CUDA_ARCH``), an e4m3 cache, head size 128, float16/bfloat16 queries whose
-    storage is 16-byte aligned (it loads them 16 bytes at a time), no soft-cap, one split. Anything
+    storage is 16-byte aligned (it loads them 16 bytes at a time), no soft-cap; any KV split. Anything
     it cannot do exactly at run time goes to the exact kernel (redo)."""
     return (WGMMA_PREFILL and sm == 90 and fmt in WGMMA_PREFILL_FORMATS and query.shape[-1] == 128
-            and query.dtype in MMA_QUERY_DTYPES and query.data_ptr() % 16 == 0 and logits_soft_cap is None
-            and num_splits == 1)
+            and query.dtype in MMA_QUERY_DTYPES and query.data_ptr() % 16 == 0 and logits_soft_cap is None)
 
 
 WMMA_PREFILL_BELOW_SM = MMA_MIN_SM
@@ -413,7 +412,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             smem = wmma_smem_bytes(D)
             runtime.launch(variant, entry, dev, grid, WMMA_THREADS, pargs, shared_mem=smem)
             runtime.launch(variant, "fp8kv_prefill_wmma_exact", dev, grid, WMMA_THREADS, pargs, shared_mem=smem)
-        elif wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap, p.num_splits):  # (same contract)
+        elif wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap):  # (same contract)
             maps = paged_cache_maps(cache, WGMMA_BLOCK_N)  # (None: cp.async loads)
             tmap_k, tmap_v, head_inner, box_rows = maps or (_NO_TENSOR_MAP, _NO_TENSOR_MAP, 0, 0)
             runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG, tma=maps is not None),

@@ -2,7 +2,7 @@
 // e4m3 (OCP) cache with static (tensor or head) scales, head size 128, float16/bfloat16 queries.
 //
 // The fast kernel of prefill_mma.cu's two-kernel scheme, taking its place on sm90: the same
-// parameters, grid (row tiles of 128 rows, H, S; one split) and redo[] contract. A CTA whose rows it
+// parameters, grid (row tiles of 128 rows, H, S * num_splits) and redo[] contract. A CTA whose rows it
 // cannot do exactly (a logit that could overflow float32, a NaN V code in a tile some row does not
 // fully see) sets redo[cta] = 1 and writes nothing; fp8kv_prefill_mma_exact, launched after it over
 // the same grid, redoes those CTAs.
@@ -34,7 +34,7 @@
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_FULL_P_KEYS, FP8KV_STAGES, FP8KV_PINGPONG, FP8KV_TMA,
 // and the format's (e4m3 only).
-#include "attention_common.cuh"
+#include "prefill_rows.cuh"
 #include "wgmma_common.cuh"
 
 
@@ -83,7 +83,6 @@ struct Cta {
     int kb, ke;          // keys visited: [kb, ke); tiles from kb rounded down to BLOCK_N
     int lo_max, hi_min;  // keys every row sees (tiles inside need no mask)
     int n_start, ntiles;
-    i64 seq_len;
 };
 
 // bfloat16 pair of a float16 pair (exact for the e4m3 values widen_native gives).
@@ -382,7 +381,7 @@ __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float
 
 }  // namespace fp8kv
 
-// Parameters and grid as fp8kv_prefill_mma (split == 0, use_cap == 0: the launcher's choice).
+// Parameters and grid as fp8kv_prefill_mma (use_cap == 0: the launcher's choice).
 // FP8KV_TMA: tmap_k, tmap_v, tma_head_inner and tma_box_rows as TmaMaps describes (unused without).
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8KV_ATTENTION_PARAMS(D_arg),
                                                                               int* __restrict__ redo,
@@ -394,40 +393,27 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     if (smem_addr(wgmma_smem) & 1023u) __trap();  // (the swizzled raw tiles need 1024-byte alignment)
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
     const i64 cta_id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const int s = blockIdx.z;  // one split: grid z = num_seqs
+    const int num_splits = (int)gridDim.z / num_seqs;  // grid z = num_seqs * num_splits
+    const int s = blockIdx.z / num_splits;
+    const int z = blockIdx.z - s * num_splits;
+    const RowKeys rk = row_keys(qsl, seq_lens, s, z, T, group, window, causal, max_blocks, block_size, keys_per_split);
     Cta cta;
     cta.h = blockIdx.y;
-    cta.q_lo = i32_min(i32_max(qsl[s], 0), T);
-    const int q_hi = i32_max(i32_min(i32_max(qsl[s + 1], 0), T), cta.q_lo);
-    cta.rows = (q_hi - cta.q_lo) * group;
+    cta.q_lo = rk.q_lo;
+    cta.rows = rk.rows;
     cta.row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest rows (causal) start first
     if (cta.row0 >= cta.rows) {  // uniform over the CTA
         if (threadIdx.x == 0) redo[cta_id] = 0;
         return;
     }
-    const i64 max_keys = (i64)max_blocks * block_size;
-    const i64 len = (i64)i32_max(seq_lens[s], 0);
-    cta.seq_len = len < max_keys ? len : max_keys;
-    const int q_len = q_hi - cta.q_lo;
-    auto span = [&](int row, int& lo, int& hi) {  // the keys row sees (none past the rows)
-        if (row >= cta.rows) { lo = hi = 0; return; }
-        const i64 pos = cta.seq_len - q_len + row / group;
-        const i64 a = pos - window + 1 > 0 ? pos - window + 1 : 0;
-        const i64 b = causal ? (pos + 1 < cta.seq_len ? pos + 1 : cta.seq_len) : cta.seq_len;
-        lo = (int)a;
-        hi = (int)(b > a ? b : a);
-    };
-    const int last = i32_min(cta.row0 + BLOCK_M, cta.rows) - 1;
-    int lo0, hi0, lo1, hi1;
-    span(cta.row0, lo0, hi0);
-    span(last, lo1, hi1);
-    cta.kb = i32_min(lo0, lo1);  // (spans are monotone in the row; empty ones are [0, 0))
-    cta.ke = i32_max(hi0, hi1);
-    cta.lo_max = i32_max(cta.kb, lo1);
-    cta.hi_min = i32_min(cta.ke, hi0);
+    const CtaKeys ck = cta_keys(rk, cta.row0, BLOCK_M);
+    cta.kb = ck.kb;
+    cta.ke = ck.ke;
+    cta.lo_max = ck.lo_max;
+    cta.hi_min = ck.hi_min;
     cta.n_start = cta.kb / BLOCK_N * BLOCK_N;
     cta.ntiles = cta.ke > cta.n_start ? (cta.ke - cta.n_start + BLOCK_N - 1) / BLOCK_N : 0;
-    const bool split_p = hi0 - lo0 < FP8KV_FULL_P_KEYS || hi1 - lo1 < FP8KV_FULL_P_KEYS;
+    const bool split_p = ck.split_p;
 
     if (threadIdx.x == 0) {
         for (int st = 0; st < STAGES; ++st) {
@@ -492,7 +478,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     for (int h = 0; h < 2; ++h) {
         rs.m[h] = NEG_INF;
         rs.l[h] = 0.0f;
-        span(cta.row0 + 64 * cw + 16 * warp + r + 8 * h, rs.lo[h], rs.hi[h]);
+        rk.span(cta.row0 + 64 * cw + 16 * warp + r + 8 * h, rs.lo[h], rs.hi[h]);
     }
     float o[64];
 #pragma unroll
@@ -513,6 +499,15 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
         const int row = cta.row0 + 64 * cw + 16 * warp + r + 8 * h;
         if (row >= cta.rows) continue;
         const i64 orow = (i64)(cta.q_lo + row / group) * HQ + (i64)cta.h * group + row % group;
+        if (split) {  // the split's partial (O, m, l) for the merge
+            const i64 prow = (i64)z * T * HQ + orow;
+#pragma unroll
+            for (int j = 0; j < 16; ++j)
+                *reinterpret_cast<float2*>(&part_acc[prow * D + 8 * j + 2 * c]) =
+                    make_float2(o[4 * j + 2 * h], o[4 * j + 2 * h + 1]);
+            if (c == 0) { part_ml[prow * 3] = rs.m[h]; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = 0.0f; }
+            continue;
+        }
         const float mul = fdiv(1.0f, l > 0.0f ? l : 1.0f);
 #pragma unroll
         for (int j = 0; j < 16; ++j)
