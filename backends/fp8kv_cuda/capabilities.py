@@ -155,12 +155,13 @@ PREFILL_PRIORITY = 110
 """Priority of chunked prefill the sm90 wgmma kernel serves on :data:`PREFILL_FASTER_ARCHES` (above
 Triton's 100)."""
 PREFILL_FASTER_ARCHES = frozenset({"sm90"})
-"""Where the wgmma prefill was measured faster than Triton's prefill (2026-11-26,
-``benchmarks/results/cuda_prefill/h100.json``, one run: 1.59x on 4 x 2048 over 2048 and 1.63x on
-1 x 16384 causal on the H100). It serves an e4m3 cache with static scales, head size 128, float16 or
-bfloat16 queries, no soft-cap; a step it cannot take at launch (a KV split for few CTAs, an unaligned
-query) runs the mma prefill kernel, 0.93-1.01x Triton on the same shapes (short chunks over long
-contexts, which are split, were not measured against Triton)."""
+"""Where the wgmma prefill was measured faster than Triton's prefill (2026-11-26 on the H100, same
+runs: ``benchmarks/results/cuda_prefill/h100.json`` 1.57x on 4 x 2048 over 2048 and 1.63x on 1 x 16384
+causal; ``h100_short_chunks.json``, short chunks over long contexts, which the plan splits: 1.21-1.68x
+at 16 x 64 over 4096, 8 x 128 over 8192, 4 x 256 over 16384 and 2 x 512 over 32768). It serves an
+e4m3 cache with static scales, head size 128, float16 or bfloat16 queries, no soft-cap, any KV split;
+a query that is not 16-byte aligned runs the mma prefill kernel instead, 0.79-1.06x Triton on the
+measured shapes."""
 
 
 def priority(device: DeviceInfo, request: Request) -> int | None:
@@ -223,7 +224,7 @@ def device_notes(device: DeviceInfo) -> list[str]:
         mma = ("decode on tensor cores for float16 queries (Turing's m16n8k8; bfloat16 and float32 queries on "
                "CUDA cores: no bfloat16 tensor cores before sm80)")
     else:
-        mma = "decode on CUDA cores (Volta's m8n8k4 tensor cores are not used yet)"
+        mma = "decode on CUDA cores (Volta's m8n8k4 tensor cores serve the chunked prefill only)"
     if device.arch in DECODE_FASTER_ARCHES:
         mma += f", ranked above triton for decode-only steps on {device.arch} (measured faster)"
     if device.arch in PREFILL_FASTER_ARCHES:

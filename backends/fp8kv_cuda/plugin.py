@@ -33,8 +33,9 @@ class CudaBackend:
         return BackendInfo(
             "cuda", __version__, priority=PRIORITY, fast=True,
             description="CUDA C++ through CuPy/NVRTC: NVIDIA sm70+ (Volta/Turing included), all formats; "
-                        "decode and chunked prefill on tensor cores (float16 queries from sm75, bfloat16 from "
-                        "sm80) or CUDA cores (GQA-packed, split-KV)",
+                        "decode on tensor cores (float16 queries from sm75, bfloat16 from sm80), chunked prefill "
+                        "on tensor cores (float16 queries from sm70, bfloat16 from sm80), else CUDA cores "
+                        "(GQA-packed, split-KV)",
         )
 
     @hookimpl
