@@ -214,6 +214,34 @@ def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
                                   max_query_len=5).num_splits == 1
 
 
+def test_plan_prefill_for_the_wgmma_kernel_fills_one_wave(monkeypatch):
+    """A step planned for sm90's wgmma prefill (one CTA an SM) splits into as many pieces as fit one
+    wave, never spilling into a second (measured: benchmarks/results/cuda_prefill/iterations/w12_*)."""
+    from fp8kv_cuda import attention
+
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention, "_sm", lambda device: 90)
+    dev = torch.device("cuda", 0)
+    kw = dict(num_kv_heads=8, group=4, head_size=128, ctas_per_sm=1)
+    # 8 x 128 new over 8192: 4 row tiles x 8 heads x 8 sequences = 256 CTAs fill the GPU: no split
+    assert attention.plan_prefill(dev, num_seqs=8, max_keys=8320, max_query_len=128, **kw).num_splits == 1
+    # 1 x 64 over 32768: 16 CTAs, 8 splits (128 CTAs; 9 would spill 12 into a second wave)
+    assert attention.plan_prefill(dev, num_seqs=1, max_keys=32832, max_query_len=64, **kw).num_splits == 8
+    # 2 x 128 over 16384: 64 CTAs, 2 splits
+    assert attention.plan_prefill(dev, num_seqs=2, max_keys=16512, max_query_len=128, **kw).num_splits == 2
+    # the mma kernel's rule (two CTAs an SM) for the same step: 17 splits
+    mma = attention.plan_prefill(dev, num_seqs=1, num_kv_heads=8, group=4, head_size=128, max_keys=32832,
+                                 max_query_len=64)
+    assert mma.num_splits == 17
+    monkeypatch.setattr(attention, "WGMMA_PREFILL", True)
+    assert attention.wgmma_prefill_planned(90, "fp8_e4m3", 128, torch.bfloat16)
+    assert not attention.wgmma_prefill_planned(90, "fp8_e5m2", 128, torch.bfloat16)
+    assert not attention.wgmma_prefill_planned(80, "fp8_e4m3", 128, torch.float16)
+    assert not attention.wgmma_prefill_planned(90, "fp8_e4m3", 128, torch.float32)
+    monkeypatch.setattr(attention, "WGMMA_PREFILL", False)
+    assert not attention.wgmma_prefill_planned(90, "fp8_e4m3", 128, torch.bfloat16)
+
+
 def test_turing_plans_float16_queries_on_tensor_cores(monkeypatch):
     """sm75 (a real Turing, or FP8KV_CUDA_ARCH=sm75 on a newer GPU): float16 queries take the
     tensor-core kernels, decode with a one-stage ring in 4-warp CTAs (two share Turing's 64 KiB)

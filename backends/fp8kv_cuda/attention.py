@@ -245,6 +245,14 @@ def wmma_prefill(sm: int) -> bool:
     return sm < WMMA_PREFILL_BELOW_SM
 
 
+def wgmma_prefill_planned(sm: int, fmt: str, head_size: int, query_dtype: torch.dtype) -> bool:
+    """Whether a prefill step is planned for the sm90 wgmma kernel (one CTA an SM): what
+    :func:`wgmma_prefill_serves` checks that is known at plan time (the query's alignment and a soft-cap
+    are known at launch only; such a step then runs the mma kernel with this plan)."""
+    return (WGMMA_PREFILL and sm == 90 and fmt in WGMMA_PREFILL_FORMATS and head_size == 128
+            and query_dtype in MMA_QUERY_DTYPES)
+
+
 def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
                    fmt: str) -> bool:
     """Whether the tensor-core prefill kernel serves this step (before the launch's alignment check):
@@ -262,18 +270,27 @@ def prefill_serves(device: torch.device, query_dtype: torch.dtype, head_size: in
 
 
 def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, group: int, head_size: int,
-                 max_keys: int, max_query_len: int, num_splits: int | None = None) -> AttnPlan:
+                 max_keys: int, max_query_len: int, num_splits: int | None = None,
+                 ctas_per_sm: int = 2) -> AttnPlan:
     """Row tiles and KV split of the prefill kernel: ``max_query_len * group`` rows per (sequence, KV
     head) in tiles of :data:`PREFILL_ROWS`; the keys are split only when the CTAs would not fill
-    the GPU twice (long contexts under short query chunks), each split at least 2 x
-    :data:`PREFILL_SPLIT_KEYS` keys."""
+    the GPU's ``ctas_per_sm`` CTAs an SM (long contexts under short query chunks), each split at
+    least 2 x :data:`PREFILL_SPLIT_KEYS` keys.
+
+    The mma kernel (two CTAs an SM) splits up to at least two CTAs an SM. The sm90 wgmma kernel (one
+    CTA an SM, ``ctas_per_sm=1``: :func:`wgmma_prefill_planned`) splits into as many pieces as fit one
+    wave, never into a second: measured on the H100 (``benchmarks/results/cuda_prefill/iterations/
+    w12_ab_wgmma_splits*.json``), 256 CTAs ran 6-49% slower split in two than unsplit, and 64 CTAs
+    ran fastest in 2 splits (128 CTAs: 228-231 us at 2 x 128 over 16384, against 290 in 3 and 278 in
+    5, which spill into a second wave)."""
     row_tiles = _cdiv(max(1, max_query_len) * group, PREFILL_ROWS)
     ctas = row_tiles * num_kv_heads * max(1, num_seqs)
     if num_splits is None:
-        sms = _num_sms(runtime.device_index(device))
+        slots = ctas_per_sm * _num_sms(runtime.device_index(device))
         num_splits = 1
-        if ctas < 2 * sms:
-            num_splits = min(_cdiv(2 * sms, ctas), max(1, max_keys // (2 * PREFILL_SPLIT_KEYS)), MAX_SPLITS)
+        if ctas < slots:
+            fill = slots // ctas if ctas_per_sm == 1 else _cdiv(slots, ctas)
+            num_splits = min(fill, max(1, max_keys // (2 * PREFILL_SPLIT_KEYS)), MAX_SPLITS)
     splits, kps = _split_keys(max_keys, num_splits, PREFILL_SPLIT_KEYS)
     return AttnPlan(head_size, group, PREFILL_BLOCK_N, 1, splits, kps, mma=True, warps=PREFILL_WARPS,
                     prefill=True, row_tiles=row_tiles, sm=_sm(device))
@@ -290,8 +307,10 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
     4 tiles. Decode and the other kernels run one CTA row per query token."""
     if (max_query_len > 1 and query_dtype is not None
             and prefill_serves(device, query_dtype, head_size, token_scales, fmt)):
+        one = wgmma_prefill_planned(_sm(device), fmt, head_size, query_dtype)
         return plan_prefill(device, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=group,
-                            head_size=head_size, max_keys=max_keys, max_query_len=max_query_len)
+                            head_size=head_size, max_keys=max_keys, max_query_len=max_query_len,
+                            ctas_per_sm=1 if one else 2)
     if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales, fmt):
         return plan_mma(device, num_tokens=num_tokens, num_kv_heads=num_kv_heads, group=group,
                         head_size=head_size, max_keys=max_keys, token_scales=token_scales)

@@ -157,8 +157,8 @@ Triton's 100)."""
 PREFILL_FASTER_ARCHES = frozenset({"sm90"})
 """Where the wgmma prefill was measured faster than Triton's prefill (2026-11-26 on the H100, same
 runs: ``benchmarks/results/cuda_prefill/h100.json`` 1.57x on 4 x 2048 over 2048 and 1.63x on 1 x 16384
-causal; ``h100_short_chunks.json``, short chunks over long contexts, which the plan splits: 1.21-1.68x
-at 16 x 64 over 4096, 8 x 128 over 8192, 4 x 256 over 16384 and 2 x 512 over 32768). It serves an
+causal; ``h100_short_chunks.json``, short chunks over long contexts: 1.57-1.83x at six shapes from
+16 x 64 over 4096 to 1 x 64 over 32768, split or not). It serves an
 e4m3 cache with static scales, head size 128, float16 or bfloat16 queries, no soft-cap, any KV split;
 a query that is not 16-byte aligned runs the mma prefill kernel instead, 0.79-1.06x Triton on the
 measured shapes."""
