@@ -307,7 +307,10 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
     4 tiles. Decode and the other kernels run one CTA row per query token."""
     if (max_query_len > 1 and query_dtype is not None
             and prefill_serves(device, query_dtype, head_size, token_scales, fmt)):
-        one = wgmma_prefill_planned(_sm(device), fmt, head_size, query_dtype)
+        # one CTA an SM: sm90's wgmma kernel, and Volta's wmma kernel (79 KiB of shared memory of 96;
+        # its split count follows the wgmma kernel's measured rule, unmeasured on a Volta)
+        sm = _sm(device)
+        one = wgmma_prefill_planned(sm, fmt, head_size, query_dtype) or wmma_prefill(sm)
         return plan_prefill(device, num_seqs=num_seqs, num_kv_heads=num_kv_heads, group=group,
                             head_size=head_size, max_keys=max_keys, max_query_len=max_query_len,
                             ctas_per_sm=1 if one else 2)
