@@ -266,3 +266,10 @@ extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     i64 ks_sb, i64 ks_st, i64 ks_sh, i64 vs_sb, i64 vs_st, i64 vs_sh,                                     \
     int T, int HQ, int DIM, int group, int head_chunks, int num_seqs, int max_blocks, int block_size,        \
     int num_blocks, int keys_per_split
+
+// The same parameters as arguments (a kernel passing them on to its body).
+#define FP8KV_ATTENTION_ARGS(DIM)                                                                             \
+    query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, qsl, out, lse, part_acc, part_ml, \
+    g_mant, g_exp, soft_cap, use_cap, window, causal, split, write_lse, bt_stride, k_sb, k_st, k_sh, v_sb,     \
+    v_st, v_sh, ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh, T, HQ, DIM, group, head_chunks, num_seqs,            \
+    max_blocks, block_size, num_blocks, keys_per_split

@@ -465,17 +465,13 @@ __device__ __forceinline__ bool run_keys(bool split_p, PrefillShared& sh, int kb
 template <bool EXACT>
 __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __restrict__ redo) {
     extern __shared__ uint4 smem[];
-    const i64 cta = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const PrefillCta pc = prefill_cta(num_seqs);
+    const i64 cta = pc.id;
+    const int h = pc.h, s = pc.s, z = pc.z;
     if (EXACT && redo[cta] == 0) return;
     PrefillShared& sh = *reinterpret_cast<PrefillShared*>(smem);
-    u32 dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < (u32)SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
+    trap_unless_smem((u32)SMEM_BYTES);
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, r = lane >> 2, c = lane & 3;
-    const int h = blockIdx.y;
-    const int num_splits = (int)gridDim.z / num_seqs;  // grid z = num_seqs * num_splits
-    const int s = blockIdx.z / num_splits;
-    const int z = blockIdx.z - s * num_splits;
     const RowKeys rk = row_keys(qsl, seq_lens, s, z, T, group, window, causal, max_blocks, block_size, keys_per_split);
     const int q_lo = rk.q_lo, rows = rk.rows;
     const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest rows (causal) start first
@@ -637,16 +633,10 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
 }
 
 extern "C" __global__ void __launch_bounds__(PNT, 2) fp8kv_prefill_mma(FP8KV_ATTENTION_PARAMS(D_arg), int* __restrict__ redo) {
-    prefill<false>(query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, qsl, out, lse, part_acc,
-                   part_ml, g_mant, g_exp, soft_cap, use_cap, window, causal, split, write_lse, bt_stride, k_sb, k_st,
-                   k_sh, v_sb, v_st, v_sh, ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh, T, HQ, D_arg, group, head_chunks,
-                   num_seqs, max_blocks, block_size, num_blocks, keys_per_split, redo);
+    prefill<false>(FP8KV_ATTENTION_ARGS(D_arg), redo);
 }
 
 extern "C" __global__ void __launch_bounds__(PNT, 1) fp8kv_prefill_mma_exact(FP8KV_ATTENTION_PARAMS(D_arg),
                                                                             int* __restrict__ redo) {
-    prefill<true>(query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, qsl, out, lse, part_acc,
-                  part_ml, g_mant, g_exp, soft_cap, use_cap, window, causal, split, write_lse, bt_stride, k_sb, k_st,
-                  k_sh, v_sb, v_st, v_sh, ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh, T, HQ, D_arg, group, head_chunks,
-                  num_seqs, max_blocks, block_size, num_blocks, keys_per_split, redo);
+    prefill<true>(FP8KV_ATTENTION_ARGS(D_arg), redo);
 }

@@ -13,6 +13,23 @@
 
 namespace fp8kv {
 
+// A prefill CTA's place in the grid (row tiles, H, num_seqs * num_splits): its redo[] slot, KV head,
+// sequence and split.
+struct PrefillCta {
+    i64 id;
+    int h, s, z;
+};
+
+__device__ __forceinline__ PrefillCta prefill_cta(int num_seqs) {
+    PrefillCta c;
+    c.id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    c.h = blockIdx.y;
+    const int num_splits = (int)gridDim.z / num_seqs;  // grid z = num_seqs * num_splits
+    c.s = blockIdx.z / num_splits;
+    c.z = blockIdx.z - c.s * num_splits;
+    return c;
+}
+
 // Which keys each row of the CTA's sequence sees: query_start_loc and seq_lens clamped (to [0, T]
 // and to the block table's row), the causal end, the window's start, the split.
 struct RowKeys {

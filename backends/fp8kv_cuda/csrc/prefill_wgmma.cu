@@ -392,13 +392,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     trap_unless_smem(WGMMA_SMEM_BYTES);
     if (smem_addr(wgmma_smem) & 1023u) __trap();  // (the swizzled raw tiles need 1024-byte alignment)
     WgmmaShared& sh = *reinterpret_cast<WgmmaShared*>(wgmma_smem);
-    const i64 cta_id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const int num_splits = (int)gridDim.z / num_seqs;  // grid z = num_seqs * num_splits
-    const int s = blockIdx.z / num_splits;
-    const int z = blockIdx.z - s * num_splits;
+    const PrefillCta pc = prefill_cta(num_seqs);
+    const i64 cta_id = pc.id;
+    const int s = pc.s, z = pc.z;
     const RowKeys rk = row_keys(qsl, seq_lens, s, z, T, group, window, causal, max_blocks, block_size, keys_per_split);
     Cta cta;
-    cta.h = blockIdx.y;
+    cta.h = pc.h;
     cta.q_lo = rk.q_lo;
     cta.rows = rk.rows;
     cta.row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest rows (causal) start first

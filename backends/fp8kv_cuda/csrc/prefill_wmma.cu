@@ -412,28 +412,22 @@ __device__ __forceinline__ bool key_loop(WmmaShared& sh, const CtaKeys& ck, cons
 template <bool EXACT>
 __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __restrict__ redo) {
     extern __shared__ uint4 smem[];
-    const i64 cta = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    if (EXACT && redo[cta] == 0) return;
+    trap_unless_smem((u32)sizeof(WmmaShared));
     WmmaShared& sh = *reinterpret_cast<WmmaShared*>(smem);
-    u32 dyn_smem;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
-    if (dyn_smem < (u32)sizeof(WmmaShared)) __trap();  // a launcher bug, never silent corruption
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const int h = blockIdx.y;
-    const int num_splits = (int)gridDim.z / num_seqs;  // grid z = num_seqs * num_splits
-    const int s = blockIdx.z / num_splits;
-    const int z = blockIdx.z - s * num_splits;
-    const RowKeys rk = row_keys(qsl, seq_lens, s, z, T, group, window, causal, max_blocks, block_size, keys_per_split);
+    const PrefillCta cta = prefill_cta(num_seqs);
+    if (EXACT && redo[cta.id] == 0) return;
+    const RowKeys rk = row_keys(qsl, seq_lens, cta.s, cta.z, T, group, window, causal, max_blocks, block_size, keys_per_split);
     const int row0 = (gridDim.x - 1 - blockIdx.x) * BLOCK_M;  // the longest rows (causal) start first
     if (row0 >= rk.rows) {  // uniform over the CTA
-        if (!EXACT && threadIdx.x == 0) redo[cta] = 0;
+        if (!EXACT && threadIdx.x == 0) redo[cta.id] = 0;
         return;
     }
     const int my_row = row0 + 16 * warp + (lane & 15);  // the row whose softmax this lane keeps
     RowState st{NEG_INF, 0.0f, 0, 0};
     rk.span(my_row, st.lo, st.hi);
     const CtaKeys ck = cta_keys(rk, row0, BLOCK_M);
-    auto out_row = [&](int row) { return (i64)(rk.q_lo + row / group) * HQ + (i64)h * group + row % group; };
+    auto out_row = [&](int row) { return (i64)(rk.q_lo + row / group) * HQ + (i64)cta.h * group + row % group; };
 
     // ---- Q as float16 bits (zero past the rows), its largest magnitude; the element table
     u32 qmax = 0u;
@@ -452,14 +446,14 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     if (lane == 0) sh.qmax[warp] = qmax;
     const Elements el = element_table(&sh.s[warp][0][0]);  // (1 KiB of the warp's 2.75)
     if (threadIdx.x == 0) {
-        set_keys(sh.keys, block_tables + (i64)s * bt_stride, key_cache + (i64)h * k_sh, value_cache + (i64)h * v_sh,
+        set_keys(sh.keys, block_tables + (i64)cta.s * bt_stride, key_cache + (i64)cta.h * k_sh, value_cache + (i64)cta.h * v_sh,
                  k_sb, k_st, v_sb, v_st, ck.kb, ck.ke, block_size, num_blocks, D, BLOCK_N);
     }
     __syncthreads();
     qmax = 0u;
 #pragma unroll
     for (int w = 0; w < PWARPS; ++w) qmax = u32_max(qmax, sh.qmax[w]);
-    const Logit lg = make_logit(k_scale[(i64)h * ks_sh], g_mant, g_exp, 0, qmax, D, soft_cap, use_cap);
+    const Logit lg = make_logit(k_scale[(i64)cta.h * ks_sh], g_mant, g_exp, 0, qmax, D, soft_cap, use_cap);
 
     FragC o[DT];
 #pragma unroll
@@ -469,12 +463,12 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
     const bool done = ck.split_p ? key_loop<EXACT, true>(sh, ck, lg, el, st, o)
                                  : key_loop<EXACT, false>(sh, ck, lg, el, st, o);
     if constexpr (!EXACT) {
-        if (threadIdx.x == 0) redo[cta] = done ? 0 : 1;
+        if (threadIdx.x == 0) redo[cta.id] = done ? 0 : 1;
         if (!done) return;  // uniform over the CTA
     }
 
     // ---- epilogue: out = O / l * v_scale, or the split's partial (O, m, l)
-    const float vs = v_scale[(i64)h * vs_sh];
+    const float vs = v_scale[(i64)cta.h * vs_sh];
     const float mul = split ? 1.0f : fdiv(1.0f, st.l_run > 0.0f ? st.l_run : 1.0f);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
@@ -485,14 +479,14 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
 #pragma unroll
         for (int n = 0; n < DT; ++n) {
             const int d = 16 * n + el.col(e);
-            if (split) part_acc[((i64)z * T * HQ + orow) * D + d] = o[n].x[e];
+            if (split) part_acc[((i64)cta.z * T * HQ + orow) * D + d] = o[n].x[e];
             else store_out(out, orow * D + d, o[n].x[e] * me * vs);
         }
     }
     if (lane < 16 && my_row < rk.rows) {
         const i64 orow = out_row(my_row);
         if (split) {
-            const i64 prow = (i64)z * T * HQ + orow;
+            const i64 prow = (i64)cta.z * T * HQ + orow;
             part_ml[prow * 3] = st.m_run; part_ml[prow * 3 + 1] = st.l_run; part_ml[prow * 3 + 2] = 0.0f;
         } else if (write_lse) {
             lse[orow] = st.l_run > 0.0f ? (st.m_run + log2f(st.l_run)) * LN2 : NEG_INF;
@@ -501,16 +495,10 @@ __device__ __forceinline__ void prefill(FP8KV_ATTENTION_PARAMS(D_arg), int* __re
 }
 
 extern "C" __global__ void __launch_bounds__(PNT, 1) fp8kv_prefill_wmma(FP8KV_ATTENTION_PARAMS(D_arg), int* __restrict__ redo) {
-    prefill<false>(query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, qsl, out, lse, part_acc,
-                   part_ml, g_mant, g_exp, soft_cap, use_cap, window, causal, split, write_lse, bt_stride, k_sb, k_st,
-                   k_sh, v_sb, v_st, v_sh, ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh, T, HQ, D_arg, group, head_chunks,
-                   num_seqs, max_blocks, block_size, num_blocks, keys_per_split, redo);
+    prefill<false>(FP8KV_ATTENTION_ARGS(D_arg), redo);
 }
 
 extern "C" __global__ void __launch_bounds__(PNT, 1) fp8kv_prefill_wmma_exact(FP8KV_ATTENTION_PARAMS(D_arg),
                                                                              int* __restrict__ redo) {
-    prefill<true>(query, key_cache, value_cache, k_scale, v_scale, block_tables, seq_lens, qsl, out, lse, part_acc,
-                  part_ml, g_mant, g_exp, soft_cap, use_cap, window, causal, split, write_lse, bt_stride, k_sb, k_st,
-                  k_sh, v_sb, v_st, v_sh, ks_sb, ks_st, ks_sh, vs_sb, vs_st, vs_sh, T, HQ, D_arg, group, head_chunks,
-                  num_seqs, max_blocks, block_size, num_blocks, keys_per_split, redo);
+    prefill<true>(FP8KV_ATTENTION_ARGS(D_arg), redo);
 }

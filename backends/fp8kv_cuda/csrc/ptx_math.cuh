@@ -1,5 +1,5 @@
-// fp8kv_cuda: small PTX math helpers shared by the tensor-core kernels (through mma_common.cuh and
-// wgmma_common.cuh): the halves of a float16 pair, 2^x.
+// fp8kv_cuda: small PTX helpers shared by the tensor-core kernels (through mma_common.cuh and
+// wgmma_common.cuh): the halves of a float16 pair, 2^x, the dynamic shared memory check.
 #pragma once
 
 namespace fp8kv {
@@ -22,6 +22,14 @@ __device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
     return r;
+}
+
+// A kernel whose launch gave it less dynamic shared memory than its layout needs stops (a launcher
+// bug, never silent corruption).
+__device__ __forceinline__ void trap_unless_smem(u32 needed) {
+    u32 bytes;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    if (bytes < needed) __trap();
 }
 
 }  // namespace fp8kv

@@ -39,14 +39,6 @@ typedef unsigned long long u64;
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
-// A kernel whose launch gave it less dynamic shared memory than its layout needs stops (a launcher
-// bug, never silent corruption).
-__device__ __forceinline__ void trap_unless_smem(u32 needed) {
-    u32 bytes;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
-    if (bytes < needed) __trap();
-}
-
 // Byte (row, kb) of a K-major no-swizzle tile with SBO bytes between 8-row groups.
 __device__ __forceinline__ u32 kmajor(int row, int kb, int sbo) {
     return (u32)((row >> 3) * sbo + (kb >> 4) * 128 + (row & 7) * 16 + (kb & 15));
