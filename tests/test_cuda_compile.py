@@ -135,6 +135,21 @@ def test_turing_code_multiplies_in_k8_halves_and_copies_synchronously():
         assert "cp.async.cg.shared.global" in ampere and "mma.sync.aligned.m16n8k16" in ampere
 
 
+def test_volta_prefill_multiplies_on_tensor_cores_through_wmma():
+    """Volta's prefill kernel (csrc/prefill_wmma.cu) reaches sm70's tensor cores through PTX wmma
+    m16n16k16 (ptxas lowers it to mma.sync m8n8k4 there): its compute_70 PTX has both products (S = Q K^T
+    with K^T column-major, O += P V with V row-major) and none of the sm75+ m16n8 mma shapes."""
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.variants import prefill_wmma_variant
+
+    ptx = cc.compile_ptx(prefill_wmma_variant("fp8_e5m2"), "sm70")
+    assert ".target sm_70" in ptx
+    assert "wmma.mma.sync.aligned.row.col.m16n16k16.f32.f32" in ptx
+    assert "wmma.mma.sync.aligned.row.row.m16n16k16.f32.f32" in ptx
+    assert "wmma.load.c.sync.aligned.row.m16n16k16.shared.f32" in ptx  # (the accumulator's element table)
+    assert "m16n8k" not in ptx and "cp.async" not in ptx
+
+
 def test_the_merge_waits_for_the_attention_kernel_only_where_launched_dependent():
     """sm90's split merge starts with griddepcontrol.wait (it goes out as a programmatic dependent
     launch there: fp8kv_cuda.runtime.pdl_available); sm80's has none (a plain launch)."""
