@@ -555,11 +555,11 @@ def test_tensor_core_prefill(fmt, dtype, case, specials, kernel, monkeypatch):
         pytest.skip(f"the wgmma prefill kernel needs sm90 (here sm{BUILT_SM}) and an e4m3 cache")
     if kernel == "wmma" and dtype != torch.float16:
         pytest.skip("Volta's wmma prefill kernel takes float16 queries only")
-    if kernel == "wmma" and cuda_attention.wmma_smem_bytes(128) > cuda_attention._smem_limits(torch.cuda.current_device())[0]:
-        pytest.skip(f"Volta's wmma prefill kernel needs {cuda_attention.wmma_smem_bytes(128)} bytes of shared memory, "
-                    f"more than sm{BUILT_SM} gives a block (FP8KV_CUDA_ARCH=sm75: Turing's 64 KiB)")
     monkeypatch.setattr(cuda_attention, "WGMMA_PREFILL", kernel == "wgmma")
     monkeypatch.setattr(cuda_attention, "WMMA_PREFILL_BELOW_SM", 1000 if kernel == "wmma" else MMA_MIN_SM)
+    if kernel == "wmma" and not cuda_attention.prefill_serves(torch.device("cuda"), dtype, 128, False, fmt.name):
+        pytest.skip(f"Volta's wmma prefill kernel needs {cuda_attention.wmma_smem_bytes(128)} bytes of shared memory, "
+                    f"more than sm{BUILT_SM} gives a block (FP8KV_CUDA_ARCH=sm75: Turing's 64 KiB)")
     lens, q_lens, Hq, H, causal, window, cap, hole = PREFILL_CASES[case]
     D, bs, B = 128, 16, len(lens)
     g = torch.Generator().manual_seed(sum(lens) + int(specials))
