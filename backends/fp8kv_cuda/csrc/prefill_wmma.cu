@@ -4,14 +4,15 @@
 // Volta (sm70) has mma.sync m8n8k4 only: each quad pair of a warp computes its own 8x8x4 product,
 // with fragment layouts unlike the m16n8k16 ones prefill_mma.cu is built on (sm75+). This kernel
 // goes through PTX's wmma m16n16k16 instructions instead, which ptxas lowers to each architecture's
-// own tensor-core shape (HMMA.884 on sm70), and keeps the operands in shared memory, where their
+// own tensor-core shape (sm70's m8n8k4: documented, not inspected here, no disassembler at hand reads
+// sm70; sm90's build shows HMMA.16816), and keeps the operands in shared memory, where their
 // layout is plain row-major: the kernel never needs the register layout of an operand, and the one
 // of the accumulator only as a table (row, column) per element, read back once from a wmma.load.c
 // of the matrix 16 r + c. `auto` runs it on sm70/sm72; it compiles for every architecture (the same
 // source runs on the H100 in the GPU tests).
 //
 // Grid (query tiles, H, S * num_splits), PNT = 256 threads. A CTA owns BLOCK_M = 128 rows of one
-// sequence and KV head (prefill_common.cuh) and the keys of split z; warp w owns rows 16 w .. 16 w +
+// sequence and KV head (prefill_rows.cuh) and the keys of split z; warp w owns rows 16 w .. 16 w +
 // 15 (one m-tile: O takes 64 registers a thread), and lanes i and i + 16 of warp w keep the softmax
 // of row 16 w + i, each for half of a step's keys. Per step of BLOCK_N = 32 keys:
 //   1. every thread widens its share of the step's K and V codes (loaded into registers during the
@@ -29,7 +30,7 @@
 // redoes it through the software decoder, with NaN/inf V codes entering p @ v as 0 and added back as
 // p * v for the rows that see their key); products are exact in float32 and accumulated in float32.
 //
-// Memory safety without host checks: as prefill_mma.cu (prefill_common.cuh).
+// Memory safety without host checks: as prefill_mma.cu (prefill_rows.cuh, prefill_common.cuh).
 //
 // Macros: FP8KV_QT (1: float16), FP8KV_D (128), FP8KV_FULL_P_KEYS, FP8KV_SMEM_BYTES (the launcher's
 // dynamic shared memory, at least sizeof(WmmaShared)), and the format's.
