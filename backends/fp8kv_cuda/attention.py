@@ -428,13 +428,13 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         # the fast kernel, then the exact one over the CTAs it handed back (redo[cta] = 1)
         grid = (p.row_tiles, H, S * p.num_splits)
         redo = torch.empty(grid[0] * grid[1] * grid[2], dtype=torch.int32, device=dev)
-        smem = prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
         pargs = [*args, r.ptr(redo)]
-        if volta:  # (same contract)
-            smem = wmma_smem_bytes(D)
-            runtime.launch(variant, entry, dev, grid, WMMA_THREADS, pargs, shared_mem=smem)
-            runtime.launch(variant, "fp8kv_prefill_wmma_exact", dev, grid, WMMA_THREADS, pargs, shared_mem=smem)
-        elif wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap):  # (same contract)
+        if volta:
+            threads, smem, exact = WMMA_THREADS, wmma_smem_bytes(D), "fp8kv_prefill_wmma_exact"
+        else:
+            threads, smem = 32 * p.warps, prefill_smem_bytes(D, p.warps, prefill_stages(p.sm))
+            exact = "fp8kv_prefill_mma_exact"
+        if not volta and wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap):  # (same contract)
             maps = paged_cache_maps(cache, WGMMA_BLOCK_N)  # (None: cp.async loads)
             tmap_k, tmap_v, head_inner, box_rows = maps or (_NO_TENSOR_MAP, _NO_TENSOR_MAP, 0, 0)
             runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG, tma=maps is not None),
@@ -442,9 +442,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
                            [*pargs, tmap_k, tmap_v, r.i32(head_inner), r.i32(box_rows)],
                            shared_mem=wgmma_smem_bytes(D, tma=maps is not None))
         else:
-            runtime.launch(variant, entry, dev, grid, 32 * p.warps, pargs, shared_mem=smem)
-        if not volta:
-            runtime.launch(variant, "fp8kv_prefill_mma_exact", dev, grid, 32 * p.warps, pargs, shared_mem=smem)
+            runtime.launch(variant, entry, dev, grid, threads, pargs, shared_mem=smem)
+        runtime.launch(variant, exact, dev, grid, threads, pargs, shared_mem=smem)
     elif p.mma:
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))
