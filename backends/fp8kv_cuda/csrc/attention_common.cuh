@@ -7,6 +7,13 @@
 #pragma once
 #include "codec.cuh"
 
+// The tensor-core kernels: rows that see at least this many keys (over all splits) may enter p @ v
+// with P as one float16 (fp8kv.testing.tolerance.FULL_P_KEYS, passed by fp8kv_cuda.variants); fewer
+// keep P = hi + lo.
+#ifndef FP8KV_FULL_P_KEYS
+#define FP8KV_FULL_P_KEYS 1024
+#endif
+
 namespace fp8kv {
 
 constexpr int QT = FP8KV_QT;

@@ -14,12 +14,6 @@
 #include "attention_common.cuh"
 #include "ptx_math.cuh"
 
-// Rows that see at least this many keys (over all splits) may enter p @ v with P as one float16
-// (fp8kv.testing.tolerance.FULL_P_KEYS, passed by fp8kv_cuda.variants); fewer keep P = hi + lo.
-#ifndef FP8KV_FULL_P_KEYS
-#define FP8KV_FULL_P_KEYS 1024
-#endif
-
 namespace fp8kv {
 constexpr int FP8_EXP = 7 - MANT;
 constexpr bool NATIVE = NATIVE_WIDEN;  // codec.cuh: cvt.rn.f16x2.{e4m3x2,e5m2x2} on sm89+ (OCP formats)

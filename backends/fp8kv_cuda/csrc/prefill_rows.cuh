@@ -7,10 +7,6 @@
 #pragma once
 #include "attention_common.cuh"
 
-#ifndef FP8KV_FULL_P_KEYS
-#define FP8KV_FULL_P_KEYS 1024
-#endif
-
 namespace fp8kv {
 
 // A prefill CTA's place in the grid (row tiles, H, num_seqs * num_splits): its redo[] slot, KV head,
