@@ -99,6 +99,17 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
                         calls=3, reps=args.reps)
         record("fp8kv " + label, ms, **extra)
     cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM = default
+    if args.splits:  # the CUDA backend's default prefill kernel at forced KV split counts (the plan's A/B)
+        from fp8kv_cuda.attention import plan_prefill
+
+        for ns in (int(x) for x in args.splits.split(",")):
+            p = plan_prefill(device, num_seqs=seqs, num_kv_heads=HKV, group=HQ // HKV, head_size=D,
+                             max_keys=tables.shape[1] * cache.block_size, max_query_len=new, num_splits=ns)
+            out = torch.empty_like(query)
+
+            def forced(p=p, out=out):
+                paged_attention(query, cache, tables, seq_lens, qsl, D**-0.5, True, None, None, out, None, plan_=p)
+            record(f"fp8kv cuda prefill, {p.num_splits} splits (forced)", time_graph(forced, calls=3, reps=args.reps))
     if args.per_token and seqs * new <= 8192:
         p = plan(device, num_tokens=query.shape[0], num_kv_heads=HKV, group=HQ // HKV, head_size=D, max_keys=L,
                  query_dtype=qdtype, fmt="fp8_e4m3")  # the decode plan: one CTA row per token
@@ -117,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
     ap.add_argument("--wgmma", action="store_true",
                     help="on sm90 also time the wgmma prefill kernel (the default there), ping-pong on and off")
+    ap.add_argument("--splits", default="", help="also time the CUDA backend's prefill at these forced KV split "
+                    "counts, e.g. 1,2,8 (the plan's split rule is measured this way)")
     ap.add_argument("--wmma", action="store_true",
                     help="also time Volta's wmma prefill kernel on this GPU (float16 queries only)")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")
