@@ -10,8 +10,11 @@ e4m3 per-tensor cache, bf16 queries) it times, as CUDA-graph replays in one proc
 cache bytes: the CUDA backend's tensor-core kernel (``csrc/attention_mma.cu``) with its planned
 split and with each of ``--splits``, its CUDA-core kernel (``csrc/attention.cu``), the Triton
 backend as shipped, SDPA bf16 on contiguous K/V and, with ``--flashinfer`` where importable,
-FlashInfer's FP8 tensor-core decode. Every output is compared with Triton's first (max abs
-difference below 1e-2 for outputs of order 1: a guard, the tests apply the derived tolerance).
+FlashInfer's FP8 tensor-core decode. With ``--fp8-attention`` (e4m3, tensor or head scales) also the
+FP8 attention mode (docs/fp8_attention.md, dynamic q_scale, prob_scale 1) as the Hopper backend runs
+it: on the CUDA backend's tensor-core decode (``kernel="cuda"``, its default) and on its Triton kernel.
+Every output is compared with Triton's first (max abs difference below 1e-2 for outputs of order 1: a
+guard, the tests apply the derived tolerance; the FP8 mode's with the Hopper Triton kernel's).
 Prints progress and a table; writes JSON (and the plot with ``--plot``).
 """
 
@@ -32,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="JSON to write (required unless --plot)")
     p.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results JSON (runs anywhere)")
     p.add_argument("--flashinfer", action="store_true", help="also time FlashInfer's FP8 decode")
+    p.add_argument("--fp8-attention", action="store_true", help="also time the FP8 attention mode's decode"
+                   " (Hopper backend: CUDA tensor-core kernel and Triton kernel)")
     p.add_argument("--splits", default="", help="extra KV splits of the tensor-core kernel to time: 1,2,4")
     p.add_argument("--warps", default="", help="extra warps per CTA of the tensor-core kernel to time (with each"
                    " --splits, or the planned split): 4,6,8")
@@ -117,6 +122,8 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
         if diff < 1e-2:
             row["ms"] = kb.time_graph(fn, reps=args.reps)
         rows.append(row)
+    if args.fp8_attention and args.kv_dtype == "fp8_e4m3" and not token:
+        rows += fp8_mode_rows(q, cache, tables, lens, qsl, scale, args)
     kv4 = torch.randn(2, B, kb.HKV, L, kb.HEAD, device=device, dtype=qdtype)
     q4 = q.view(B, kb.HQ, 1, kb.HEAD)
     sdpa = kb.time_graph(lambda: kb._sdpa(q4, kv4[0], kv4[1], enable_gqa=True), reps=args.reps)
@@ -140,8 +147,38 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
             if fi_ms:
                 r["speedup_vs_flashinfer"] = fi_ms / r["ms"]
         got = f"{r['ms'] * 1e3:.1f} us ({r['frac_roofline']:.0%} roofline)" if r.get("ms") else \
-            f"skipped: max abs diff {r.get('max_abs_diff_vs_triton')}"
+            f"skipped: max abs diff {r.get('max_abs_diff_vs_triton', r.get('max_abs_diff_vs_fp8_triton'))}"
         print(f"  {r['what']:>22}: {got}", flush=True)
+    return rows
+
+
+def fp8_mode_rows(q, cache, tables, lens, qsl, scale, args) -> list[dict]:
+    """The FP8 attention mode's decode through the Hopper backend's launcher, each of its kernels."""
+    import dataclasses
+
+    from fp8kv_bench import kernels as kb
+    from fp8kv_hopper import attention as HA
+
+    B = q.shape[0]
+    cfg = HA.choose_config(group=kb.HQ // kb.HKV, num_seqs=B, num_kv_heads=kb.HKV, max_query_len=1,
+                           max_keys=tables.shape[1] * kb.PAGE,
+                           num_sms=torch.cuda.get_device_properties(q.device).multi_processor_count)
+    outs, rows = {}, []
+    for kernel in ("triton", "cuda"):
+        o = outs[kernel] = torch.empty_like(q)
+        c = dataclasses.replace(cfg, kernel=kernel)
+
+        def fn(o=o, c=c):
+            HA.paged_attention_fp8(q, cache, tables, lens, qsl, 1, scale, True, None, None, o, q_scale=None,
+                                   prob_scale=1.0, config=c)
+
+        fn()
+        torch.cuda.synchronize()
+        diff = (o.float() - outs["triton"].float()).abs().max().item()
+        row = {"what": f"fp8_mode_{kernel}", "max_abs_diff_vs_fp8_triton": diff, "ms": None}
+        if diff < 1e-2:
+            row["ms"] = kb.time_graph(fn, reps=args.reps)
+        rows.append(row)
     return rows
 
 

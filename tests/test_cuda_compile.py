@@ -99,7 +99,9 @@ def test_the_variant_sets():
     rep = cc.variants("representative", "sm80")
     assert {v.kernel for v in rep} == {"write", "attention", "attention_mma", "prefill_mma"}
     assert {v.fmt for v in rep if v.kernel == "attention_mma"} == {"fp8_e4m3", "fp8_e5m2fnuz", "fp8_e4m3fnuz"}
-    assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 5
+    assert len([v for v in cc.variants("representative", "sm90") if v.kernel == "attention_mma"]) == 5 + 1
+    # (+ the FP8 attention mode's decode on sm89+)
+    assert len([v for v in cc.variants("representative", "sm86") if v.kernel == "attention_mma"]) == 4
     full = [v for v in cc.variants("full", "sm70") if v.kernel not in ("attention_mma", "prefill_mma", "prefill_wmma")]
     assert len(full) == 4 * 3 * 2 * 3 * (1 + 4)
     assert len([v for v in cc.variants("full", "sm70") if v.kernel == "prefill_wmma"]) == 4
@@ -110,7 +112,10 @@ def test_the_variant_sets():
     w = len(cc.MMA_WARPS)
     assert len([v for v in cc.variants("full", "sm75") if v.kernel == "attention_mma"]) == 4 * 1 * 2 * 2 * w
     assert len([v for v in cc.variants("full", "sm80") if v.kernel == "attention_mma"]) == 4 * 2 * 2 * 2 * w
-    assert len([v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]) == (4 * 2 * 2 + 2 * 2) * 2 * w
+    # (sm89+: and the FP8 mode's decode, e4m3 with static scales, 2 query dtypes x 3 head sizes)
+    fp8 = 2 * 3 * w
+    sm90_mma = [v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]
+    assert len(sm90_mma) == (4 * 2 * 2 + 2 * 2) * 2 * w + fp8
     # tensor-core prefill: 4 formats x 2 query dtypes, head size 128, static scales, sm80+
     assert len([v for v in cc.variants("full", "sm86") if v.kernel == "prefill_mma"]) == 4 * 2
     # sm90's wgmma prefill (sm_90a): 2 query dtypes x ping-pong x TMA/cp.async; none elsewhere
@@ -133,6 +138,22 @@ def test_turing_code_multiplies_in_k8_halves_and_copies_synchronously():
         assert ".target sm_75" in turing and "mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32" in turing
         assert "cp.async" not in turing and "m16n8k16" not in turing and "cvt.rn.f16x2.f32" not in turing
         assert "cp.async.cg.shared.global" in ampere and "mma.sync.aligned.m16n8k16" in ampere
+
+
+def test_the_fp8_mode_decode_rounds_query_and_probabilities_to_e4m3():
+    """The FP8 attention mode's decode (FP8KV_FP8_MODE, sm89+): its PTX rounds to e4m3 with saturation
+    (the query and P) and widens e4m3 pairs to float16 for the products; below sm89 it does not build."""
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.variants import attention_mma_variant
+
+    ptx = cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 90, fp8_mode=True), "sm90")
+    body = ptx.split(".entry fp8kv_paged_attention_mma", 1)[1].split(".entry", 1)[0]
+    assert "cvt.rn.satfinite.e4m3x2.f32" in body and "cvt.rn.f16x2.e4m3x2" in body
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body and ".bf16" not in body
+    default = cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 90), "sm90")
+    assert "satfinite.e4m3x2" not in default
+    with pytest.raises(RuntimeError, match="FP8 mode"):
+        cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 80, fp8_mode=True), "sm80")
 
 
 def test_volta_prefill_multiplies_on_tensor_cores_through_wmma():

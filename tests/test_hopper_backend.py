@@ -124,7 +124,8 @@ def test_supports_says_why_on_simulated_devices(monkeypatch):
 
 @interpreted
 @pytest.mark.parametrize("kernel, match", [("wgmma", "'wgmma' does not serve this call"),
-                                           ("cutlass", "expected 'auto', 'triton' or 'wgmma'")])
+                                           ("cuda", "'cuda' does not serve this call"),
+                                           ("cutlass", "expected 'auto', 'triton', 'wgmma' or 'cuda'")])
 def test_a_kernel_that_cannot_serve_is_refused_by_name(kernel, match):
     """``Fp8AttnConfig.kernel``: the CUDA kernel says why it cannot take a call (here: the CPU
     interpreter, head size 32), an unknown name is refused; neither writes ``out``."""

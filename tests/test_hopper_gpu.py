@@ -303,3 +303,118 @@ def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
         assert torch.isfinite(out[rows]).all(), (lens, qsl)
     for a, b in zip(parents, snapshot, strict=True):
         assert torch.equal(a, b)
+
+
+# ---- FP8-mode decode on the CUDA backend's tensor-core decode (fp8kv_cuda.attention.Fp8Mode; "auto"'s
+# pick for decode steps) ----
+
+_QS = {None: None, "tensor": lambda H, HQ: torch.tensor(0.02, device=DEV),
+       "kv_head": lambda H, HQ: torch.linspace(0.005, 0.03, H, device=DEV),
+       "q_head": lambda H, HQ: torch.linspace(0.004, 0.04, HQ, device=DEV)}
+
+
+@pytest.mark.parametrize("prob_scale", [1.0, 0.25, 1 / 448, 4.0])
+@pytest.mark.parametrize("q_scale", list(_QS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_decode(dtype, q_scale, prob_scale):
+    case = _case(6, 1, 700, granularity="head", seed=5)
+    qs = None if q_scale is None else _QS[q_scale](8, 32)
+    _wgmma_check(case, dtype=dtype, kernel="cuda", q_scale=qs, prob_scale=prob_scale)
+
+
+@pytest.mark.parametrize("shape", [
+    dict(seqs=1, cached=20000),                 # KV splits (the merge gets acc * prob_scale)
+    dict(seqs=3, cached=50, D=64, HQ=8),        # group 1, head size 64
+    dict(seqs=2, cached=300, D=256, HQ=128),    # group 16: two head chunks, head size 256
+    dict(seqs=5, cached=0),                     # one key (the query's own)
+])
+def test_cuda_decode_shapes(shape):
+    seqs, cached = shape["seqs"], shape["cached"]
+    case = _case(seqs, 1, cached, D=shape.get("D", 128), HQ=shape.get("HQ", 32), granularity="tensor", seed=6)
+    _wgmma_check(case, kernel="cuda", prob_scale=0.5)
+
+
+def test_cuda_decode_window_soft_cap_and_lengths():
+    """A sliding window, a soft-cap, and sequences of different lengths (one of them a single key)."""
+    cache, q, tables, lens, qsl, new = _case(4, 1, 900, seed=7)
+    lens = torch.tensor([901, 1, 2, 517], dtype=torch.int32, device=DEV)
+    _wgmma_check((cache, q, tables, lens, qsl, new), kernel="cuda", sliding_window=300, logits_soft_cap=15.0)
+
+
+@pytest.mark.parametrize("scale", [1e31, 100.0, 1e-30])
+def test_cuda_decode_extreme_scales(scale):
+    """Logit factors far from 1: the two-factor logits neither overflow nor flush (as the prefill's test)."""
+    g = torch.Generator().manual_seed(8)
+    H, HQ, D, page, seqs, L = 8, 32, 128, 16, 3, 400
+    nblk = -(-L // page)
+    cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
+                                   k_scale=torch.full((H,), scale, device=DEV),
+                                   v_scale=torch.full((H,), 0.05, device=DEV), device=DEV)
+    n = seqs * nblk * page
+    fp8kv.write_kv(cache, (torch.randn(n, H, D, generator=g) * 100 * scale).to(DEV, torch.bfloat16),
+                   torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
+    tables = torch.randperm(seqs * nblk, generator=g).to(torch.int32).view(seqs, nblk).to(DEV)
+    q = (torch.randn(seqs, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
+    lens = torch.full((seqs,), L, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device=DEV)
+    out = _wgmma_check((cache, q, tables, lens, qsl, 1), kernel="cuda")
+    assert torch.isfinite(out).all()
+
+
+def test_cuda_decode_is_autos_pick_and_replays_under_graph_capture():
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    cache, q, tables, lens, qsl, new = _case(8, 1, 3000, seed=9)
+    cfg = attention.choose_config(group=4, num_seqs=8, num_kv_heads=8, max_query_len=1,
+                                  max_keys=tables.shape[1] * 16, num_sms=132)
+    outs = {}
+    for kernel in ("auto", "cuda", "triton"):
+        outs[kernel] = torch.empty_like(q)
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, 1, 128**-0.5, True, None, None, outs[kernel],
+                                      q_scale=None, prob_scale=1.0, config=dataclasses.replace(cfg, kernel=kernel))
+    assert torch.equal(outs["auto"].view(torch.int16), outs["cuda"].view(torch.int16))
+    assert not torch.equal(outs["cuda"].view(torch.int16), outs["triton"].view(torch.int16))  # (two kernels)
+    out = torch.empty_like(q)
+
+    def run():
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, 1, 128**-0.5, True, None, None, out,
+                                      q_scale=None, prob_scale=1.0, config=cfg)
+
+    capture_and_replay(run, out)
+    assert torch.equal(out.view(torch.int16), outs["auto"].view(torch.int16))
+
+
+def test_cuda_decode_with_hostile_metadata_stays_in_its_cache():
+    """Block ids num_blocks, 2^31 - 1 and -5, lengths past the table and negative, query offsets past the
+    step, host checks off; the cache is the middle of larger NaN-filled tensors, none of which may be read."""
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    H, HQ, D, NB, G, page = 2, 8, 128, 6, 2, 16
+    parents = [torch.full((NB + 2 * G, page, H, D), 0x7F, dtype=torch.uint8, device=DEV) for _ in range(2)]
+    cache = fp8kv.KVCache.from_tensors(parents[0][G:G + NB], parents[1][G:G + NB], kv_dtype="fp8_e4m3",
+                                       scale_granularity="head", k_scale=torch.tensor([0.05, 0.02], device=DEV),
+                                       v_scale=torch.tensor([0.07, 0.03], device=DEV))
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(NB * page, H, D, generator=g).to(DEV)
+    fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device=DEV))
+    snapshot = [p.clone() for p in parents]
+    tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device=DEV)
+    cfg = dataclasses.replace(attention.choose_config(group=HQ // H, num_seqs=2, num_kv_heads=H, max_query_len=1,
+                                                      max_keys=3 * page, num_sms=132), kernel="cuda")
+    for lens, qsl, T in (([100, -3], [0, 1, 2], 2), ([30, 36], [0, 7, 3], 4), ([40, 2**31 - 1], [-4, 1, 9], 3)):
+        q = torch.randn(T, HQ, D, generator=g).to(DEV, torch.bfloat16)
+        out = torch.full_like(q, float("nan"))
+        attention.paged_attention_fp8(q, cache, tables, torch.tensor(lens, dtype=torch.int32, device=DEV),
+                                      torch.tensor(qsl, dtype=torch.int32, device=DEV), 1, 128**-0.5, True, None,
+                                      None, out, q_scale=None, prob_scale=1.0, config=cfg)
+        torch.cuda.synchronize()
+        rows = torch.zeros(T, dtype=torch.bool, device=DEV)  # the rows some sequence's query range covers
+        for a, b in zip(qsl[:-1], qsl[1:], strict=True):
+            rows[max(a, 0):min(max(b, a), T)] = True
+        assert torch.isfinite(out[rows]).all(), (lens, qsl)
+    for a, b in zip(parents, snapshot, strict=True):
+        assert torch.equal(a, b)

@@ -22,6 +22,7 @@ from . import runtime
 from .tma import paged_cache_maps
 from .variants import (
     ATTN_THREADS,
+    FP8_MODE_MIN_SM,
     MMA_MIN_SM,
     MMA_TILES,
     WGMMA_BLOCK_N,
@@ -357,14 +358,63 @@ def _vec(cache: KVCache, D: int) -> int:
     return 1
 
 
+@dataclass(frozen=True)
+class Fp8Mode:
+    """The FP8 attention mode's arguments (docs/fp8_attention.md) for :func:`paged_attention`'s decode on
+    the tensor-core kernel (``csrc/attention_mma.cu`` built with ``FP8KV_FP8_MODE``). Public: the Hopper
+    backend's FP8-mode decode runs through it (:func:`fp8_decode_why_not` says where it can)."""
+
+    q_scale: torch.Tensor | None
+    """float32 ``[]``, ``[H_kv]`` or ``[Hq]`` on the query's device; None: dynamic per (token, head),
+    ``max(amax|q| / 448, 2^-126)``."""
+    qs_strides: tuple[int, int]
+    """``q_scale``'s element strides (per KV head, per query head); (0, 0) per tensor or dynamic."""
+    prob_scale: float
+    """P is rounded as ``e4m3(p / prob_scale)`` (a finite positive float; the plan checks it)."""
+
+
+def fp8_decode_why_not(query: torch.Tensor, cache: KVCache, out: torch.Tensor, lse: torch.Tensor | None,
+                       max_query_len: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, q_scale: torch.Tensor | None) -> str | None:
+    """Why the FP8-mode decode of :func:`paged_attention` cannot take this call (None: it can), from
+    host-known facts only: a decode step (``max_query_len <= 1``) on an sm89+ GPU (sm90: where the
+    Hopper backend runs) with CuPy, an e4m3fn cache with tensor or head scales whose K/V rows and
+    strides are 16-byte aligned, float16/bfloat16 queries with the output alike, a head size the
+    tensor-core decode takes (64, 128, 256) in the device's shared memory, int32 metadata and a
+    float32 ``q_scale`` if given. Anything else stays with the Hopper backend's Triton kernel."""
+    from fp8kv.probe import probe
+
+    D = query.shape[-1]
+    on_gpu = query.device.type == "cuda"
+    checks = (
+        (max_query_len <= 1, "decode steps only"),
+        (on_gpu and _sm(query.device) >= FP8_MODE_MIN_SM, f"needs sm{FP8_MODE_MIN_SM}+ (e4m3 conversions)"),
+        (on_gpu and probe(query.device).cupy, "needs CuPy"),
+        (cache.fmt.name == "fp8_e4m3" and cache.scale_granularity in ("tensor", "head"),
+         "an e4m3 cache with tensor or head scales"),
+        (query.dtype in MMA_QUERY_DTYPES and out.dtype == query.dtype, "float16/bfloat16 queries, out alike"),
+        (on_gpu and mma_serves(query.device, query.dtype, D, False, cache.fmt.name),
+         "a head size the tensor-core decode takes (64, 128, 256) in the shared memory"),
+        (_vec(cache, D) == 16, "16-byte aligned K/V rows and strides"),
+        (all(t.dtype == torch.int32 and t.is_contiguous() for t in (block_tables, seq_lens, query_start_loc)),
+         "int32 contiguous block tables, lengths, offsets"),
+        (q_scale is None or q_scale.dtype == torch.float32, "a float32 q_scale"),
+        (lse is None or (lse.dtype == torch.float32 and lse.is_contiguous()), "a float32 contiguous lse"),
+        (query.is_contiguous() and out.is_contiguous(), "contiguous query and out"),
+    )
+    return next((why for ok, why in checks if not ok), None)
+
+
 def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, softmax_scale: float, causal: bool, sliding_window: int | None,
                     logits_soft_cap: float | None, out: torch.Tensor, lse: torch.Tensor | None,
-                    plan_: AttnPlan | None = None) -> None:
+                    plan_: AttnPlan | None = None, fp8: Fp8Mode | None = None) -> None:
     """Paged attention of ``query [T, Hq, D]`` over ``cache`` into ``out`` (and ``lse [T, Hq]`` float32).
 
     ``block_tables [S, max_blocks]``, ``seq_lens [S]``, ``query_start_loc [S + 1]``: int32, contiguous
     (the metadata's own). Memory-safe whatever their values (see ``csrc/attention.cu``).
+    ``fp8``: the FP8 attention mode's decode on the tensor-core kernel (where :func:`fp8_decode_why_not`
+    finds nothing against it; a plan, if given, must be a :func:`plan_mma` one).
     """
     T, HQ, D = query.shape
     H = cache.num_kv_heads
@@ -380,10 +430,17 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     vec = _vec(cache, D)
     fmt = cache.fmt.name
     # without a plan: T bounds every query's length; T == S is taken for decode
-    p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
-                      query_dtype=query.dtype, token_scales=token_scales, fmt=fmt,
-                      max_query_len=1 if T == S else T, num_seqs=S)
+    if fp8 is not None:
+        p = plan_ or plan_mma(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
+        if not p.mma or p.prefill:
+            raise ValueError("plan_: the FP8 mode's decode takes a plan_mma plan")
+    else:
+        p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
+                          query_dtype=query.dtype, token_scales=token_scales, fmt=fmt,
+                          max_query_len=1 if T == S else T, num_seqs=S)
     if p.mma and not (vec == 16 and query.dtype in MMA_QUERY_DTYPES):  # (the plan checked the rest)
+        if fp8 is not None:
+            raise ValueError("fp8: the FP8 mode's decode needs 16-byte aligned K/V rows and float16/bfloat16 queries")
         p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32
@@ -397,7 +454,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         variant = prefill_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, p.sm)
         entry = "fp8kv_prefill_mma"
     elif p.mma:
-        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm)
+        variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm,
+                                        fp8_mode=fp8 is not None)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -445,6 +503,10 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             runtime.launch(variant, entry, dev, grid, threads, pargs, shared_mem=smem)
         runtime.launch(variant, exact, dev, grid, threads, pargs, shared_mem=smem)
     elif p.mma:
+        if fp8 is not None:
+            qs = fp8.q_scale if fp8.q_scale is not None else cache.k_scale  # (unused when dynamic)
+            args += [r.ptr(qs), r.i32(fp8.qs_strides[0]), r.i32(fp8.qs_strides[1]), r.i32(int(fp8.q_scale is None)),
+                     r.f32(fp8.prob_scale), r.f32(1.0 / fp8.prob_scale)]
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))
     else:

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 from .variants import (
     FORMAT_NAMES,
+    FP8_MODE_MIN_SM,
     MMA_MIN_SM,
     MMA_TILES,
     MMA_WARPS,
@@ -200,6 +201,8 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                                    ("fp8_e4m3", "float16", 128, 6, True)):
             if mma_arch_serves(sm, fmt, d, io):
                 out.append(attention_mma_variant(fmt, io, d, w, tok, sm))
+        if sm >= FP8_MODE_MIN_SM:  # the FP8 attention mode's decode (the Hopper backend's)
+            out.append(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, sm, fp8_mode=True))
         for fmt, io in (("fp8_e4m3", "bfloat16" if sm >= 80 else "float16"), ("fp8_e5m2fnuz", "float16")):
             if prefill_arch_serves(sm, fmt, 128, io):
                 out.append(prefill_variant(fmt, io, 128, sm))
@@ -215,6 +218,8 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
                 if d in MMA_TILES and mma_arch_serves(sm, fmt, d, io):
                     out += [attention_mma_variant(fmt, io, d, w, tok, sm) for w in MMA_WARPS]
+                    if fmt == "fp8_e4m3" and not tok and sm >= FP8_MODE_MIN_SM:
+                        out += [attention_mma_variant(fmt, io, d, w, False, sm, fp8_mode=True) for w in MMA_WARPS]
                 if not tok and prefill_arch_serves(sm, fmt, d, io):
                     out.append(prefill_variant(fmt, io, d, sm))
         if arch == WGMMA_ARCH:

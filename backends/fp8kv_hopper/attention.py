@@ -280,9 +280,12 @@ class Fp8AttnConfig:
     """``p @ v`` operands: 0 = e4m3 codes (FP8 wgmma), 2 = P8 and V widened exactly to float16."""
     kernel: str = "auto"
     """``"wgmma"``: the warp-specialized CUDA kernel of :mod:`fp8kv_hopper.wgmma` (prefill on sm90;
-    InvalidArgument where it does not serve); ``"triton"``: this module's kernel; ``"auto"`` (the
-    default): the CUDA kernel where :func:`fp8kv_hopper.wgmma.why_not` finds nothing against it (host
-    facts only), else Triton. Measured on the H100: docs/fp8_attention.md."""
+    InvalidArgument where it does not serve); ``"cuda"``: the CUDA backend's tensor-core decode built
+    for the mode (:class:`fp8kv_cuda.attention.Fp8Mode`; decode steps; InvalidArgument where
+    :func:`fp8kv_cuda.attention.fp8_decode_why_not` finds a reason); ``"triton"``: this module's
+    kernel; ``"auto"`` (the default): the CUDA kernel of the step's kind (prefill: ``"wgmma"``,
+    decode: ``"cuda"``) where it serves (host facts only), else Triton. Measured on the H100:
+    docs/fp8_attention.md."""
     wgmma_pingpong: bool = True
     """``"wgmma"`` only: the two consumer warpgroups take turns issuing their products (FA3's schedule)."""
 
@@ -367,8 +370,20 @@ def paged_attention_fp8(
     q_blocks = triton.cdiv(max_query_len, block_q)
     sm_mant, sm_exp = _mantissa_exponent(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     qs_kv, qs_q = query_scale_strides(q_scale, H, HQ)
-    if config.kernel not in ("auto", "triton", "wgmma"):
-        raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'auto', 'triton' or 'wgmma'")
+    if config.kernel not in ("auto", "triton", "wgmma", "cuda"):
+        raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'auto', 'triton', 'wgmma' or 'cuda'")
+    if config.kernel in ("auto", "cuda") and (config.kernel == "cuda" or max_query_len <= 1):
+        from fp8kv_cuda import attention as cuda_attention
+
+        why = "Triton's CPU interpreter" if interpret else cuda_attention.fp8_decode_why_not(
+            query, cache, out, lse, max_query_len, block_tables, seq_lens, query_start_loc, q_scale)
+        if why and config.kernel == "cuda":
+            raise InvalidArgument(f"config.kernel: 'cuda' does not serve this call ({why})")
+        if why is None:
+            cuda_attention.paged_attention(
+                query, cache, block_tables, seq_lens, query_start_loc, softmax_scale, causal, sliding_window,
+                logits_soft_cap, out, lse, fp8=cuda_attention.Fp8Mode(q_scale, (qs_kv, qs_q), float(prob_scale)))
+            return
     use_wgmma = False
     if config.kernel != "triton":
         scales = (cache.k_scale, cache.v_scale) + (() if q_scale is None else (q_scale,))

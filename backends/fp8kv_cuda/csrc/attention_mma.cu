@@ -34,12 +34,22 @@
 //     k_scale * softmax_scale * log2(e) stays two float32 factors (scale_factors); base-2 logits
 //     saturate at +-FLOAT32_MAX; rows that see no key get 0 and lse -inf.
 //
+// The FP8 attention mode (FP8KV_FP8_MODE, docs/fp8_attention.md; fp8kv_hopper's decode): an e4m3fn
+// cache with static scales, sm89+. Each query head is quantized as the cache is, q8 = e4m3(q /
+// q_scale) (IEEE division, cvt.rn.satfinite; q_scale per tensor, KV head, query head, or dynamic
+// max(amax|q| / 448, 2^-126)), and enters the products as float16 (exact), so q8 . k8 is exact
+// products with float32 accumulation; the logit factor q_scale k_scale softmax_scale log2(e) per
+// head as two float32 factors; the running maxima are integers (ceil), so every rescaling is an
+// exact power of two (pow2_int); l sums the unrounded p; P enters p @ v as e4m3(p / prob_scale)
+// (multiplied by 1 / prob_scale, as the other FP8-mode kernels), exact in float16; the output is
+// acc / l * v_scale * prob_scale (splits: acc * prob_scale to the merge).
+//
 // Memory safety without host checks: as attention.cu (query_start_loc clamped, seq_lens clamped
 // to the block table's row, block ids outside [0, num_blocks) never loaded, tokens outside every
 // sequence left alone). The launcher requires 16-byte aligned K/V rows (VEC 16).
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), FP8KV_TOKEN_SCALES, FP8KV_STAGES,
-// FP8KV_FULL_P_KEYS,
+// FP8KV_FULL_P_KEYS, FP8KV_FP8_MODE,
 // FP8KV_MMA_WARPS, FP8KV_SM_WARPS_NATIVE/BITS (fp8kv_cuda.variants), and the format's.
 #include "mma_common.cuh"
 
@@ -69,6 +79,10 @@ constexpr int TSC = TOKEN_SCALES ? 1 : 0;   // token_head: one slot per sub-tile
 constexpr int PER_SUB = 2 * KCH + 4 * VCH + TSC;    // ring slots per thread and sub-tile
 constexpr int CHUNKS = NSUB * PER_SUB;              // ring slots per thread and stage
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
+#ifndef FP8KV_FP8_MODE
+#define FP8KV_FP8_MODE 0
+#endif
+constexpr bool FP8_MODE = FP8KV_FP8_MODE != 0;  // the FP8 attention mode (see the top of this file)
 
 // The dims a thread's words hold. K: lane c holds, per key row, the 16-byte chunks at 64 i + 16 c
 // (4 lanes cover whole 32-byte sectors per copy); its word ks (= k step ks of QK) is dims
@@ -85,6 +99,14 @@ __device__ __forceinline__ int v_dim(int g, int w) { return 128 * (w >> 2) + VBY
 
 static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
+static_assert(!FP8_MODE || (NATIVE && MANT == 3 && !FNUZ && !TOKEN_SCALES),
+              "attention_mma.cu: the FP8 mode is for e4m3fn caches with static scales on sm89+");
+#if FP8KV_FP8_MODE  // the mode's arguments (fp8kv_cuda.attention.Fp8Mode)
+#define FP8KV_FP8_PARAMS , const float* __restrict__ q_scale, int qs_kv, int qs_q, int q_dynamic, float prob_scale, \
+                           float inv_prob_scale
+#else
+#define FP8KV_FP8_PARAMS
+#endif
 
 struct MmaShared {  // the epilogue's view of the ring (the loop is over by then)
     float o[KWARPS][HEADS][D];  // each warp's unnormalised output
@@ -286,10 +308,13 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
 // One warp step: logits of its 16 * NSUB keys for heads 2c, 2c + 1, the online softmax update, and
 // O^T += V^T P^T. EXACT: every FP8 code through the software decoder. SPLIT_P: P enters as two
 // float16 halves (hi + lo); otherwise as one float16 (rows that see >= FP8KV_FULL_P_KEYS keys).
+// f1, f2: the logit factors of heads 2c, 2c + 1 (static scales: the same for both unless FP8_MODE);
+// inv_ps: FP8_MODE's 1 / prob_scale.
 template <bool EXACT, int KE, bool SPLIT_P>
-__device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)[KW][2], float f1, float f2,
-                                            float g_mant, int gexp, float soft_cap, int use_cap, float (&m_run)[2],
-                                            float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
+__device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)[KW][2], const float (&f1)[2],
+                                            const float (&f2)[2], float inv_ps, float g_mant, int gexp, float soft_cap,
+                                            int use_cap, float (&m_run)[2], float (&l_run)[2], float (&r_run)[2],
+                                            float (&o)[MT][4]) {
     // S^T fragments: x[u][0], x[u][1]: key g, heads 2c, 2c + 1; x[u][2], x[u][3]: key g + 8
     float x[NSUB][4];
 #pragma unroll
@@ -309,7 +334,7 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
                         widen<KE, EXACT>(w1), qb[ks][0], qb[ks][1]);
             }
         }
-        float kf1[2] = {f1, f1}, kf2[2] = {f2, f2};  // token_head: the logit factors of keys g, g + 8
+        float kf1[2] = {f1[0], f1[1]}, kf2[2] = {f2[0], f2[1]};  // by head; token_head: by key (g, g + 8)
         if constexpr (TOKEN_SCALES) {
             const uint4 sc = wds.scales(u);
             scale_factors(u2f(sc.x), g_mant, gexp, kf1[0], kf2[0]);
@@ -317,7 +342,8 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
         }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float v = ((acc[0][e] + acc[1][e]) * kf1[e >> 1]) * kf2[e >> 1];
+            const int fi = TOKEN_SCALES ? e >> 1 : e & 1;  // (element e: key g + 8 (e >> 1), head 2c + (e & 1))
+            float v = ((acc[0][e] + acc[1][e]) * kf1[fi]) * kf2[fi];
             if (use_cap) v = soft_cap * tanhf(fdiv(v, soft_cap)) * LOG2E;
             x[u][e] = wds.live(u, e >> 1) ? saturate(v) : NEG_INF;
         }
@@ -331,9 +357,9 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
         for (int u = 0; u < NSUB; ++u) tmax = fmaxf(tmax, fmaxf(x[u][j], x[u][2 + j]));
 #pragma unroll
         for (int off = 4; off < 32; off <<= 1) tmax = fmaxf(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, off));
-        const float m_new = fmaxf(m_run[j], tmax);
+        const float m_new = fmaxf(m_run[j], FP8_MODE ? ceilf(tmax) : tmax);  // (FP8_MODE: an integer or -inf)
         const float m_safe = m_new == NEG_INF ? 0.0f : m_new;
-        alpha[j] = m_new == m_run[j] ? 1.0f : exp2f(m_run[j] - m_safe);
+        alpha[j] = m_new == m_run[j] ? 1.0f : (FP8_MODE ? pow2_int(m_run[j] - m_safe) : exp2f(m_run[j] - m_safe));
         float psum = 0.0f;
 #pragma unroll
         for (int u = 0; u < NSUB; ++u) {
@@ -371,10 +397,19 @@ __device__ __forceinline__ void attend_step(const StepView& wds, const u32 (&qb)
             o[mt][0] *= alpha[0]; o[mt][1] *= alpha[1]; o[mt][2] *= alpha[0]; o[mt][3] *= alpha[1];
         }
     }
-    // O^T += V^T P^T with P = hi (+ lo) in float16
+    // O^T += V^T P^T with P = hi (+ lo) in float16 (FP8_MODE: e4m3(p / prob_scale), exact in float16)
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
-        const u32 h0 = pack_f16(x[u][0], x[u][1]), h1 = pack_f16(x[u][2], x[u][3]);
+        u32 h0, h1;
+        if constexpr (FP8_MODE) {
+#if FP8KV_FP8_MODE
+            h0 = e4m3x2_as_f16x2(x[u][0] * inv_ps, x[u][1] * inv_ps);
+            h1 = e4m3x2_as_f16x2(x[u][2] * inv_ps, x[u][3] * inv_ps);
+#endif
+        } else {
+            h0 = pack_f16(x[u][0], x[u][1]);
+            h1 = pack_f16(x[u][2], x[u][3]);
+        }
         const u32 bh0 = transpose8x8(h0), bh1 = transpose8x8(h1);  // head g; keys 2c, 2c + 1 | + 8
         u32 bl0 = 0u, bl1 = 0u;
         if constexpr (SPLIT_P) {
@@ -444,18 +479,52 @@ __device__ __forceinline__ Pipe start_pipe(const KeyRows& rows, uint4* ring_mem,
     return pp;
 }
 
+// The FP8 mode's per-thread query facts: the scale of the thread's head g, and 1 / prob_scale.
+struct Fp8Query {
+    float qs;
+    float inv_ps;
+};
+
+// The logit factors (f1, f2) of heads 2c + j, f1 f2 = q_scale(head) k_scale g_mant 2^g_exp (FP8_MODE; qs: the
+// thread's head's scale, exchanged between lanes): k_scale g_mant 2^g_exp as a mantissa in [1, 2) and an
+// exponent first (one rounding), then scale_factors with the query scale.
+__device__ __forceinline__ void fp8_logit_factors(float qs, float k_scale, float g_mant, int g_exp, int c,
+                                                  float (&f1)[2], float (&f2)[2]) {
+    float kf1, kf2;
+    scale_factors(k_scale, g_mant, g_exp, kf1, kf2);
+    const u32 b1 = f2u(kf1);
+    const int ke = (int)((b1 >> 23) & 0xFFu) - 127 + (int)((f2u(kf2) >> 23) & 0xFFu) - 127;
+    const float km = u2f((b1 & 0x007FFFFFu) | 0x3F800000u);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) scale_factors(__shfl_sync(0xFFFFFFFFu, qs, 4 * (2 * c + j)), km, ke, f1[j], f2[j]);
+}
+
 // The warp's steps with K in the 16-bit type KE (5 float16, 8 bfloat16), STAGES - 1 of them in
 // flight (the first issued by start_pipe). Queries enter scaled by 2^-qshift (exact, see the
-// kernel), so the logit factor carries 2^qshift.
+// kernel), so the logit factor carries 2^qshift; FP8_MODE: as q8 = e4m3(q / qs) (KE 5, qshift 0).
 template <int KE>
 __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query, i64 qrow, bool head_live, i32 qshift,
-                                         const float* k_scale,
+                                         const float* k_scale, Fp8Query f8,
                                          float g_mant, int g_exp, const KeyRows& rows, uint4* ring_mem,
                                          const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
                                          float (&m_run)[2], float (&l_run)[2], float (&r_run)[2], float (&o)[MT][4]) {
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
     // the query fragment (B of S^T): head g, dims k_dim(c, ks) + 0..3 in the K fragment's k order
     u32 qb[KW][2];
+    float f1[2] = {1.0f, 1.0f}, f2[2] = {1.0f, 1.0f};  // static scales: the heads' logit factors (else per key)
+#if FP8KV_FP8_MODE
+    static_assert(KE == 5 && NATIVE, "FP8 mode: float16 K, the native order");
+#pragma unroll
+    for (int ks = 0; ks < KW; ++ks) {  // (k_native order: bytes 0, 1 | 2, 3)
+        const i64 q0 = qrow + k_dim(c, ks);
+        float x[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) x[i] = head_live ? __fdiv_rn(load_q(query, q0 + i), f8.qs) : 0.0f;
+        qb[ks][0] = e4m3x2_as_f16x2(x[0], x[1]);
+        qb[ks][1] = e4m3x2_as_f16x2(x[2], x[3]);
+    }
+    fp8_logit_factors(f8.qs, k_scale[0], g_mant, g_exp, c, f1, f2);
+#else
 #pragma unroll
     for (int ks = 0; ks < KW; ++ks) {
         const i64 q0 = qrow + k_dim(c, ks);
@@ -465,8 +534,12 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
         qb[ks][0] = k_native ? e0 | (e1 << 16) : e0 | (e2 << 16);
         qb[ks][1] = k_native ? e2 | (e3 << 16) : e1 | (e3 << 16);
     }
-    float f1 = 1.0f, f2 = 1.0f;  // static scales: the logit factors (token_head: per key, attend_step)
-    if constexpr (!TOKEN_SCALES) scale_factors(k_scale[0], g_mant, g_exp + qshift, f1, f2);
+    if constexpr (!TOKEN_SCALES) {
+        scale_factors(k_scale[0], g_mant, g_exp + qshift, f1[0], f2[0]);
+        f1[1] = f1[0];
+        f2[1] = f2[0];
+    }
+#endif
 
     const Ring ring{ring_mem, tid};
     const u32 ring_addr = shared_address(ring_mem + tid);
@@ -505,14 +578,14 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
                 }
         }
         if (__any_sync(0xFFFFFFFFu, special != 0u)) {
-            attend_step<true, KE, true>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run,
-                                        o);
-        } else if (split_p) {
-            attend_step<false, KE, true>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run, r_run,
-                                         o);
+            attend_step<true, KE, !FP8_MODE>(wds, qb, f1, f2, f8.inv_ps, g_mant, g_exp + qshift, soft_cap, use_cap, m_run,
+                                             l_run, r_run, o);
+        } else if (split_p && !FP8_MODE) {
+            attend_step<false, KE, true>(wds, qb, f1, f2, f8.inv_ps, g_mant, g_exp + qshift, soft_cap, use_cap, m_run,
+                                         l_run, r_run, o);
         } else {
-            attend_step<false, KE, false>(wds, qb, f1, f2, g_mant, g_exp + qshift, soft_cap, use_cap, m_run, l_run,
-                                          r_run, o);
+            attend_step<false, KE, false>(wds, qb, f1, f2, f8.inv_ps, g_mant, g_exp + qshift, soft_cap, use_cap, m_run,
+                                          l_run, r_run, o);
         }
     }
     copy_wait_all();
@@ -520,7 +593,7 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
 
 }  // namespace fp8kv
 
-extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(FP8KV_ATTENTION_PARAMS(D_arg)) {
+extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_attention_mma(FP8KV_ATTENTION_PARAMS(D_arg) FP8KV_FP8_PARAMS) {
     extern __shared__ uint4 ring_mem[];  // SMEM_BYTES (the launcher passes fp8kv_cuda.attention.mma_smem_bytes)
     MmaShared& sh = *reinterpret_cast<MmaShared*>(ring_mem);
     const int tid = threadIdx.x;
@@ -571,6 +644,26 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
     const bool head_live = g0 + g < group;
     const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
+    bool k16;  // float16 K (native conversion on sm89+) where exact, see key_type
+    i32 qshift;  // queries enter as q * 2^-qshift
+    Fp8Query f8{1.0f, 1.0f};
+#if FP8KV_FP8_MODE
+    {  // the head's q_scale: given, or max(amax|q| / 448, 2^-126) (NaN as 0, inf as the largest float)
+        float a = 0.0f;
+#pragma unroll
+        for (int i = 0; i < D / 4; ++i) {  // (the lanes of a head hold a quarter of its dims each)
+            const float v = head_live ? fabsf(load_q(query, qrow + k_dim(c, i >> 2) + (i & 3))) : 0.0f;
+            a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
+        }
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
+        const float given = head_live ? q_scale[(i64)h * qs_kv + (i64)(h * group + g0 + g) * qs_q] : 1.0f;
+        f8.qs = q_dynamic ? fmaxf(__fdiv_rn(a, 448.0f), 1.1754943508222875e-38f) : given;
+        f8.inv_ps = inv_prob_scale;
+        k16 = true;
+        qshift = 0;
+    }
+#else
     u32 qmax = 0u, qmin = 0xFFFFFFFFu;
 #pragma unroll
     for (int i = 0; i < D / 4; ++i) {  // (every load issued at once)
@@ -584,9 +677,8 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         const u32 m = __shfl_xor_sync(0xFFFFFFFFu, qmin, o);
         qmin = m < qmin ? m : qmin;
     }
-    bool k16;  // float16 K (native conversion on sm89+) where exact, see key_type
-    i32 qshift;  // queries enter as q * 2^-qshift
     key_type(qmax, qmin, k16, qshift);
+#endif
     const float vs_static = TOKEN_SCALES ? 1.0f : v_scale[h * vs_sh];
 
     // ---- per-warp state: heads 2c, 2c + 1 (same in the 8 lanes of a c), O^T fragments
@@ -595,11 +687,11 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     if (k16) {  // uniform over the CTA
-        key_loop<5>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem, key_cache,
+        key_loop<5>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, f8, g_mant, g_exp, rows, ring_mem, key_cache,
                     value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
     } else {
-        if constexpr (QT == 2) {
-            key_loop<8>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, g_mant, g_exp, rows, ring_mem,
+        if constexpr (QT == 2 && !FP8_MODE) {
+            key_loop<8>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, f8, g_mant, g_exp, rows, ring_mem,
                         key_cache, value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
         }
     }
@@ -635,7 +727,7 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         float a[KWARPS], l = 0.0f, a_max = 0.0f;  // token_head: A = max_w w r_w (O in units of A)
 #pragma unroll
         for (int w = 0; w < KWARPS; ++w) {
-            a[w] = exp2f(sh.m[w][hd] - m_safe);
+            a[w] = FP8_MODE ? pow2_int(sh.m[w][hd] - m_safe) : exp2f(sh.m[w][hd] - m_safe);
             l += a[w] * sh.l[w][hd];
             if constexpr (TOKEN_SCALES) a_max = fmaxf(a_max, a[w] * sh.r[w][hd]);
         }
@@ -647,6 +739,10 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         sh.head_a[hd] = a_max;
     }
     __syncthreads();
+    float ps = 1.0f;  // FP8_MODE: the output's prob_scale (splits: in the partial accumulator)
+#if FP8KV_FP8_MODE
+    ps = prob_scale;
+#endif
     for (int idx = tid; idx < HEADS * D; idx += KNT) {
         const int hd = idx / D, d = idx - hd * D;
         if (g0 + hd >= group) continue;
@@ -657,10 +753,10 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         const i64 row = (i64)t * HQ + (i64)h * group + g0 + hd;
         if (split) {
             const i64 prow = (i64)z * T * HQ + row;
-            part_acc[prow * D + d] = acc;
+            part_acc[prow * D + d] = acc * ps;
             if (d == 0) { part_ml[prow * 3] = m; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = a_max; }
         } else {
-            store_out(out, row * D + d, (acc * fdiv(1.0f, l > 0.0f ? l : 1.0f)) * (TOKEN_SCALES ? a_max : vs_static));
+            store_out(out, row * D + d, ((acc * fdiv(1.0f, l > 0.0f ? l : 1.0f)) * (TOKEN_SCALES ? a_max : vs_static)) * ps);
             if (d == 0 && write_lse) lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : NEG_INF;
         }
     }

@@ -82,12 +82,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[64], const u32 (&pa)[4][4], 
 }
 
 // ---- conversions ----
-// e4m3 bytes (lo, hi) of two floats: round to nearest even after saturation to +-448 (satfinite)
-__device__ __forceinline__ u32 e4m3x2(float lo, float hi) {
-    u16 r;
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
-    return (u32)r;
-}
+// four e4m3 bytes (e4m3x2 of ptx_math.cuh)
 __device__ __forceinline__ u32 e4m3x4(float a, float b, float c, float d) { return e4m3x2(a, b) | (e4m3x2(c, d) << 16); }
 
 // p (an m64n128 accumulator) as e4m3 wgmma A fragments of 4 k32 slices: word 0 / 1 = rows r / r + 8,
@@ -144,13 +139,6 @@ __device__ __forceinline__ void store_out2(void* O, i64 i, float a, float b) {
         else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
         *reinterpret_cast<u32*>(static_cast<u16*>(O) + i) = r;
     }
-}
-
-// 2^k for an integer (or -inf) k <= 0, exactly, from the bits (subnormals included; below 2^-149: 0)
-__device__ __forceinline__ float pow2(float k) {
-    const int e = (int)fmaxf(k, -150.0f);
-    const u32 normal = (u32)max(e + 127, 0) << 23, subnormal = 1u << min(max(e + 149, 0), 31);
-    return __uint_as_float(e >= -126 ? normal : (e >= -149 ? subnormal : 0u));  // (selects, no branches)
 }
 
 // ---- the producer's pieces ----
@@ -351,7 +339,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
     for (int h = 0; h < 2; ++h) {
         const float mnew = fmaxf(sm.m[h], ceilf(FAST ? __fmul_rn(mx[h], sm.f[h]) : mx[h]));  // an integer (or -inf)
         msafe[h] = mnew == NEG_INF ? 0.0f : mnew;
-        alpha[h] = pow2(sm.m[h] - msafe[h]);  // exact (0 from -inf)
+        alpha[h] = pow2_int(sm.m[h] - msafe[h]);  // exact (0 from -inf)
         sm.m[h] = mnew;
         sm.l[h] *= alpha[h];
     }
