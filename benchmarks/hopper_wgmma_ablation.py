@@ -5,7 +5,8 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
 
     python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
 
-Variants: ``base`` (as shipped), ``nopp`` (no ping-pong between the consumer warpgroups), ``cpasync``
+Variants: ``base`` (as shipped), ``nolazy`` (no conditional rescaling: every tile's row maxima before its
+exponentials), ``nopp`` (no ping-pong between the consumer warpgroups), ``cpasync``
 (the cp.async loads instead of TMA), ``vt128`` (V^T's 8-dim groups 1152 bytes apart: its core matrices
 128-byte aligned, the transpose's stores no longer conflict-free), ``noprod`` (the producer loads and
 transposes nothing: it only hands tiles over; the valid flags are then stale, so every tile takes the
@@ -31,13 +32,14 @@ from test_hopper_gpu import _case  # noqa: E402
 
 LOAD = "load_tile(sh, P, cta, bt_row, t, lane);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
-SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>"
+SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))\n            softmax_tile<LOGIT_FMA>"
 NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
-VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nopp": (wgmma.STAGES, False, [], {}),
+VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True, [], {"lazy": False}),
+            "nopp": (wgmma.STAGES, False, [], {}),
             "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
             "vt128": (wgmma.STAGES, True, [VT128], {}),
             "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),

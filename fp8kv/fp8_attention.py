@@ -50,9 +50,24 @@ FP8_GRANULARITIES = ("tensor", "head")
 FLOAT32_MAX = 3.4028234663852886e38
 
 __all__ = [
-    "FP8_GRANULARITIES", "FP8_KV_DTYPES", "check_fp8_options", "fp8_probabilities", "query_scales",
-    "quantize_query", "round_probabilities",
+    "FP8_GRANULARITIES", "FP8_KV_DTYPES", "LAZY_MAX_T", "check_fp8_options", "fp8_probabilities", "lazy_threshold",
+    "query_scales", "quantize_query", "round_probabilities",
 ]
+
+LAZY_MAX_T = 8
+"""The largest threshold :func:`lazy_threshold` gives (FA4's: ``p`` up to 256)."""
+
+
+def lazy_threshold(prob_scale: float) -> int:
+    """How far (in base-2 logits) a kernel's running maximum may stay below a row's logits, as FA4's
+    conditional rescaling lets it: the largest integer ``t <= LAZY_MAX_T`` with ``2^t <= 448
+    prob_scale`` (0 below ``prob_scale = 1/448``), so that ``p <= 2^t`` divided by ``prob_scale`` never
+    exceeds e4m3's largest value. The mode's tolerance covers such kernels
+    (:mod:`fp8kv.testing.fp8_tolerance`, step 2 of its derivation)."""
+    t = 0
+    while t < LAZY_MAX_T and 2.0 ** (t + 1) <= 448.0 * prob_scale:
+        t += 1
+    return t
 
 
 def check_fp8_options(spec, num_q_heads: int, fp8_attention, q_scale, prob_scale) -> tuple[bool, object, float]:

@@ -15,7 +15,7 @@ import fp8kv
 import fp8kv.reference
 import fp8kv.registry
 from fp8kv.errors import Fp8KVError, InvalidArgument
-from fp8kv.fp8_attention import quantize_query
+from fp8kv.fp8_attention import lazy_threshold, quantize_query
 from fp8kv.testing.fp8_tolerance import (
     assert_fp8_attention_close,
     fp8_attention_tolerance,
@@ -212,7 +212,9 @@ def test_tolerance_covers_subnormal_probabilities_rounded_at_a_lower_running_max
 @pytest.mark.parametrize("prob_scale", [1.0, 0.25, 4.0, 1 / 448, 2.0**-12])
 def test_probability_envelope_contains_every_kernel_rounding(shift, prob_scale):
     """Step 3 of the derivation, exhaustively: every ``2^-k e4m3(2^k y)`` (``k >= -shift``,
-    ``2^k y <= 1 / prob_scale``) for ``y`` in ``[lo, hi]`` lies in the envelope of ``[lo, hi]``."""
+    ``2^k y <= 2^t / prob_scale``, ``t = lazy_threshold(prob_scale)``: up to 1 / prob_scale against a
+    running maximum that includes the key, up to 2^t with FA4's conditional rescaling) for ``y`` in
+    ``[lo, hi]`` lies in the envelope of ``[lo, hi]``."""
     y = torch.logspace(-24, math.log2(2.0**shift / prob_scale), 4000, base=2.0, dtype=torch.float64)
     y = torch.cat([y, torch.arange(1, 2**10, dtype=torch.float64) * 2.0**-19])  # subnormal midpoints and ties
     y = y.to(torch.float32).to(torch.float64)
@@ -222,7 +224,7 @@ def test_probability_envelope_contains_every_kernel_rounding(shift, prob_scale):
         for point in (lo, hi):
             for k in range(-shift, 40):
                 z = point * 2.0**k
-                ok = z <= 1 / prob_scale
+                ok = z <= 2.0 ** lazy_threshold(prob_scale) / prob_scale
                 got = (z.to(torch.float32).clamp(max=448.0).to(torch.float8_e4m3fn).to(torch.float64)) * 2.0**-k
                 bad = ok & ((got < lower) | (got > upper))
                 assert not bool(bad.any()), (k, point[bad][:3].tolist(), got[bad][:3].tolist(),
@@ -232,6 +234,35 @@ def test_probability_envelope_contains_every_kernel_rounding(shift, prob_scale):
     lower, upper = fp8_probability_envelope(y, y, prob_scale, shift)
     if prob_scale * 448 >= 1:
         assert torch.equal(lower[normal], upper[normal])
+
+
+@pytest.mark.parametrize("prob_scale", [1.0, 0.25, 4.0, 1 / 448, 2.0**-12])
+@pytest.mark.parametrize("order", ["forward", "random"])
+def test_tolerance_holds_with_conditional_rescaling(prob_scale, order):
+    """FA4's conditional rescaling (the Hopper kernel's lazy_softmax): rows keep a running maximum up to
+    lazy_threshold(prob_scale) below a tile's, so p reaches 2^t; with both products as Hopper accumulates
+    them, the bound holds, and the rows that kept a lower maximum are many (the check is not vacuous)."""
+    cache, q, tables, lens, qsl = _setup(seed=7, cached=90, new=6)
+    q = q * 3  # (logits spread over tens of units: running maxima move)
+    stats: dict = {}
+    (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tol_kw=dict(prob_scale=prob_scale),
+                                                        tile=4, order=order, hopper=True, lazy=True, stats=stats)
+    assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
+    if lazy_threshold(prob_scale) == 0:  # (below prob_scale 1/224 it is the exact schedule)
+        assert stats["kept"] == 0
+    else:
+        assert stats["kept"] > 50, stats
+
+
+def test_conditional_rescaling_beyond_the_threshold_is_caught():
+    """The same kernel with a threshold 4 above lazy_threshold(1/448) = 0 lets p / prob_scale saturate at 448:
+    the bound catches it."""
+    cache, q, tables, lens, qsl = _setup(seed=7, cached=90, new=6)
+    q = q * 3
+    (out, _), (ref, _), (tol, _) = _tiled(q, cache, tables, lens, qsl, tol_kw=dict(prob_scale=1 / 448), tile=4,
+                                          hopper=True, lazy=4)
+    with pytest.raises(AssertionError):
+        assert_fp8_attention_close(out, ref, tol)
 
 
 @pytest.mark.parametrize("mistake", ["q_scale_ignored", "no_v_scale", "drop_last_key", "p_not_rounded"])

@@ -240,6 +240,35 @@ def test_wgmma_prefill_extreme_scales(scale):
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.parametrize("prob_scale", [1.0, 0.25, 1 / 448])
+def test_wgmma_prefill_running_maxima_that_climb_and_jump(prob_scale):
+    """The conditional rescaling (lazy_softmax) where the row maxima move through the interior tiles: every
+    query has a large channel 0, and the cached keys' channel 0 climbs over the sequence (a row's maximum
+    grows by a few units a tile: kept while within lazy_threshold, else the warp's exact path), jumps by
+    about 2500 (base-2 logits) in one tile and falls back; the logits stay on the FMA path (factor <= 2^-5)."""
+    g = torch.Generator().manual_seed(11)
+    H, HQ, D, page, seqs, new, cached = 8, 32, 128, 16, 2, 64, 1200
+    L = new + cached
+    nblk = -(-L // page)
+    cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
+                                   k_scale=torch.full((H,), 2200.0 / 448, device=DEV),
+                                   v_scale=torch.full((H,), 0.05, device=DEV), device=DEV)
+    n = seqs * nblk * page
+    k = torch.randn(n, H, D, generator=g)
+    pos = torch.arange(n) % (nblk * page)
+    k[:, :, 0] = 50.0 * pos[:, None] / L  # (about 6 base-2 units a 128-key tile)
+    k[(pos >= 600) & (pos < 612), :, 0] = 2000.0
+    fp8kv.write_kv(cache, k.to(DEV, torch.bfloat16), torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
+                   torch.arange(n, device=DEV))
+    tables = torch.arange(seqs * nblk, dtype=torch.int32).view(seqs, nblk).to(DEV)
+    q = torch.randn(seqs * new, HQ, D, generator=g)
+    q[..., 0] = 10.0
+    lens = torch.full((seqs,), L, dtype=torch.int32, device=DEV)
+    qsl = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device=DEV)
+    out = _wgmma_check((cache, q.to(DEV, torch.bfloat16), tables, lens, qsl, new), prob_scale=prob_scale)
+    assert torch.isfinite(out).all()
+
+
 def test_wgmma_prefill_at_size_and_under_graph_capture():
     import dataclasses
 

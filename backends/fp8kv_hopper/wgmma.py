@@ -25,6 +25,7 @@ from importlib import resources
 
 import torch
 
+from fp8kv.fp8_attention import lazy_threshold
 from fp8kv.probe import probe
 
 THREADS = 384
@@ -53,7 +54,7 @@ class _ParamFields(ctypes.Structure):
     _fields_ = [
         ("tmap_k", _TensorMap), ("tmap_v", _TensorMap),
         *[(n, ctypes.c_void_p) for n in ("q", "qs", "ks", "vs", "kc", "vc", "bt", "seq_lens", "qsl", "out", "lse")],
-        *[(n, ctypes.c_float) for n in ("sm_mant", "prob_scale", "inv_prob_scale")],
+        *[(n, ctypes.c_float) for n in ("sm_mant", "prob_scale", "inv_prob_scale", "lazy_t")],
         *[(n, ctypes.c_int) for n in ("sm_exp", "window", "causal")],
         *[(n, ctypes.c_int64) for n in ("stride_bt", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
                                         "stride_vt", "stride_vh")],
@@ -77,12 +78,13 @@ def source() -> str:
     return inline_headers(resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text())
 
 
-def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES, tma: bool = True
-            ) -> tuple[str, ...]:
+def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES, tma: bool = True,
+            lazy: bool = True) -> tuple[str, ...]:
     """NVRTC options of a variant: the query type, whether the consumer warpgroups take turns issuing
-    their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async)."""
+    their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async), the conditional
+    rescaling (``FP8KV_LAZY``)."""
     return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_PINGPONG={int(pingpong)}",
-            f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}")
+            f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}", f"-DFP8KV_LAZY={int(lazy)}")
 
 
 def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = True, tma: bool = True):
@@ -156,7 +158,9 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         ks=cache.k_scale.data_ptr(), vs=cache.v_scale.data_ptr(), kc=cache.key_cache.data_ptr(),
         vc=cache.value_cache.data_ptr(), bt=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(),
         qsl=query_start_loc.data_ptr(), out=out.data_ptr(), lse=(out if lse is None else lse).data_ptr(),
-        sm_mant=sm_mant, prob_scale=prob_scale, inv_prob_scale=1.0 / prob_scale, sm_exp=sm_exp, window=window,
+        sm_mant=sm_mant, prob_scale=prob_scale, inv_prob_scale=1.0 / prob_scale,
+        lazy_t=float(lazy_threshold(prob_scale)),  # (the conditional rescaling's threshold)
+        sm_exp=sm_exp, window=window,
         causal=int(causal), stride_bt=block_tables.stride(0), stride_kb=kb, stride_kt=kt, stride_kh=kh,
         stride_vb=vb, stride_vt=vt, stride_vh=vh, stride_qs_kv=qs_strides[0], stride_qs_q=qs_strides[1],
         stride_ksh=scale_strides(cache, "key")[2], stride_vsh=scale_strides(cache, "value")[2], T=T, HQ=HQ,

@@ -47,7 +47,11 @@ The reference: ``b_j = s_j log2 e``, ``M = ceil(max_j b_j)``, ``p_j = 2^(b_j - M
    reciprocal; both sides' ``x`` rounded to float32).
    ``k >= -shift`` with ``shift = ceil(max_j b_j + delta log2 e) - M`` (0 or 1 unless ``delta`` is
    huge): the kernel's final maximum may exceed the reference's by that much, never more.
-   ``2^k y_j <= 1 / ps``: a key's ``p`` is at most 1 against any running maximum that includes it.
+   ``2^k y_j <= 1 / ps``: a key's ``p`` is at most 1 against any running maximum that includes it;
+   a kernel may also keep a running maximum below a key's logit, as FA4's conditional rescaling
+   does, as long as ``p <= 2^t`` with ``2^t <= 448 ps`` (:func:`fp8kv.fp8_attention.lazy_threshold`): then ``2^k y_j <=
+   2^t / ps <= 448``, so nothing saturates that the reference does not, and step 3 holds as written
+   (its normal case needs ``2^k y`` normal and at most 448, its subnormal case any ``k >= -shift``).
 
 3. P rounding (:func:`fp8_probability_envelope`). Every such ``K_j = 2^-k e4m3(2^k y)``, ``y`` in
    ``[lo, hi]``, lies in an interval ``[lower, upper]`` containing ``R_j``:
@@ -113,6 +117,7 @@ E4M3_HALF_ULP = 2.0**-4
 
 __all__ = ["E4M3_HALF_ULP", "E4M3_MAX", "U_FP8_DOT", "assert_fp8_attention_close", "fp8_attention_tolerance",
            "fp8_probability_envelope"]
+
 
 
 def _e4m3_round(x: torch.Tensor) -> torch.Tensor:

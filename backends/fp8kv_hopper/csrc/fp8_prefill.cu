@@ -31,7 +31,8 @@
 // block ids outside [0, num_blocks) never loaded, rows past a sequence's queries never written.
 //
 // Macros: FP8KV_QT (query and output type: 0 float32, 1 float16, 2 bfloat16), FP8KV_STAGES,
-// FP8KV_PINGPONG (1: the two consumer warpgroups issue their wgmma phases in turn), FP8KV_TMA (1: TMA
+// FP8KV_LAZY (1: the conditional rescaling of lazy_softmax), FP8KV_PINGPONG (1: the two consumer warpgroups
+// issue their wgmma phases in turn), FP8KV_TMA (1: TMA
 // loads through Params' tensor maps; 0: cp.async, for caches TMA cannot describe).
 
 #include "wgmma_common.cuh"
@@ -50,6 +51,10 @@ constexpr int THREADS = WS_THREADS;
 constexpr int QT = FP8KV_QT;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;  // the consumer warpgroups issue their products in turn
 constexpr bool TMA = FP8KV_TMA != 0;            // K and V tiles loaded by TMA (else cp.async)
+#ifndef FP8KV_LAZY
+#define FP8KV_LAZY 1
+#endif
+constexpr bool LAZY = FP8KV_LAZY != 0;          // lazy_softmax on the interior tiles (FMA logits)
 constexpr int TILE_BYTES = BLOCK_N * D;         // a K (or V) tile: 128 keys x 128 e4m3 codes
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
 constexpr float E4M3_MAX = 448.0f;
@@ -207,6 +212,7 @@ struct Params {
     void* out;
     float* lse;
     float sm_mant, prob_scale, inv_prob_scale;
+    float lazy_t;  // lazy_softmax's threshold: an integer in [0, 8] with 2^lazy_t <= 448 prob_scale (else 0)
     int sm_exp, window, causal;
     i64 stride_bt, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh;
     int stride_qs_kv, stride_qs_q, stride_ksh, stride_vsh;
@@ -292,6 +298,7 @@ struct Softmax {
     int pos[2];
     bool rv[2];
     int mode;          // the warpgroup's logit path (LOGIT_*), uniform
+    bool started;      // a tile has been through the softmax (uniform over the warpgroup)
 };
 
 // How a consumer warpgroup forms logits (the same for all its rows, from their factors f):
@@ -306,6 +313,54 @@ constexpr int LOGIT_FMA = 2;        // every f in (2^-96, 2^-5]: one FMA, q8 . k
 // 2^24 half an ulp is at least 1 and p could leave [2^-1, 1] for the row's largest logit (at k_scale 1e31
 // it made every p 0): hence the bound on f.
 
+// FA4's conditional rescaling with the definition's integer maxima (an interior tile, FMA logits, after the
+// warpgroup's first tile; docs/fp8_attention.md says why the mode's tolerance still holds). p = 2^(logit -
+// m) against each row's running maximum m as it stands, rounded to e4m3 and packed into pa while the tile's
+// row maxima are found, so that the exponentials wait for no reduction; S stays in sa. If some valid row
+// of the warp has ceil(its tile maximum) above m + P.lazy_t, the warp returns false and takes the exact
+// path (which recomputes everything from sa); else p <= 2^lazy_t, so p / prob_scale never saturates (2^lazy_t
+// <= 448 prob_scale), m stays and l adds the tile's p. SCALE_P: P.scale_p.
+template <bool SCALE_P>
+__device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const float (&sa)[64], u32 (&pa)[4][4]) {
+    float part[2][4], lsum[2][4] = {}, msafe[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        msafe[h] = sm.m[h] == NEG_INF ? 0.0f : sm.m[h];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) part[h][k] = NEG_INF;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk)  // (pack_p8's order: each A word from its four accumulator values)
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
+            const int idx[4] = {4 * j + e, 4 * j + e + 1, 4 * j + 4 + e, 4 * j + 4 + e + 1};
+            float x[4];
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const int i = idx[q], h = (i >> 1) & 1, k = (i & 1) + 2 * ((i >> 2) & 1);
+                part[h][k] = fmaxf(part[h][k], sa[i]);
+                const float p = exp2_approx(__fmaf_rn(sa[i], sm.f[h], -msafe[h]));
+                lsum[h][k] += p;
+                x[q] = SCALE_P ? p * P.inv_prob_scale : p;
+            }
+            pa[kk][w] = e4m3x4(x[0], x[1], x[2], x[3]);
+        }
+    bool jump = false;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+        // the exact path's maximum, ceil(the rounded product); from m = -inf any finite one jumps
+        jump |= sm.rv[h] && ceilf(__fmul_rn(mx, sm.f[h])) > sm.m[h] + P.lazy_t;
+    }
+    if (__any_sync(0xFFFFFFFFu, jump)) return false;  // (rare after the first tiles)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) sm.l[h] += (lsum[h][0] + lsum[h][1]) + (lsum[h][2] + lsum[h][3]);
+    return true;
+}
+
 // Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running
 // maximum, p = 2^(logit - m) (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A
 // fragments (pack_p8). MODE: the warpgroup's logit path (sm.mode, LOGIT_*).
@@ -313,7 +368,14 @@ template <int MODE>
 __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
                                              bool all_valid, const Cta& cta, int c, float (&sa)[64], float (&o)[64],
                                              u32 (&pa)[4][4]) {
-    if (!(all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi)) {  // an edge tile: mask
+    const bool interior = all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi;  // (uniform)
+    const bool started = sm.started;
+    sm.started = true;
+    if constexpr (LAZY && MODE == LOGIT_FMA) {
+        if (interior && started && (P.scale_p ? lazy_softmax<true>(P, sm, sa, pa) : lazy_softmax<false>(P, sm, sa, pa)))
+            return;
+    }
+    if (!interior) {  // an edge tile: mask
 #pragma unroll
         for (int j = 0; j < 16; ++j)
 #pragma unroll
@@ -460,7 +522,8 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         fence_acc(sa);
         if (t == cta.ntiles) return;
         const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
-        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))
+            softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
         else if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_PRODUCT))
             softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
         else softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
