@@ -12,7 +12,9 @@ exponentials), ``nopp`` (no ping-pong between the consumer warpgroups), ``cpasyn
 transposes nothing: it only hands tiles over; the valid flags are then stale, so every tile takes the
 masking path), ``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products
 only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_only_vt128``,
-``noprod_nopp``.
+``noprod_nopp``, ``qmul`` (the query's 64 divisions a thread replaced by products: what the prologue's
+divisions cost), ``epidiv`` (the epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place
+of one reciprocal and products).
 """
 
 from __future__ import annotations
@@ -32,11 +34,15 @@ from test_hopper_gpu import _case  # noqa: E402
 
 LOAD = "load_tile(sh, P, cta, bt_row, t, lane);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
-SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))\n            softmax_tile<LOGIT_FMA>"
+SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>"
 NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
+QDIV = "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));"
+EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h], 1.0f / inv_l) * v_scale)"),
+          ("((o[4 * j + 2 * h + 1] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h + 1], 1.0f / inv_l) * v_scale)")]
+QMUL = (QDIV, "w[k] = e4m3x4(v[0] * qs, v[1] * qs, v[2] * qs, v[3] * qs);")  # (timing only: not the quantization)
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True, [], {"lazy": False}),
             "nopp": (wgmma.STAGES, False, [], {}),
@@ -45,7 +51,9 @@ VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True,
             "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
             "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
             "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, NOSOFT, VT128], {}),
-            "noprod_nopp": (wgmma.STAGES, False, NOPROD, {})}
+            "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
+            "qmul": (wgmma.STAGES, True, [QMUL], {}),
+            "epidiv": (wgmma.STAGES, True, EPIDIV, {})}
 
 
 def main(argv=None) -> int:

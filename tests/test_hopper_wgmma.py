@@ -196,6 +196,6 @@ def test_the_ablation_benchmark_finds_its_patch_points():
     from fp8kv_hopper import wgmma
 
     bench = (Path(__file__).parents[1] / "benchmarks" / "hopper_wgmma_ablation.py").read_text()
-    for name in ("LOAD", "TRANSPOSE", "SOFTMAX"):
+    for name in ("LOAD", "TRANSPOSE", "SOFTMAX", "QDIV"):
         text = re.search(rf'^{name} = "(.*)"$', bench, re.M).group(1)
         assert text in wgmma.source(), name

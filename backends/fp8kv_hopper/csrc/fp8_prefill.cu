@@ -294,7 +294,7 @@ __device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
 struct Softmax {
     float m[2], l[2];  // running maximum (an integer or -inf) and the partial row sum of this thread's keys
     float f[2];        // the rows' logit factors (float32 paths)
-    double F[2];       // the same in float64 (saturating path)
+    int row[2];        // the rows (their float64 factors in Smem::row_f: the saturating path reads them there)
     int pos[2];
     bool rv[2];
     int mode;          // the warpgroup's logit path (LOGIT_*), uniform
@@ -388,10 +388,11 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
     }
     constexpr bool FAST = MODE != LOGIT_SATURATED;
     if constexpr (!FAST) {  // logits = q8 . k8 * F, saturated (F of any magnitude), in place
+        const double F[2] = {sh.row_f[sm.row[0]], sh.row_f[sm.row[1]]};
 #pragma unroll
         for (int i = 0; i < 64; ++i) {
             const float v = sa[i];
-            sa[i] = v == NEG_INF ? v : (float)fmin(fmax((double)v * sm.F[(i >> 1) & 1], -3.4028234663852886e38),
+            sa[i] = v == NEG_INF ? v : (float)fmin(fmax((double)v * F[(i >> 1) & 1], -3.4028234663852886e38),
                                                      3.4028234663852886e38);
         }
     }
@@ -500,7 +501,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         sm.m[h] = NEG_INF;
         sm.l[h] = 0.0f;
         sm.f[h] = f[h];
-        sm.F[h] = F[h];
+        sm.row[h] = 64 * cw + 16 * warp + r + 8 * h;
         sm.pos[h] = pos[h];
         sm.rv[h] = rv[h];
     }
@@ -522,8 +523,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         fence_acc(sa);
         if (t == cta.ntiles) return;
         const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
-        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))
-            softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
         else if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_PRODUCT))
             softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
         else softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
@@ -546,11 +546,14 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
         if (!rv[h]) continue;
-        const float ls = l[h] > 0.0f ? l[h] : 1.0f;
+        // 1 / l once (correctly rounded), then products: one rounding more than a division per output, inside
+        // the tolerance's float32 allowance for the normalisation (the per-element IEEE divisions were 64 a
+        // thread at the end of every CTA)
+        const float inv_l = __frcp_rn(l[h] > 0.0f ? l[h] : 1.0f);
 #pragma unroll
         for (int j = 0; j < 16; ++j)
-            store_out2(P.out, orow[h] + 8 * j + 2 * c, (__fdiv_rn(o[4 * j + 2 * h], ls) * v_scale) * P.prob_scale,
-                       (__fdiv_rn(o[4 * j + 2 * h + 1], ls) * v_scale) * P.prob_scale);
+            store_out2(P.out, orow[h] + 8 * j + 2 * c, ((o[4 * j + 2 * h] * inv_l) * v_scale) * P.prob_scale,
+                       ((o[4 * j + 2 * h + 1] * inv_l) * v_scale) * P.prob_scale);
         if (P.write_lse && c == 0)
             P.lse[lse_idx[h]] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : NEG_INF;
     }
