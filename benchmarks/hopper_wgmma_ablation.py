@@ -13,8 +13,9 @@ transposes nothing: it only hands tiles over; the valid flags are then stale, so
 masking path), ``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products
 only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_only_vt128``,
 ``noprod_nopp``, ``qmul`` (the query's 64 divisions a thread replaced by products: what the prologue's
-divisions cost), ``epidiv`` (the epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place
-of one reciprocal and products).
+divisions cost), ``fdiv`` (those divisions as IEEE float32 divisions, before 2026-11-27, in place of
+``div_by_scale``'s float64 products), ``epidiv`` (the epilogue's 64 IEEE divisions a thread by l, as
+before 2026-11-27, in place of one reciprocal and products).
 """
 
 from __future__ import annotations
@@ -39,10 +40,11 @@ NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[t % STAGES]);"),
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
-QDIV = "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));"
+QDIV = "w[k] = e4m3x4(div_by_scale(v[0], rq), div_by_scale(v[1], rq), div_by_scale(v[2], rq), div_by_scale(v[3], rq));"
 EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h], 1.0f / inv_l) * v_scale)"),
           ("((o[4 * j + 2 * h + 1] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h + 1], 1.0f / inv_l) * v_scale)")]
 QMUL = (QDIV, "w[k] = e4m3x4(v[0] * qs, v[1] * qs, v[2] * qs, v[3] * qs);")  # (timing only: not the quantization)
+FDIV = (QDIV, "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True, [], {"lazy": False}),
             "nopp": (wgmma.STAGES, False, [], {}),
@@ -52,7 +54,7 @@ VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True,
             "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
             "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, NOSOFT, VT128], {}),
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
-            "qmul": (wgmma.STAGES, True, [QMUL], {}),
+            "qmul": (wgmma.STAGES, True, [QMUL], {}), "fdiv": (wgmma.STAGES, True, [FDIV], {}),
             "epidiv": (wgmma.STAGES, True, EPIDIV, {})}
 
 

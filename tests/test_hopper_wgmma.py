@@ -199,3 +199,26 @@ def test_the_ablation_benchmark_finds_its_patch_points():
     for name in ("LOAD", "TRANSPOSE", "SOFTMAX", "QDIV"):
         text = re.search(rf'^{name} = "(.*)"$', bench, re.M).group(1)
         assert text in wgmma.source(), name
+
+
+def test_the_query_division_through_a_float64_reciprocal_rounds_as_ieee_division():
+    """fp8_prefill.cu's div_by_scale: ``(float)((double)x * (1.0 / (double)qs))`` is ``x / qs`` rounded to
+    float32 (torch's float32 division, IEEE) for every finite bfloat16 and float16 ``x`` and scales across
+    float32's range (random, powers of two, and dynamic ones ``amax / 448``), wherever the quotient is at
+    least 2^-126 (below it e4m3 rounds to zero either way); infinities and NaN come out as they do."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = torch.cat([bits.view(torch.bfloat16).float(), bits.view(torch.float16).float()])
+    x = torch.cat([x[torch.isfinite(x)], torch.tensor([float("inf"), -float("inf"), float("nan")])])
+    exps = torch.randint(-120, 120, (300,), generator=g).double()
+    scales = [(1 + torch.rand(300, generator=g, dtype=torch.float64)) * 2.0**exps,
+              2.0 ** torch.arange(-126, 127, 9, dtype=torch.float64),
+              (x[torch.isfinite(x) & (x != 0)][torch.randint(0, 100000, (300,), generator=g)].abs() / 448.0)]
+    for qs in torch.cat(scales).float().clamp(min=2.0**-126):
+        want = x / qs
+        got = (x.double() * (1.0 / qs.double())).float()
+        normal = torch.isfinite(want) & (want.abs() >= 2.0**-126)
+        assert torch.equal(got[normal].view(torch.int32), want[normal].view(torch.int32)), float(qs)
+        special = ~torch.isfinite(want)
+        assert torch.equal(got[special].isnan(), want[special].isnan()), float(qs)
+        assert torch.equal(got[special & ~want.isnan()], want[special & ~want.isnan()]), float(qs)

@@ -103,6 +103,14 @@ __device__ __forceinline__ void pack_p8(const float (&p)[64], u32 (&pa)[4][4]) {
         }
 }
 
+// x / qs rounded to float32 exactly as the IEEE division (__fdiv_rn) rounds it, from rq = 1 / qs in float64:
+// the float64 product's relative error is at most 2^-52, while a quotient of two float32 values is never a
+// float32 rounding midpoint and stays at least 2^-49 (relative) away from every one, so both round alike
+// (tests/test_hopper_wgmma.py checks it against float32 division on every bfloat16 and float16 value).
+// Results below 2^-126 may differ in their last subnormal bit, which no e4m3 rounding sees (below 2^-10:
+// 0). Three float64-pipe instructions where __fdiv_rn takes a dozen and a range check.
+__device__ __forceinline__ float div_by_scale(float x, double rq) { return (float)((double)x * rq); }
+
 // 64 query values from element `base` (a multiple of 64: 16-byte aligned for a 16-byte aligned query),
 // zeros unless valid; 16-byte loads
 __device__ __forceinline__ void load_q64(const void* Q, i64 base, bool valid, float (&x)[64]) {
@@ -456,13 +464,14 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
             qs = P.qs[cta.kvh * P.stride_qs_kv + qh * P.stride_qs_q];
         }
         u8* qdst = sh.q + 8192 * cw;
+        const double rq = 1.0 / (double)qs;
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             u32 w[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const float* v = x + 16 * j + 4 * k;
-                w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));
+                w[k] = e4m3x4(div_by_scale(v[0], rq), div_by_scale(v[1], rq), div_by_scale(v[2], rq), div_by_scale(v[3], rq));
             }
             *reinterpret_cast<uint4*>(qdst + kmajor(ql, 64 * half + 16 * j, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
         }
