@@ -12,10 +12,11 @@ exponentials), ``nopp`` (no ping-pong between the consumer warpgroups), ``cpasyn
 transposes nothing: it only hands tiles over; the valid flags are then stale, so every tile takes the
 masking path), ``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip the softmax: the products
 only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_only_vt128``,
-``noprod_nopp``, ``qmul`` (the query's 64 divisions a thread replaced by products: what the prologue's
-divisions cost), ``fdiv`` (those divisions as IEEE float32 divisions, before 2026-11-27, in place of
-``div_by_scale``'s float64 products), ``epidiv`` (the epilogue's 64 IEEE divisions a thread by l, as
-before 2026-11-27, in place of one reciprocal and products).
+``noprod_nopp``, ``nopp_nosoftmax``, ``nopp_notrans``, ``qmul`` (the query's 64 divisions a thread
+replaced by products: what the prologue's divisions cost), ``fdiv`` (those divisions as IEEE float32
+divisions, before 2026-11-27, in place of ``div_by_scale``'s float64 products), ``epidiv`` (the
+epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
+products).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True,
             "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
             "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, NOSOFT, VT128], {}),
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
+            "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, True, [QMUL], {}), "fdiv": (wgmma.STAGES, True, [FDIV], {}),
             "epidiv": (wgmma.STAGES, True, EPIDIV, {})}
 
