@@ -5,8 +5,10 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
 
     python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
 
-Variants: ``base`` (as shipped), ``nolazy`` (no conditional rescaling: every tile's row maxima before its
-exponentials), ``nopp`` (no ping-pong between the consumer warpgroups), ``cpasync``
+Every variant runs as shipped but for what it names: since 2026-11-27 without ping-pong (before, with it;
+the iteration files say which). Variants: ``base`` (as shipped), ``pp`` (the consumer warpgroups take turns,
+FA3's ping-pong), ``nolazy`` (no conditional rescaling: every tile's row maxima before its
+exponentials), ``nopp`` (no ping-pong: now the same as ``base``), ``cpasync``
 (the cp.async loads instead of TMA), ``vt128`` (V^T's 8-dim groups 1152 bytes apart: its core matrices
 128-byte aligned, the transpose's stores no longer conflict-free), ``noprod`` (the producer loads and
 transposes nothing: it only hands tiles over; the valid flags are then stale, so every tile takes the
@@ -47,17 +49,17 @@ EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h
 QMUL = (QDIV, "w[k] = e4m3x4(v[0] * qs, v[1] * qs, v[2] * qs, v[3] * qs);")  # (timing only: not the quantization)
 FDIV = (QDIV, "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
-VARIANTS = {"base": (wgmma.STAGES, True, [], {}), "nolazy": (wgmma.STAGES, True, [], {"lazy": False}),
-            "nopp": (wgmma.STAGES, False, [], {}),
-            "cpasync": (wgmma.STAGES, True, [], {"tma": False}),
-            "vt128": (wgmma.STAGES, True, [VT128], {}),
-            "noprod": (wgmma.STAGES, True, NOPROD, {}), "notrans": (wgmma.STAGES, True, NOTRANS, {}),
-            "nosoftmax": (wgmma.STAGES, True, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, True, [*NOPROD, NOSOFT], {}),
-            "gemm_only_vt128": (wgmma.STAGES, True, [*NOPROD, NOSOFT, VT128], {}),
+VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, False, [], {"lazy": False}),
+            "nopp": (wgmma.STAGES, False, [], {}), "pp": (wgmma.STAGES, True, [], {}),
+            "cpasync": (wgmma.STAGES, False, [], {"tma": False}),
+            "vt128": (wgmma.STAGES, False, [VT128], {}),
+            "noprod": (wgmma.STAGES, False, NOPROD, {}), "notrans": (wgmma.STAGES, False, NOTRANS, {}),
+            "nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "gemm_only": (wgmma.STAGES, False, [*NOPROD, NOSOFT], {}),
+            "gemm_only_vt128": (wgmma.STAGES, False, [*NOPROD, NOSOFT, VT128], {}),
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
-            "qmul": (wgmma.STAGES, True, [QMUL], {}), "fdiv": (wgmma.STAGES, True, [FDIV], {}),
-            "epidiv": (wgmma.STAGES, True, EPIDIV, {})}
+            "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
+            "epidiv": (wgmma.STAGES, False, EPIDIV, {})}
 
 
 def main(argv=None) -> int:

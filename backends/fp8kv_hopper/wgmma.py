@@ -78,7 +78,7 @@ def source() -> str:
     return inline_headers(resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text())
 
 
-def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGES, tma: bool = True,
+def options(query_dtype: torch.dtype, pingpong: bool = False, stages: int = STAGES, tma: bool = True,
             lazy: bool = True) -> tuple[str, ...]:
     """NVRTC options of a variant: the query type, whether the consumer warpgroups take turns issuing
     their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async), the conditional
@@ -87,7 +87,7 @@ def options(query_dtype: torch.dtype, pingpong: bool = True, stages: int = STAGE
             f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}", f"-DFP8KV_LAZY={int(lazy)}")
 
 
-def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = True, tma: bool = True):
+def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = False, tma: bool = True):
     """The compiled ``entry`` for ``query_dtype`` on ``device`` (sm_90a cubin, built on first use)."""
     from fp8kv_cuda import runtime
 
@@ -138,7 +138,7 @@ def tma_maps(cache) -> tuple[bytes, bytes, int, int] | None:
 
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
            causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float,
-           pingpong: bool = True) -> None:
+           pingpong: bool = False) -> None:
     """Enqueue the kernel for ``query [T, Hq, 128]`` into ``out`` (and ``lse [T, Hq]``); arguments as
     :func:`fp8kv_hopper.attention.paged_attention_fp8` prepares them (no host sync)."""
     from fp8kv_cuda import runtime
