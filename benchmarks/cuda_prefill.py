@@ -69,18 +69,15 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     vd = torch.randn(seqs, HKV, L, D, device=device, dtype=torch.bfloat16)
     record("sdpa bf16", time_graph(lambda: causal_sdpa_bf16(q4, kd, vd), calls=3, reps=args.reps))
     outs = {}
-    default = (cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM,
-               cuda_attention.WGMMA_LAZY)
+    default = cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM
     runs = [("triton", "triton", None), ("cuda", "cuda tensor-core prefill", None)]
     if args.wgmma and torch.cuda.get_device_capability(device) == (9, 0):  # the sm90 kernel (its default)
-        runs += [("cuda", "cuda wgmma prefill (ping-pong)", True), ("cuda", "cuda wgmma prefill", False),
-                 ("cuda", "cuda wgmma prefill (ping-pong, no conditional rescaling)", "nolazy")]
+        runs += [("cuda", "cuda wgmma prefill (ping-pong)", True), ("cuda", "cuda wgmma prefill", False)]
     if args.wmma and qdtype == torch.float16:  # Volta's kernel, on this GPU
         runs += [("cuda", "cuda wmma prefill (Volta's kernel)", "wmma")]
     for name, label, pingpong in runs:
         cuda_attention.WGMMA_PREFILL = pingpong is not None and pingpong != "wmma"
-        cuda_attention.WGMMA_PINGPONG = bool(pingpong)  # ("nolazy": with ping-pong, the default)
-        cuda_attention.WGMMA_LAZY = pingpong != "nolazy"
+        cuda_attention.WGMMA_PINGPONG = bool(pingpong)
         cuda_attention.WMMA_PREFILL_BELOW_SM = 1000 if pingpong == "wmma" else default[2]
         meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=qdtype, block_tables=tables,
                                     seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
@@ -101,8 +98,7 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         ms = time_graph(lambda be=be, meta=meta, out=out: be.paged_attention(query, cache, meta, out, None),
                         calls=3, reps=args.reps)
         record("fp8kv " + label, ms, **extra)
-    (cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM,
-     cuda_attention.WGMMA_LAZY) = default
+    cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM = default
     if args.splits:  # the CUDA backend's default prefill kernel at forced KV split counts (the plan's A/B)
         from fp8kv_cuda.attention import plan_prefill
 
@@ -131,8 +127,7 @@ def main(argv=None) -> int:
     add_common_args(ap)
     ap.add_argument("--per-token", action="store_true", help="also time the per-token path (slow)")
     ap.add_argument("--wgmma", action="store_true",
-                    help="on sm90 also time the wgmma prefill kernel (the default there), ping-pong on and off, and"
-                    " without its conditional rescaling")
+                    help="on sm90 also time the wgmma prefill kernel (the default there), ping-pong on and off")
     ap.add_argument("--splits", default="", help="also time the CUDA backend's prefill at these forced KV split "
                     "counts, e.g. 1,2,8 (the plan's split rule is measured this way)")
     ap.add_argument("--wmma", action="store_true",

@@ -667,44 +667,6 @@ def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch)
     assert torch.equal(graph_out.view(torch.int16), out.view(torch.int16))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                    reason="the wgmma prefill kernel needs sm90 (sm_90a code)")
-@pytest.mark.parametrize("lazy", [True, False])
-def test_wgmma_prefill_running_maxima_that_climb_and_jump(lazy, monkeypatch):
-    """The conditional rescaling (lazy_softmax) where row maxima move through the interior tiles: every query
-    has a large channel 0 and the cached keys' channel 0 climbs over the sequence (a few base-2 units a
-    64-key tile: kept while within LAZY_T, else the warp's exact path), jumps by hundreds in one tile and
-    falls back; against the reference within the default tolerance, with and without it."""
-    from fp8kv_cuda import attention as cuda_attention
-
-    monkeypatch.setattr(cuda_attention, "WGMMA_LAZY", lazy)
-    g = torch.Generator().manual_seed(12)
-    H, Hq, D, bs, seqs, new, cached = 8, 32, 128, 16, 2, 96, 1400
-    L = new + cached
-    nblk = -(-L // bs)
-    cache = fp8kv.KVCache.allocate(seqs * nblk, bs, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
-                                   k_scale=torch.full((H,), 1.0), v_scale=torch.full((H,), 0.05), device="cuda")
-    n = seqs * nblk * bs
-    k = torch.randn(n, H, D, generator=g)
-    pos = torch.arange(n) % (nblk * bs)
-    k[:, :, 0] = 200.0 * pos[:, None] / L  # (about 3 base-2 units a 64-key tile)
-    k[(pos >= 700) & (pos < 710), :, 0] = 400.0
-    fp8kv.write_kv(cache, k.cuda(), torch.randn(n, H, D, generator=g).cuda(), torch.arange(n, device="cuda"))
-    table = torch.arange(seqs * nblk, dtype=torch.int32).view(seqs, nblk).cuda()
-    query = torch.randn(seqs * new, Hq, D, generator=g)
-    query[..., 0] = 3.0
-    query = query.to(torch.bfloat16).cuda()
-    qsl = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device="cuda")
-    lens_t = torch.full((seqs,), L, dtype=torch.int32, device="cuda")
-    kw = dict(query_start_loc=qsl, max_query_len=new)
-    out, lse = fp8kv.paged_attention(query, cache, table, lens_t, backend="cuda", return_lse=True, **kw)
-    ref, ref_lse = fp8kv.paged_attention(query, cache, table, lens_t, backend="reference", return_lse=True, **kw)
-    bounds = paged_attention_bounds(query, cache, table, lens_t, qsl, causal=True, sliding_window=None,
-                                    logits_soft_cap=None)
-    assert_attention_close(out, ref, **bounds)
-    assert_lse_close(lse, ref_lse, **bounds)
-
-
 WGMMA_CACHE_LAYOUTS = {  # name: (page, layout); TMA loads unless the page neither divides nor is a multiple of 64
     "page16": (16, "NHD"), "page1": (1, "NHD"), "page32": (32, "NHD"), "page128": (128, "NHD"),
     "page256": (256, "NHD"), "hnd": (16, "HND"), "hnd_page64": (64, "HND"), "page12": (12, "NHD"),

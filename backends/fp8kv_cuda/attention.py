@@ -209,9 +209,6 @@ WGMMA_PREFILL = True
 (the benchmark times both). Measured on the H100: docs/cuda.md."""
 WGMMA_PINGPONG = True
 """The wgmma prefill's two consumer warpgroups issue their products in turn (FA3's schedule)."""
-WGMMA_LAZY = True
-"""The wgmma prefill's conditional rescaling (FA4's; ``csrc/prefill_wgmma.cu``'s ``lazy_softmax``); False
-builds it without (the benchmark's A/B)."""
 _NO_TENSOR_MAP = bytes(runtime.TENSOR_MAP_BYTES)  # (the cp.async variant's unused tensor-map parameters)
 
 
@@ -498,8 +495,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         if not volta and wgmma_prefill_serves(p.sm, fmt, query, logits_soft_cap):  # (same contract)
             maps = paged_cache_maps(cache, WGMMA_BLOCK_N)  # (None: cp.async loads)
             tmap_k, tmap_v, head_inner, box_rows = maps or (_NO_TENSOR_MAP, _NO_TENSOR_MAP, 0, 0)
-            wv = prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG, tma=maps is not None, lazy=WGMMA_LAZY)
-            runtime.launch(wv,
+            runtime.launch(prefill_wgmma_variant(_IO[query.dtype], WGMMA_PINGPONG, tma=maps is not None),
                            "fp8kv_prefill_wgmma", dev, grid, WGMMA_THREADS,
                            [*pargs, tmap_k, tmap_v, r.i32(head_inner), r.i32(box_rows)],
                            shared_mem=wgmma_smem_bytes(D, tma=maps is not None))

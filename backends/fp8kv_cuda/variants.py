@@ -221,15 +221,13 @@ def arch_target(kernel: str, sm: int) -> str:
     return f"sm_{sm}a" if kernel in SM90A_KERNELS else f"sm_{sm}"
 
 
-def prefill_wgmma_variant(io_dtype: str, pingpong: bool = True, tma: bool = True, lazy: bool = True) -> Variant:
+def prefill_wgmma_variant(io_dtype: str, pingpong: bool = True, tma: bool = True) -> Variant:
     """The sm90 (wgmma) chunked-prefill kernel: e4m3 cache, static scales, head size 128, float16 or
     bfloat16 queries; ``pingpong``: its two consumer warpgroups issue their products in turn; ``tma``:
-    K and V tiles loaded by TMA (:mod:`fp8kv_cuda.tma`), else by cp.async (caches TMA cannot describe);
-    ``lazy``: FA4's conditional rescaling (``FP8KV_LAZY``; without it, a macro more, the benchmark's A/B)."""
+    K and V tiles loaded by TMA (:mod:`fp8kv_cuda.tma`), else by cp.async (caches TMA cannot describe)."""
     return Variant("prefill_wgmma", "fp8_e4m3", (("FP8KV_QT", IO_KINDS[io_dtype]), ("FP8KV_TOKEN_SCALES", 0),
                                                  ("FP8KV_FULL_P_KEYS", FULL_P_KEYS), ("FP8KV_STAGES", WGMMA_STAGES),
-                                                 ("FP8KV_PINGPONG", int(pingpong)), ("FP8KV_TMA", int(tma)),
-                                                 *(() if lazy else (("FP8KV_LAZY", 0),))))
+                                                 ("FP8KV_PINGPONG", int(pingpong)), ("FP8KV_TMA", int(tma))))
 
 
 def codec_variant(fmt: str) -> Variant:

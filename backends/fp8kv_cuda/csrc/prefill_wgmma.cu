@@ -33,7 +33,6 @@
 // read nor written.
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_FULL_P_KEYS, FP8KV_STAGES, FP8KV_PINGPONG, FP8KV_TMA,
-// FP8KV_LAZY (1: the conditional rescaling of lazy_softmax),
 // and the format's (e4m3 only).
 #include "prefill_rows.cuh"
 #include "wgmma_common.cuh"
@@ -47,11 +46,6 @@ constexpr int BLOCK_N = 64;         // keys per tile
 constexpr int STAGES = FP8KV_STAGES;
 constexpr int THREADS = WS_THREADS;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;
-#ifndef FP8KV_LAZY
-#define FP8KV_LAZY 1
-#endif
-constexpr bool LAZY = FP8KV_LAZY != 0;  // lazy_softmax on the interior tiles of rows that see FULL_P_KEYS keys
-constexpr float LAZY_T = 8.0f;          // how far a running maximum may stay below a tile's (p <= 2^8)
 constexpr bool BF16 = QT == 2;
 constexpr int ROW16 = 2 * D;        // bytes of a 16-bit Q or K row
 constexpr int SBO16 = 8 * ROW16;    // 8-row groups of the 16-bit Q and K tiles
@@ -296,50 +290,7 @@ __device__ void produce_tma(WgmmaShared& sh, const Cta& cta, const TmaMaps& tm, 
 struct RowState {
     float m[2], l[2];  // running maximum (base-2 logits) and this thread's partial row sums
     int lo[2], hi[2];  // the keys each of the thread's two rows sees
-    bool started;      // a tile has been through the softmax (uniform over the warpgroup)
 };
-
-// FA4's conditional rescaling (an interior tile after the warpgroup's first, rows whose P enters as one
-// float16): p = 2^(logit - m) against each row's running maximum m as it stands, summed and packed into the
-// A fragments while the tile's row maxima are found, so the exponentials wait for no reduction; S stays in
-// sa. If some row of the warp that sees keys has a tile maximum above m + LAZY_T, the warp returns false
-// and takes the exact path from sa; else m stays and p <= 2^8 (float16 holds it with the same relative
-// rounding as p <= 1: the default mode's tolerance, fp8kv.testing.tolerance, is unchanged; the row sum and
-// O carry the same factor 2^(M - m), which the normalisation cancels).
-__device__ __forceinline__ bool lazy_softmax(float fs, RowState& rs, const float (&sa)[32], u32 (&pa)[4][4]) {
-    float part[2][2], lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}}, msafe[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        msafe[h] = rs.m[h] == NEG_INF ? 0.0f : rs.m[h];
-        part[h][0] = part[h][1] = NEG_INF;
-    }
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {  // (the exact path's packing: n-tile 2 kk + (w >> 1), row r + 8 (w & 1))
-            const int i0 = 4 * (2 * kk + (w >> 1)) + 2 * (w & 1), h = w & 1;
-            float p[2];
-#pragma unroll
-            for (int q = 0; q < 2; ++q) {
-                part[h][q] = fmaxf(part[h][q], sa[i0 + q]);
-                p[q] = exp2_approx(__fsub_rn(__fmul_rn(sa[i0 + q], fs), msafe[h]));
-                lsum[h][q] += p[q];
-            }
-            pa[kk][w] = pack_f16x2(p[0], p[1]);
-        }
-    bool jump = false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(part[h][0], part[h][1]);
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-        jump |= rs.hi[h] > rs.lo[h] && __fmul_rn(mx, fs) > rs.m[h] + LAZY_T;  // (from -inf: any finite one)
-    }
-    if (__any_sync(0xFFFFFFFFu, jump)) return false;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) rs.l[h] += lsum[h][0] + lsum[h][1];
-    return true;
-}
 
 // Tile at n0 in stage s: mask an edge tile, logits s * fs, the running maximum, p = 2^(logit - m)
 // (l += p), O *= 2^(m_old - m_new) where the maximum moved, P as float16 A fragments: word 0 / 1 =
@@ -352,11 +303,6 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
     const bool all_valid =
         __all_sync(0xFFFFFFFFu, lane >= BLOCK_N / 4 || reinterpret_cast<const u32*>(sh.valid[s])[lane] == 0x01010101u);
     const bool interior = all_valid && n0 >= cta.lo_max && n0 + BLOCK_N <= cta.hi_min;
-    const bool started = rs.started;
-    rs.started = true;
-    if constexpr (LAZY && !SPLIT_P) {
-        if (interior && started && lazy_softmax(fs, rs, sa, pa)) return;
-    }
     if (!interior) {
 #pragma unroll
         for (int j = 0; j < 8; ++j)
@@ -527,7 +473,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_prefill_wgmma(FP8
     if (!named_sync_and(2 + cw, 128, simple) && ct == 0) atomicOr(&sh.abort, 1u);
 
     RowState rs;
-    rs.started = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         rs.m[h] = NEG_INF;
