@@ -10,8 +10,9 @@ Registered through the ``fp8kv.backends`` entry point as ``hopper``
   its launcher;
 * :mod:`~fp8kv_hopper.wgmma`: a warp-specialized CUDA kernel for prefill (``csrc/fp8_prefill.cu``,
   sm_90a, compiled through :mod:`fp8kv_cuda.runtime`'s public functions); ``Fp8AttnConfig.kernel``
-  "auto" (the default) takes it for the prefill steps it serves (measured on the H100:
-  docs/fp8_attention.md).
+  "auto" (the default) takes it for the prefill steps it serves, and for decode steps the CUDA
+  backend's tensor-core decode built for the mode (:class:`fp8kv_cuda.attention.Fp8Mode`, public for
+  this backend) (measured on the H100: docs/fp8_attention.md).
 
 Why Triton first and not CUDA through NVRTC: Triton 3.6 emits e4m3 wgmma (``QGMMA`` in the SASS)
 for an e4m3 ``tl.dot`` on sm90 with software pipelining of the K/V tiles (cp.async), the kernel
