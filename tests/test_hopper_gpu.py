@@ -217,13 +217,9 @@ def test_wgmma_prefill_ignores_nan_codes_past_the_sequence(layout):
     assert torch.isfinite(out).all()
 
 
-@pytest.mark.parametrize("scale", [1e31, 100.0, 1e-30])
-def test_wgmma_prefill_extreme_scales(scale):
-    """The kernel's three logit paths by the rows' factors f: 1e-30 puts them below 2^-96 (the saturating
-    float64 path), 100 and 1e31 in (2^-5, 2^96) (the rounded float32 product; at 1e31 the logits near
-    1e34), the other tests' scales at or below 2^-5 (one FMA)."""
-    g = torch.Generator().manual_seed(4)
-    H, HQ, D, page, seqs, new, cached = 8, 32, 128, 16, 2, 150, 100
+def _scaled_case(scale, seqs, new, cached, seed, H=8, HQ=32, D=128, page=16):
+    """``_case``'s layout with head k_scale ``scale`` and keys of magnitude ``100 scale`` (v_scale 0.05)."""
+    g = torch.Generator().manual_seed(seed)
     L = new + cached
     nblk = -(-L // page)
     cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
@@ -236,7 +232,15 @@ def test_wgmma_prefill_extreme_scales(scale):
     q = (torch.randn(seqs * new, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
     lens = torch.full((seqs,), L, dtype=torch.int32, device=DEV)
     qsl = torch.arange(0, seqs * new + 1, new, dtype=torch.int32, device=DEV)
-    out = _wgmma_check((cache, q, tables, lens, qsl, new))
+    return cache, q, tables, lens, qsl, new
+
+
+@pytest.mark.parametrize("scale", [1e31, 100.0, 1e-30])
+def test_wgmma_prefill_extreme_scales(scale):
+    """The kernel's three logit paths by the rows' factors f: 1e-30 puts them below 2^-96 (the saturating
+    float64 path), 100 and 1e31 in (2^-5, 2^96) (the rounded float32 product; at 1e31 the logits near
+    1e34), the other tests' scales at or below 2^-5 (one FMA)."""
+    out = _wgmma_check(_scaled_case(scale, seqs=2, new=150, cached=100, seed=4))
     assert torch.isfinite(out).all()
 
 
@@ -373,20 +377,7 @@ def test_cuda_decode_window_soft_cap_and_lengths():
 @pytest.mark.parametrize("scale", [1e31, 100.0, 1e-30])
 def test_cuda_decode_extreme_scales(scale):
     """Logit factors far from 1: the two-factor logits neither overflow nor flush (as the prefill's test)."""
-    g = torch.Generator().manual_seed(8)
-    H, HQ, D, page, seqs, L = 8, 32, 128, 16, 3, 400
-    nblk = -(-L // page)
-    cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
-                                   k_scale=torch.full((H,), scale, device=DEV),
-                                   v_scale=torch.full((H,), 0.05, device=DEV), device=DEV)
-    n = seqs * nblk * page
-    fp8kv.write_kv(cache, (torch.randn(n, H, D, generator=g) * 100 * scale).to(DEV, torch.bfloat16),
-                   torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
-    tables = torch.randperm(seqs * nblk, generator=g).to(torch.int32).view(seqs, nblk).to(DEV)
-    q = (torch.randn(seqs, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
-    lens = torch.full((seqs,), L, dtype=torch.int32, device=DEV)
-    qsl = torch.arange(0, seqs + 1, dtype=torch.int32, device=DEV)
-    out = _wgmma_check((cache, q, tables, lens, qsl, 1), kernel="cuda")
+    out = _wgmma_check(_scaled_case(scale, seqs=3, new=1, cached=399, seed=8), kernel="cuda")
     assert torch.isfinite(out).all()
 
 
