@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--splits", default="", help="extra KV splits of the tensor-core kernel to time: 1,2,4")
     p.add_argument("--warps", default="", help="extra warps per CTA of the tensor-core kernel to time (with each"
                    " --splits, or the planned split): 4,6,8")
+    p.add_argument("--stages", default="", help="extra ring depths of the tensor-core kernel to time (with each"
+                   " --splits/--warps, or the planned ones): 2,3,4")
     p.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
     p.add_argument("--kv-dtype", default="fp8_e4m3")
     p.add_argument("--granularity", default="tensor", choices=("tensor", "head", "token_head"))
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
     splits = [int(x) for x in args.splits.split(",") if x]
     args.warp_list = [int(x) for x in args.warps.split(",") if x]
+    args.stage_list = [int(x) for x in args.stages.split(",") if x]
     rows = []
     t0 = time.time()
     for i, (B, L) in enumerate(shapes):
@@ -105,11 +108,12 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
                                    head_size=kb.HEAD, max_keys=max_keys, token_scales=token)}
     for n in splits or [None]:
         for w in args.warp_list or [None]:
-            if n is None and w is None:
-                continue
-            p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
-                            max_keys=max_keys, num_splits=n, warps=w, token_scales=token)
-            plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}"] = p
+            for st in args.stage_list or [None]:
+                if n is None and w is None and st is None:
+                    continue
+                p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
+                                max_keys=max_keys, num_splits=n, warps=w, token_scales=token, stages=st)
+                plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}" + (f"_stages{st}" if st else "")] = p
     rows = [{"what": "triton", "ms": kb.time_graph(triton_run, reps=args.reps)}]
     for name, plan in plans.items():
         out = torch.empty_like(q)

@@ -73,6 +73,8 @@ class AttnPlan:
     sm: int = 0
     """The architecture the tensor-core kernels are built for (:func:`fp8kv_cuda.runtime.device_sm`):
     their ring depth."""
+    stages: int = 0
+    """The tensor-core decode's ring depth when not the architecture's (0: :func:`mma_stages`)."""
 
 
 @functools.cache
@@ -168,7 +170,7 @@ def mma_splits(units: int, sms: int, max_splits: int) -> int:
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None, warps: int | None = None,
-             token_scales: bool = False) -> AttnPlan:
+             token_scales: bool = False, stages: int | None = None) -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Without ``num_splits``/
     ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`; 4- and
     8-warp CTAs were slower at every decode shape measured), and the keys split by
@@ -183,7 +185,8 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     if num_splits is None:
         num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
-    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps, sm=_sm(device))
+    return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps, sm=_sm(device),
+                    stages=stages or 0)
 
 
 PREFILL_WARPS = 4
@@ -455,7 +458,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         entry = "fp8kv_prefill_mma"
     elif p.mma:
         variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm,
-                                        fp8_mode=fp8 is not None)
+                                        fp8_mode=fp8 is not None, stages=p.stages or None)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -508,7 +511,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             args += [r.ptr(qs), r.i32(fp8.qs_strides[0]), r.i32(fp8.qs_strides[1]), r.i32(int(fp8.q_scale is None)),
                      r.f32(fp8.prob_scale), r.f32(1.0 / fp8.prob_scale)]
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
-                       shared_mem=mma_smem_bytes(D, p.warps, token_scales, mma_stages(p.sm, D)))
+                       shared_mem=mma_smem_bytes(D, p.warps, token_scales, p.stages or mma_stages(p.sm, D)))
     else:
         runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:
