@@ -18,7 +18,8 @@ only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_on
 replaced by products: what the prologue's divisions cost), ``fdiv`` (those divisions as IEEE float32
 divisions, before 2026-11-27, in place of ``div_by_scale``'s float64 products), ``epidiv`` (the
 epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
-products).
+products), ``lazyshfl`` (the conditional rescaling's test on the quad-reduced row maxima, two shuffles
+and a ceil a row, as first written).
 """
 
 from __future__ import annotations
@@ -48,6 +49,12 @@ EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h
           ("((o[4 * j + 2 * h + 1] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h + 1], 1.0f / inv_l) * v_scale)")]
 QMUL = (QDIV, "w[k] = e4m3x4(v[0] * qs, v[1] * qs, v[2] * qs, v[3] * qs);")  # (timing only: not the quantization)
 FDIV = (QDIV, "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));")
+LAZYSHFL = ("        const float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));\n"
+            "        jump |= sm.rv[h] && __fmul_rn(mx, sm.f[h]) > sm.m[h] + P.lazy_t;",
+            "        float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));\n"
+            "        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));\n"
+            "        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));\n"
+            "        jump |= sm.rv[h] && ceilf(__fmul_rn(mx, sm.f[h])) > sm.m[h] + P.lazy_t;")
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, False, [], {"lazy": False}),
             "nopp": (wgmma.STAGES, False, [], {}), "pp": (wgmma.STAGES, True, [], {}),
@@ -59,7 +66,7 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
-            "epidiv": (wgmma.STAGES, False, EPIDIV, {})}
+            "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazyshfl": (wgmma.STAGES, False, [LAZYSHFL], {})}
 
 
 def main(argv=None) -> int:

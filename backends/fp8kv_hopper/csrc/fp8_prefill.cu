@@ -357,11 +357,10 @@ __device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const
     bool jump = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-        // the exact path's maximum, ceil(the rounded product); from m = -inf any finite one jumps
-        jump |= sm.rv[h] && ceilf(__fmul_rn(mx, sm.f[h])) > sm.m[h] + P.lazy_t;
+        // this lane's part of the row maximum suffices: the warp's vote covers every lane of the row; and
+        // ceil(x) > m + t for an integer m + t exactly when x > m + t (from m = -inf any finite x jumps)
+        const float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
+        jump |= sm.rv[h] && __fmul_rn(mx, sm.f[h]) > sm.m[h] + P.lazy_t;
     }
     if (__any_sync(0xFFFFFFFFu, jump)) return false;  // (rare after the first tiles)
 #pragma unroll
