@@ -288,9 +288,9 @@ class Fp8AttnConfig:
     docs/fp8_attention.md."""
     wgmma_pingpong: bool = False
     """``"wgmma"`` only: the two consumer warpgroups take turns issuing their products (FA3's schedule). Off
-    by default since the conditional rescaling shortened the softmax (H100, 2026-11-27, two runs of
-    ``benchmarks/hopper_prefill.py``: 650-654 us without it against 661-681 with it on 4 x 2048 over 2048;
-    2949-3069 against 2967-2991 on 1 x 16384 causal)."""
+    by default since the conditional rescaling shortened the softmax (H100, 2026-11-27, three runs of
+    ``benchmarks/hopper_prefill.py``: 645-662 us without it against 656-681 with it on 4 x 2048 over 2048,
+    better or equal in each run; 2926-3074 against 2940-2991 on 1 x 16384 causal)."""
 
 
 def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_keys: int,
