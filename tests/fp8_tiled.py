@@ -5,8 +5,8 @@ running maximum (multiplied by a rounded ``1 / prob_scale``, as the Hopper kerne
 tiles visited in a chosen order, and optionally the accumulator model of the tolerance made
 real: every 32-wide step of both products truncated to ``acc_bits`` fractional bits (rounding
 toward zero, the worst case of ``fp8kv.testing.fp8_tolerance.U_FP8_DOT``), and optionally FA4's
-conditional rescaling (``lazy``: a row keeps its running maximum while a tile's stays within
-:func:`fp8kv.fp8_attention.lazy_threshold` of it, as the Hopper kernel). ``mistake`` plants a
+conditional rescaling (``lazy_t``: a row keeps its running maximum while a tile's stays within
+``lazy_t`` of it; the Hopper kernel's is :func:`fp8kv.fp8_attention.lazy_threshold`). ``mistake`` plants a
 bug. ``TiledFP8`` wraps it as a backend plugin that claims only the FP8 mode (for the kit).
 """
 
@@ -17,7 +17,7 @@ import math
 import torch
 
 import fp8kv.reference
-from fp8kv.fp8_attention import lazy_threshold, quantize_query
+from fp8kv.fp8_attention import quantize_query
 from fp8kv.hookspecs import BackendInfo, hookimpl
 from fp8kv.reference import LOGIT_MAX, visible_mask
 from fp8kv.testing.fp8_accumulator import exponent, hopper_accumulate
@@ -62,14 +62,14 @@ def _hopper_dot(a: torch.Tensor, b: torch.Tensor, eq: str, c: torch.Tensor | Non
 
 def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, order: str = "forward",
                         acc_bits: int | None = None, hopper: bool = False, mistake: str | None = None,
-                        seed: int = 0, lazy: bool | int = False, stats: dict | None = None) -> None:
+                        seed: int = 0, lazy_t: int | None = None, stats: dict | None = None) -> None:
     """Fill ``out [T, Hq, D]`` (and ``lse [T, Hq]``) with the FP8 mode of ``meta`` over ``cache``.
 
     ``order``: ``forward``, ``reverse`` or ``random`` tiles. ``hopper``: both products accumulated as
     Hopper's e4m3 wgmma does (fp8kv.testing.fp8_accumulator; P V onto the running output, as a
-    kernel's register accumulator). ``lazy``: after a row's first tile, it keeps its running maximum
-    ``m`` unless the tile's ``ceil(max)`` exceeds ``m + lazy_threshold(prob_scale)`` (so ``p`` may reach
-    ``2^t``; an int: that threshold instead, a planted bug when above it); ``stats["kept"]`` counts
+    kernel's register accumulator). ``lazy_t``: after a row's first tile, it keeps its running maximum
+    ``m`` unless the tile's ``ceil(max)`` exceeds ``m + lazy_t`` (so ``p`` may reach ``2^lazy_t``; above
+    ``lazy_threshold(prob_scale)`` a planted bug); None: the exact schedule. ``stats["kept"]`` counts
     the (row, tile) pairs that kept a maximum below the tile's. ``mistake``: None, ``p_not_rounded``,
     ``no_v_scale``, ``q_scale_ignored``, ``drop_last_key``.
     """
@@ -84,7 +84,6 @@ def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, ord
     q8, qs = quantize_query(query, None if mistake == "q_scale_ignored" else o.q_scale, H)
     q8 = q8.float()
     inv_ps = torch.tensor(1.0 / o.prob_scale, dtype=torch.float32)
-    lazy_t = lazy if lazy is not True else lazy_threshold(o.prob_scale)
     log2e = 1 / math.log(2.0)
     gen = torch.Generator().manual_seed(seed)
     starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
@@ -120,7 +119,7 @@ def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, ord
             t = t.masked_fill(~vis[:, None, j:j + tile], -math.inf)
             m_tile = torch.ceil(t.amax(-1, keepdim=True))
             m_new = torch.maximum(m, m_tile)
-            if lazy is not False:  # a row with a finite maximum keeps it unless the tile's exceeds it by more than t
+            if lazy_t is not None:  # a row with a finite maximum keeps it unless the tile's exceeds it by more than t
                 keep = torch.isfinite(m) & (m_tile <= m + lazy_t)
                 m_new = torch.where(keep, m, m_new)
                 if stats is not None:

@@ -246,7 +246,8 @@ def test_tolerance_holds_with_conditional_rescaling(prob_scale, order):
     q = q * 3  # (logits spread over tens of units: running maxima move)
     stats: dict = {}
     (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tol_kw=dict(prob_scale=prob_scale),
-                                                        tile=4, order=order, hopper=True, lazy=True, stats=stats)
+                                                        tile=4, order=order, hopper=True,
+                                                        lazy_t=lazy_threshold(prob_scale), stats=stats)
     assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
     if lazy_threshold(prob_scale) == 0:  # (below prob_scale 1/224 it is the exact schedule)
         assert stats["kept"] == 0
@@ -260,7 +261,7 @@ def test_conditional_rescaling_beyond_the_threshold_is_caught():
     cache, q, tables, lens, qsl = _setup(seed=7, cached=90, new=6)
     q = q * 3
     (out, _), (ref, _), (tol, _) = _tiled(q, cache, tables, lens, qsl, tol_kw=dict(prob_scale=1 / 448), tile=4,
-                                          hopper=True, lazy=4)
+                                          hopper=True, lazy_t=4)
     with pytest.raises(AssertionError):
         assert_fp8_attention_close(out, ref, tol)
 
