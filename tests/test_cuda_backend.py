@@ -415,3 +415,27 @@ def test_the_sm90_wgmma_kernels_are_the_prefill_defaults():
     assert attention.WGMMA_PREFILL is True
     assert choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=2048, max_keys=4096,
                          num_sms=132).kernel == "auto"
+
+
+def test_the_fp8_mode_decode_refuses_what_it_cannot_run_before_any_launch():
+    """fp8kv_cuda.attention.paged_attention(fp8=...): a plan that is not a plan_mma one, or a cache whose K/V
+    rows are not 16-byte aligned (head size 40), raises InvalidArgument naming the argument, launching nothing
+    (CPU tensors: a launch would fail differently) and leaving the cache unchanged."""
+    from fp8kv_cuda.attention import AttnPlan, Fp8Mode, paged_attention
+
+    from fp8kv.errors import InvalidArgument
+
+    fp8 = Fp8Mode(None, (0, 0), 1.0)
+    for D, plan_, name in ((128, AttnPlan(128, 4, 32, 1, 1, 64, mma=True, prefill=True, row_tiles=1), "plan_"),
+                           (40, AttnPlan(40, 8, 16, 1, 1, 64, mma=True), "fp8")):
+        cache = fp8kv.KVCache.allocate(4, 16, 2, D, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+        fp8kv.write_kv(cache, torch.randn(64, 2, D), torch.randn(64, 2, D), torch.arange(64))
+        before = cache.key_cache.view(torch.uint8).clone(), cache.value_cache.view(torch.uint8).clone()
+        q = torch.randn(2, 8, D, dtype=torch.bfloat16)
+        one = torch.ones(2, dtype=torch.int32)
+        with pytest.raises(InvalidArgument, match=f"^{name}: got "):
+            paged_attention(q, cache, torch.arange(8, dtype=torch.int32).view(2, 4), one * 20,
+                            torch.arange(3, dtype=torch.int32), D**-0.5, True, None, None, torch.empty_like(q), None,
+                            plan_=plan_, fp8=fp8)
+        assert torch.equal(cache.key_cache.view(torch.uint8), before[0])
+        assert torch.equal(cache.value_cache.view(torch.uint8), before[1])

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fp8kv.cache import KVCache
+from fp8kv.errors import InvalidArgument
 
 from . import runtime
 from .tma import paged_cache_maps
@@ -436,14 +437,15 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     if fp8 is not None:
         p = plan_ or plan_mma(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
         if not p.mma or p.prefill:
-            raise ValueError("plan_: the FP8 mode's decode takes a plan_mma plan")
+            raise InvalidArgument(f"plan_: got {p!r}, expected a plan_mma plan (the FP8 mode's decode)")
     else:
         p = plan_ or plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
                           query_dtype=query.dtype, token_scales=token_scales, fmt=fmt,
                           max_query_len=1 if T == S else T, num_seqs=S)
     if p.mma and not (vec == 16 and query.dtype in MMA_QUERY_DTYPES):  # (the plan checked the rest)
         if fp8 is not None:
-            raise ValueError("fp8: the FP8 mode's decode needs 16-byte aligned K/V rows and float16/bfloat16 queries")
+            raise InvalidArgument(f"fp8: got a cache with {vec}-byte aligned K/V rows and {query.dtype} queries, "
+                                  "expected 16-byte aligned rows and float16/bfloat16 queries (the FP8 mode's decode)")
         p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
     # mantissa in [1, 2) and a power-of-two exponent, so that it never overflows float32
