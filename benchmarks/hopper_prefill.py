@@ -162,8 +162,8 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
             grid.append((dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st), True))
     grid += [(dataclasses.replace(c, v_mode=2 - c.v_mode), dyn) for c, dyn in grid]
     if new > 1:  # the warp-specialized CUDA kernel (fp8kv_hopper.wgmma; prefill only)
-        grid += [(dataclasses.replace(base, kernel="wgmma", wgmma_pingpong=pp), dyn) for pp in (True, False)
-                 for dyn in (True, False)]
+        grid += [(dataclasses.replace(base, kernel="wgmma", wgmma_pingpong=pp, wgmma_ctas=ctas), dyn)
+                 for ctas in (shipped.wgmma_ctas, 0) for pp in (True, False) for dyn in (True, False)]
     for cfg, dyn in grid:
         qs = None if dyn else torch.full((HKV,), 0.02, device=device)
 
@@ -179,6 +179,7 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
             print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
         name = (f"hopper fp8 {'dyn-q' if dyn else 'head-q'} wgmma (CUDA){' ping-pong' if cfg.wgmma_pingpong else ''}"
+                f"{' a CTA per item' if cfg.wgmma_ctas == 0 else ''}"
                 if cfg.kernel == "wgmma"
                 else f"hopper fp8 {'dyn-q' if dyn else 'head-q'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} "
                 f"s{cfg.num_stages} v{cfg.v_mode}")

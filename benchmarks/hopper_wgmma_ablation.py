@@ -19,7 +19,8 @@ replaced by products: what the prologue's divisions cost), ``fdiv`` (those divis
 divisions, before 2026-11-27, in place of ``div_by_scale``'s float64 products), ``epidiv`` (the
 epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
 products), ``lazyshfl`` (the conditional rescaling's test on the quad-reduced row maxima, two shuffles
-and a ceil a row, as first written).
+and a ceil a row, as first written), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
+without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ from fp8kv_cuda import runtime  # noqa: E402
 from fp8kv_hopper import attention, wgmma  # noqa: E402
 from test_hopper_gpu import _case  # noqa: E402
 
-LOAD = "load_tile(sh, P, cta, bt_row, t, lane);"
+LOAD = "load_tile(sh, P, cta, bt_row, t, g, lane);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
 SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>"
-NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[t % STAGES]);"), (TRANSPOSE, "")]
+NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[s]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
@@ -66,7 +67,9 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
-            "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazyshfl": (wgmma.STAGES, False, [LAZYSHFL], {})}
+            "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazyshfl": (wgmma.STAGES, False, [LAZYSHFL], {}),
+            "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {})}
+CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 
 def main(argv=None) -> int:
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
         wgmma.smem_bytes = lambda st=stages, x=extra_smem: (smem_bytes(st) + x + 1023) // 1024 * 1024
         cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
                                                           max_keys=tables.shape[1] * 16, num_sms=132),
-                                  kernel="wgmma", wgmma_pingpong=pingpong)
+                                  kernel="wgmma", wgmma_pingpong=pingpong, **CONFIG.get(name, {}))
         out = torch.empty_like(q)
 
         def run(cfg=cfg, out=out):

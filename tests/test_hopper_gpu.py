@@ -293,6 +293,35 @@ def test_wgmma_prefill_at_size_and_under_graph_capture():
     assert torch.equal(out.view(torch.int16), eager.view(torch.int16))
 
 
+@pytest.mark.parametrize("pingpong", [False, True])
+def test_wgmma_prefill_persistent_grids_give_the_same_bits(pingpong):
+    """The persistent grid (``Fp8AttnConfig.wgmma_ctas``: 1, 5 and 132 CTAs, each taking work items in
+    turn, the ring's stages and phases running on from one item into the next) gives the bits of a CTA per
+    item, on uneven sequences (one without queries) whose items differ in tiles, and lse alike."""
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    cache, q, tables, lens, _, _ = _case(4, 225, 775, seed=5)
+    qsl = torch.tensor([0, 300, 300, 310, 900], dtype=torch.int32, device=DEV)
+    new = 590
+    first = _wgmma_check((cache, q, tables, lens, qsl, new), pingpong=pingpong)  # the default: persistent
+    cfg = attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
+                                  max_keys=tables.shape[1] * 16, num_sms=132)
+    assert cfg.wgmma_ctas == 132
+    outs = {}
+    for ctas in (0, 1, 5, 132):
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
+                                      q_scale=None, prob_scale=1.0, lse=lse,
+                                      config=dataclasses.replace(cfg, kernel="wgmma", wgmma_pingpong=pingpong,
+                                                                 wgmma_ctas=ctas))
+        outs[ctas] = (out, lse)
+    for ctas, (out, lse) in outs.items():
+        assert torch.equal(out.view(torch.int16), first.view(torch.int16)), ctas
+        assert torch.equal(lse, outs[0][1]), ctas
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
 def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
     """fp8kv.testing.safety's hostile metadata at head size 128 (its own check runs at 16, which this kernel

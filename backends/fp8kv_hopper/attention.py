@@ -291,6 +291,10 @@ class Fp8AttnConfig:
     by default since the conditional rescaling shortened the softmax (H100, 2026-11-27, three runs of
     ``benchmarks/hopper_prefill.py``: 645-662 us without it against 656-681 with it on 4 x 2048 over 2048,
     better or equal in each run; 2926-3074 against 2940-2991 on 1 x 16384 causal)."""
+    wgmma_ctas: int = 0
+    """``"wgmma"`` only: 0 launches a CTA per work item (query block, KV head); ``n > 0`` a persistent grid of
+    at most ``n`` CTAs (one per SM: :func:`choose_config` gives the SM count), each taking items in turn, its
+    producer loading the next item's tiles while the consumers finish the last."""
 
 
 def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len: int, max_keys: int,
@@ -318,7 +322,8 @@ def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len
         num_splits = max(1, min(num_splits, triton.cdiv(max_keys, block_n), 256))
     keys_per_split = triton.cdiv(triton.cdiv(max_keys, num_splits), block_n) * block_n
     num_splits = triton.cdiv(max_keys, keys_per_split)
-    return Fp8AttnConfig(block_m, block_n, num_splits, keys_per_split, warps, stages, v_mode=2)
+    return Fp8AttnConfig(block_m, block_n, num_splits, keys_per_split, warps, stages, v_mode=2,
+                         wgmma_ctas=num_sms if max_query_len > 1 else 0)
 
 
 def query_scale_strides(q_scale: torch.Tensor | None, num_kv_heads: int, num_q_heads: int) -> tuple[int, int]:
@@ -399,7 +404,7 @@ def paged_attention_fp8(
     if use_wgmma:
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,
                      min(int(sliding_window or NO_WINDOW), NO_WINDOW), out, lse, q_scale, (qs_kv, qs_q),
-                     float(prob_scale), pingpong=config.wgmma_pingpong)
+                     float(prob_scale), pingpong=config.wgmma_pingpong, ctas=config.wgmma_ctas)
         return
     k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
     split = config.num_splits > 1

@@ -60,7 +60,8 @@ class _ParamFields(ctypes.Structure):
                                         "stride_vt", "stride_vh")],
         *[(n, ctypes.c_int) for n in ("stride_qs_kv", "stride_qs_q", "stride_ksh", "stride_vsh", "T", "HQ", "group",
                                       "block_q", "q_blocks", "page", "page_shift", "num_blocks", "max_keys",
-                                      "q_dynamic", "write_lse", "scale_p", "head_inner", "box_rows")],
+                                      "q_dynamic", "write_lse", "scale_p", "head_inner", "box_rows",
+                                      "num_seqs", "num_items", "persistent")],
     ]
 
 
@@ -138,9 +139,12 @@ def tma_maps(cache) -> tuple[bytes, bytes, int, int] | None:
 
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
            causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float,
-           pingpong: bool = False) -> None:
+           pingpong: bool = False, ctas: int = 0) -> None:
     """Enqueue the kernel for ``query [T, Hq, 128]`` into ``out`` (and ``lse [T, Hq]``); arguments as
-    :func:`fp8kv_hopper.attention.paged_attention_fp8` prepares them (no host sync)."""
+    :func:`fp8kv_hopper.attention.paged_attention_fp8` prepares them (no host sync). The work items are
+    ``num_seqs * ceil(max_query_len / block_q) * H_kv`` (query block, KV head) pairs; ``ctas``: 0 launches
+    a CTA per item, ``n > 0`` a persistent grid of ``min(n, items)`` CTAs that take the items in turn
+    (the launcher's choice: :attr:`fp8kv_hopper.attention.Fp8AttnConfig.wgmma_ctas`)."""
     from fp8kv_cuda import runtime
     from fp8kv_triton.kernels import cache_strides, scale_strides
 
@@ -167,12 +171,16 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         group=group, block_q=block_q, q_blocks=q_blocks, page=page,
         page_shift=page.bit_length() - 1 if page & (page - 1) == 0 else -1, num_blocks=cache.key_cache.shape[0],
         max_keys=block_tables.shape[1] * page, q_dynamic=int(q_scale is None), write_lse=int(lse is not None),
-        scale_p=int(prob_scale != 1.0))
+        scale_p=int(prob_scale != 1.0), num_seqs=S, num_items=S * q_blocks * H, persistent=int(ctas > 0))
     maps = tma_maps(cache)
     if maps is not None:
         p.tmap_k[:], p.tmap_v[:], p.head_inner, p.box_rows = maps
     fn = function(ENTRY, query.dtype, query.device, pingpong, tma=maps is not None)
-    runtime.launch_struct(fn, runtime.device_index(query.device), (S * q_blocks, H, 1), THREADS, p, smem_bytes())
+    grid = min(ctas, p.num_items) if ctas > 0 else p.num_items
+    if p.num_items >= 2**31:
+        raise ValueError(f"{p.num_items} work items: at most 2^31 - 1 (sequences x query blocks x KV heads)")
+    if grid > 0:
+        runtime.launch_struct(fn, runtime.device_index(query.device), (grid, 1, 1), THREADS, p, smem_bytes())
 
 
 def layout_test(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, p_scale: float):

@@ -304,10 +304,11 @@ __device__ __forceinline__ void producer_pipeline(u64* full, u64* empty, int nti
 // in shared memory), has issue(t) issue its wgmma (the previous tile's second product and tile t's
 // first), waits for them, releases tile t - 1's stage and runs done(t) (which starts with fence_acc on
 // the accumulators it reads). With PINGPONG the two warpgroups issue their phases in turn (FA3's
-// schedule: one's softmax overlaps the other's products).
+// schedule: one's softmax overlaps the other's products). base: the tiles that went through the stages
+// before (a persistent CTA's earlier work): tile t is the ring's tile base + t.
 template <int STAGES, bool PINGPONG, class Wait, class Issue, class Done>
 __device__ __forceinline__ void consumer_pipeline_waits(Wait&& wait, u64* empty, int ntiles, int cw, Issue&& issue,
-                                                        Done&& done) {
+                                                        Done&& done, int base = 0) {
     if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
     for (int t = 0; t <= ntiles; ++t) {
         wait(t);
@@ -317,7 +318,7 @@ __device__ __forceinline__ void consumer_pipeline_waits(Wait&& wait, u64* empty,
         wgmma_commit();
         if (PINGPONG) named_arrive(4 + (1 - cw), 256);
         wgmma_wait0();
-        if (t >= 1) mbar_arrive(&empty[(t - 1) % STAGES]);  // tile t-1's operands are read
+        if (t >= 1) mbar_arrive(&empty[(base + t - 1) % STAGES]);  // tile t-1's operands are read
         done(t);
     }
     if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive

@@ -111,27 +111,27 @@ __device__ __forceinline__ void pack_p8(const float (&p)[64], u32 (&pa)[4][4]) {
 // 0). Three float64-pipe instructions where __fdiv_rn takes a dozen and a range check.
 __device__ __forceinline__ float div_by_scale(float x, double rq) { return (float)((double)x * rq); }
 
-// 64 query values from element `base` (a multiple of 64: 16-byte aligned for a 16-byte aligned query),
-// zeros unless valid; 16-byte loads
-__device__ __forceinline__ void load_q64(const void* Q, i64 base, bool valid, float (&x)[64]) {
-    if constexpr (QT == 0) {
-        const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(Q) + base);
+// 64 query values as loaded: 16-byte words (16 for float32 queries, 8 for 16-bit ones)
+struct QWords {
+    uint4 w[QT == 0 ? 16 : 8];
+};
+// the 64 query values from element `base` (a multiple of 64: 16-byte aligned for a 16-byte aligned query),
+// zeros unless valid; 16-byte loads, left in flight (nothing reads them here)
+__device__ __forceinline__ void fetch_q64(const void* Q, i64 base, bool valid, QWords& q) {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u8*>(Q) + base * (QT == 0 ? 4 : 2));
 #pragma unroll
-        for (int i = 0; i < 16; ++i) {
-            const float4 v = valid ? __ldg(p + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            x[4 * i] = v.x;
-            x[4 * i + 1] = v.y;
-            x[4 * i + 2] = v.z;
-            x[4 * i + 3] = v.w;
-        }
-    } else {
-        const uint4* p = reinterpret_cast<const uint4*>(static_cast<const u16*>(Q) + base);
+    for (int i = 0; i < (QT == 0 ? 16 : 8); ++i) q.w[i] = valid ? __ldg(p + i) : make_uint4(0u, 0u, 0u, 0u);
+}
+// the fetched values as float32 (exact)
+__device__ __forceinline__ void q64_floats(const QWords& q, float (&x)[64]) {
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-            const uint4 v = valid ? __ldg(p + i) : make_uint4(0u, 0u, 0u, 0u);
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
+    for (int i = 0; i < (QT == 0 ? 16 : 8); ++i) {
+        const u32 w[4] = {q.w[i].x, q.w[i].y, q.w[i].z, q.w[i].w};
 #pragma unroll
-            for (int k = 0; k < 4; ++k) {
+        for (int k = 0; k < 4; ++k) {
+            if constexpr (QT == 0) {
+                x[4 * i + k] = __uint_as_float(w[k]);
+            } else {
                 x[8 * i + 2 * k] = QT == 1 ? f16_lo(w[k]) : __uint_as_float(w[k] << 16);
                 x[8 * i + 2 * k + 1] = QT == 1 ? f16_hi(w[k]) : __uint_as_float(w[k] & 0xFFFF0000u);
             }
@@ -227,7 +227,66 @@ struct Params {
     int T, HQ, group, block_q, q_blocks, page, page_shift, num_blocks, max_keys;
     int q_dynamic, write_lse, scale_p;
     int head_inner, box_rows;  // (FP8KV_TMA) box_rows = min(page, 128); 128 % page == 0 or page % 128 == 0
+    int num_seqs, num_items;   // work items: num_seqs * q_blocks * (HQ / group) (query block, KV head) pairs
+    int persistent;            // 1: a grid of fewer CTAs than items, each taking items in turn (cta_item)
 };
+
+// The k-th work item of this CTA, as cta_of reads it. One CTA per item (persistent = 0, gridDim.x =
+// num_items): the item is the CTA's index, KV-head major and the longest rows of a sequence first, the
+// order of the grid of separate CTAs this kernel had before. Persistent: items are ordered by query
+// block from the longest rows down (then sequence, then KV head), and CTA b takes item b of every round of
+// gridDim.x items, in a snake: rounds 1, 3, ... from the other end, so that a CTA's long items of one
+// round meet short ones of the next (causal items shrink with the query block; every round runs on all SMs).
+__device__ __forceinline__ int cta_item(const Params& P, int k) {
+    const int G = gridDim.x, b = blockIdx.x;
+    return G * k + (P.persistent && (k & 1) ? G - 1 - b : b);
+}
+
+// Item `item`'s geometry (false: it has no rows, or it is past the last item).
+__device__ __forceinline__ bool cta_of(const Params& P, int item, Cta& cta) {
+    if (item >= P.num_items) return false;
+    const int H = P.HQ / P.group, pairs = P.num_seqs * P.q_blocks;
+    int qb_rev;
+    if (P.persistent) {
+        cta.kvh = item % H;
+        cta.seq = item / H % P.num_seqs;
+        qb_rev = item / H / P.num_seqs;
+    } else {
+        cta.kvh = item / pairs;
+        cta.seq = item % pairs / P.q_blocks;
+        qb_rev = item % pairs % P.q_blocks;
+    }
+    cta.qb = P.q_blocks - 1 - qb_rev;  // the longest rows first
+    const int qs0 = min(max(P.qsl[cta.seq], 0), P.T), qs1 = min(max(P.qsl[cta.seq + 1], 0), P.T);
+    cta.q_start = qs0;
+    cta.q_len = max(qs1 - qs0, 0);
+    if (cta.qb * P.block_q >= cta.q_len) return false;
+    cta.seq_len = min(max(P.seq_lens[cta.seq], 0), P.max_keys);
+    const int first_pos = cta.seq_len - cta.q_len + cta.qb * P.block_q;
+    const int last_pos = cta.seq_len - cta.q_len + min(cta.qb * P.block_q + P.block_q, cta.q_len) - 1;
+    cta.hi = P.causal ? last_pos + 1 : cta.seq_len;
+    cta.lo = max(first_pos - P.window + 1, 0) / BLOCK_N * BLOCK_N;
+    cta.all_lo = last_pos - P.window + 1;
+    cta.all_hi = P.causal ? first_pos + 1 : cta.seq_len;
+    cta.ntiles = cta.hi > cta.lo ? (cta.hi - cta.lo + BLOCK_N - 1) / BLOCK_N : 0;
+    return true;
+}
+
+// A CTA's walk over its items: k, the item's geometry, and whether there is one (the items without rows
+// skipped). Producer and consumers walk alike.
+struct Work {
+    int k;
+    Cta cta;
+    bool ok;
+};
+__device__ __forceinline__ Work next_work(const Params& P, int k) {
+    Work w;
+    for (w.k = k;; ++w.k) {
+        const int item = cta_item(P, w.k);
+        w.ok = cta_of(P, item, w.cta);
+        if (w.ok || item >= P.num_items) return w;
+    }
+}
 
 // The block id of key n of the CTA's sequence, or -1 past the CTA's keys (the table is not read there).
 __device__ __forceinline__ int block_id(const Params& P, const int* bt_row, const Cta& cta, int n) {
@@ -237,15 +296,16 @@ __device__ __forceinline__ int in_page(const Params& P, int n) {
     return P.page_shift >= 0 ? n & (P.page - 1) : n % P.page;
 }
 
-// Tile t's K and V codes into stage t % STAGES by one warp (lane 0..31), landing on sh.loaded[stage] (its
-// phase needs one arrival under TMA, 32 under cp.async), with the valid flags of its keys.
+// Tile t of the item (the ring's tile g: stage g % STAGES): its K and V codes by one warp (lane 0..31),
+// landing on sh.loaded[stage] (its phase needs one arrival under TMA, 32 under cp.async), with the valid
+// flags of its keys.
 //   TMA: lane l flags keys 4 l .. 4 l + 3, then lanes issue one K and one V box per page (per 128 keys
 //     of a longer page); a box whose block id is outside the cache (or past the CTA's keys) gets the
 //     block coordinate num_blocks, outside the tensor map: TMA zero-fills it.
 //   cp.async: lane (ch, krow0) copies chunk ch of keys krow0 + 4 i (zero-filled when invalid).
 __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& cta, const int* bt_row, int t,
-                                          int lane) {
-    const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
+                                          int g, int lane) {
+    const int s = g % STAGES, n0 = cta.lo + t * BLOCK_N;
     if constexpr (TMA) {
         u32 flags = 0;
 #pragma unroll
@@ -277,24 +337,31 @@ __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& 
     }
 }
 
-// The producer warpgroup (threads 0..127): warp w takes tiles t = w, w + 4, ... (stage t % STAGES = w):
-// once the stage is free it loads the tile, waits for it to land, transposes its V and hands V^T over on
-// vready. Four warps in parallel: one warp's TMA issue (a box per page: address work, uniform registers)
-// and transpose take about as long as four consumer phases.
-__device__ void produce(Smem& sh, const Params& P, const Cta& cta) {
+// The producer warpgroup (threads 0..127): the CTA's items' tiles, one after the other, go through the ring
+// as its tiles g = 0, 1, ...; warp w takes g = w, w + 4, ... (stage g % STAGES = w): once the stage is free it
+// loads the tile, waits for it to land, transposes its V and hands V^T over on vready. Four warps in
+// parallel: one warp's TMA issue (a box per page: address work, uniform registers) and transpose take
+// about as long as four consumer phases. A persistent CTA's producer runs into its next item while the
+// consumers finish the last one.
+__device__ void produce(Smem& sh, const Params& P) {
     static_assert(STAGES == 4, "a producer warp per stage");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
-    for (int t = warp; t < cta.ntiles; t += 4) {
-        const int s = t % STAGES, tail = cta.hi - (cta.lo + t * BLOCK_N);
-        mbar_wait(&sh.empty[s], ((t / STAGES) & 1) ^ 1);
-        load_tile(sh, P, cta, bt_row, t, lane);
-        mbar_wait(&sh.loaded[s], (t / STAGES) & 1);
-        const u8* vr = sh.vr[s];
-        u8* vt = sh.vt[s];
-        tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);
-        fence_async_shared();
-        mbar_arrive(&sh.vready[s]);
+    int g0 = 0;  // the ring's tiles before the item
+    for (Work w = next_work(P, 0); w.ok; w = next_work(P, w.k + 1)) {
+        const Cta& cta = w.cta;
+        const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
+        for (int t = (warp - g0) & 3; t < cta.ntiles; t += 4) {
+            const int g = g0 + t, s = g % STAGES, tail = cta.hi - (cta.lo + t * BLOCK_N);
+            mbar_wait(&sh.empty[s], ((g / STAGES) & 1) ^ 1);
+            load_tile(sh, P, cta, bt_row, t, g, lane);
+            mbar_wait(&sh.loaded[s], (g / STAGES) & 1);
+            const u8* vr = sh.vr[s];
+            u8* vt = sh.vt[s];
+            tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);
+            fence_async_shared();
+            mbar_arrive(&sh.vready[s]);
+        }
+        g0 += cta.ntiles;
     }
 }
 
@@ -435,53 +502,83 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
     pack_p8(sa, pa);
 }
 
-// A consumer warpgroup (cw = 0, 1: rows 64 cw .. 64 cw + 63 of the CTA).
-__device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
-    const int ct = threadIdx.x - 128 * (cw + 1);
-    const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
-    const float k_scale = P.ks[cta.kvh * P.stride_ksh];
-    bool fast_row, fma_row;
-    {  // q8 = e4m3(q / q_scale): thread ct quantizes half (64 dims) of row ct / 2
-        const int ql = ct >> 1, half = ct & 1, row = 64 * cw + ql;
-        const int qi = row / P.group, tin = cta.qb * P.block_q + qi;
-        const bool valid = qi < P.block_q && tin < cta.q_len;
-        const int qh = cta.kvh * P.group + row % P.group;
-        const i64 base = ((i64)(cta.q_start + (valid ? tin : 0)) * P.HQ + qh) * D + 64 * half;
-        float x[64];
-        load_q64(P.q, base, valid, x);
-        float qs;
-        if (P.q_dynamic) {  // max(amax|q| / 448, 2^-126), NaN as 0 and inf as the largest float
-            float a = 0.0f;
+// Query half-row `row` (of the item's 128), half `half` (64 dims): where it starts in the query, whether it
+// is a row of the item, its query head
+struct QRow {
+    i64 base;
+    bool valid;
+    int qh;
+};
+__device__ __forceinline__ QRow q_row(const Params& P, const Cta& cta, int row, int half) {
+    const int qi = row / P.group, tin = cta.qb * P.block_q + qi;
+    QRow q;
+    q.valid = qi < P.block_q && tin < cta.q_len;
+    q.qh = cta.kvh * P.group + row % P.group;
+    q.base = ((i64)(cta.q_start + (q.valid ? tin : 0)) * P.HQ + q.qh) * D + 64 * half;
+    return q;
+}
+
+// q8 = e4m3(q / q_scale) of the item's rows 64 cw .. 64 cw + 63 into shared memory with their float64 logit
+// factors (row_f): thread ct quantizes half (64 dims) of row ct / 2 from its fetched words `qw`. Returns
+// the warpgroup's logit path (LOGIT_*, from every row's factor; a named barrier of the warpgroup).
+__device__ __forceinline__ int quantize_q(Smem& sh, const Params& P, const Cta& cta, int cw, int ct,
+                                          const QWords& qw, float k_scale) {
+    const int ql = ct >> 1, half = ct & 1, row = 64 * cw + ql;
+    const QRow qr = q_row(P, cta, row, half);
+    const bool valid = qr.valid;
+    const int qh = qr.qh;
+    float x[64];
+    q64_floats(qw, x);
+    float qs;
+    if (P.q_dynamic) {  // max(amax|q| / 448, 2^-126), NaN as 0 and inf as the largest float
+        float a = 0.0f;
 #pragma unroll
-            for (int i = 0; i < 64; ++i) {
-                const float v = fabsf(x[i]);
-                a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
-            }
-            a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-            qs = fmaxf(__fdiv_rn(a, E4M3_MAX), 1.1754943508222875e-38f);
-        } else {
-            qs = P.qs[cta.kvh * P.stride_qs_kv + qh * P.stride_qs_q];
+        for (int i = 0; i < 64; ++i) {
+            const float v = fabsf(x[i]);
+            a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
         }
-        u8* qdst = sh.q + 8192 * cw;
-        const double rq = 1.0 / (double)qs;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            u32 w[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const float* v = x + 16 * j + 4 * k;
-                w[k] = e4m3x4(div_by_scale(v[0], rq), div_by_scale(v[1], rq), div_by_scale(v[2], rq), div_by_scale(v[3], rq));
-            }
-            *reinterpret_cast<uint4*>(qdst + kmajor(ql, 64 * half + 16 * j, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-        const double F = (double)qs * (double)k_scale * (double)P.sm_mant * ldexp(1.0, P.sm_exp);
-        if (half == 0) sh.row_f[row] = F;
-        fast_row = !valid || (F > 0x1p-96 && F < 0x1p96);
-        fma_row = !valid || (F > 0x1p-96 && F <= 0x1p-5);
+        a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
+        qs = fmaxf(__fdiv_rn(a, E4M3_MAX), 1.1754943508222875e-38f);
+    } else {
+        qs = P.qs[cta.kvh * P.stride_qs_kv + qh * P.stride_qs_q];
     }
+    u8* qdst = sh.q + 8192 * cw;
+    const double rq = 1.0 / (double)qs;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float* v = x + 16 * j + 4 * k;
+            w[k] = e4m3x4(div_by_scale(v[0], rq), div_by_scale(v[1], rq), div_by_scale(v[2], rq), div_by_scale(v[3], rq));
+        }
+        *reinterpret_cast<uint4*>(qdst + kmajor(ql, 64 * half + 16 * j, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    const double F = (double)qs * (double)k_scale * (double)P.sm_mant * ldexp(1.0, P.sm_exp);
+    if (half == 0) sh.row_f[row] = F;
+    const bool fast_row = !valid || (F > 0x1p-96 && F < 0x1p96);
+    const bool fma_row = !valid || (F > 0x1p-96 && F <= 0x1p-5);
     fence_async_shared();
     const bool fast = named_sync_and(2 + cw, 128, fast_row);  // q8 and row_f written (the warpgroup's rows)
     const bool fma_ok = named_sync_and(2 + cw, 128, fma_row);
+    return fma_ok ? LOGIT_FMA : fast ? LOGIT_PRODUCT : LOGIT_SATURATED;
+}
+
+// A thread's fetch of its query half-row of item `work` (quantize_q's words; zeros where there is no item:
+// qw is written on every path, so it is not live through the tiles)
+__device__ __forceinline__ void fetch_q(const Params& P, const Work& work, int cw, int ct, QWords& qw) {
+    const QRow qr = q_row(P, work.cta, 64 * cw + (ct >> 1), ct & 1);
+    fetch_q64(P.q, qr.base, work.ok && qr.valid, qw);
+}
+
+// One item of a consumer warpgroup: its query (fetched into qw), the ring's tiles g0 .. g0 + ntiles - 1, the
+// output. Returns the CTA's next item, whose query it fetches into qw (16-bit queries: before the epilogue).
+__device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Work& work, int cw, int ct, int g0,
+                                             QWords& qw) {
+    const Cta& cta = work.cta;
+    const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
+    const float k_scale = P.ks[cta.kvh * P.stride_ksh];
+    const int mode = quantize_q(sh, P, cta, cw, ct, qw, k_scale);
 
     // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
     int pos[2];
@@ -503,7 +600,7 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     }
 
     Softmax sm{};
-    sm.mode = fma_ok ? LOGIT_FMA : fast ? LOGIT_PRODUCT : LOGIT_SATURATED;
+    sm.mode = mode;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         sm.m[h] = NEG_INF;
@@ -523,14 +620,14 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     // Phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, then runs the
     // softmax of tile t (consumer_pipeline: the waits, the stage release and the ping-pong turns)
     auto issue = [&](int t) {
-        if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO));
-        if (t < cta.ntiles) issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[t % STAGES])));
+        if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(g0 + t - 1) % STAGES]), VT_SBO));
+        if (t < cta.ntiles) issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[(g0 + t) % STAGES])));
     };
     auto done = [&](int t) {
         fence_acc(o);
         fence_acc(sa);
         if (t == cta.ntiles) return;
-        const int s = t % STAGES, n0 = cta.lo + t * BLOCK_N;
+        const int s = (g0 + t) % STAGES, n0 = cta.lo + t * BLOCK_N;
         if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
         else if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_PRODUCT))
             softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
@@ -538,14 +635,19 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
     };
     // phase t reads K of tile t and V^T of tile t - 1
     auto wait = [&](int t) {
+        const int g = g0 + t;
         if (t < cta.ntiles) {
-            mbar_wait(&sh.loaded[t % STAGES], (t / STAGES) & 1);
-            all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[t % STAGES])[lane] == 0x01010101u);
+            mbar_wait(&sh.loaded[g % STAGES], (g / STAGES) & 1);
+            all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[g % STAGES])[lane] == 0x01010101u);
         }
-        if (t >= 1) mbar_wait(&sh.vready[(t - 1) % STAGES], ((t - 1) / STAGES) & 1);
+        if (t >= 1) mbar_wait(&sh.vready[(g - 1) % STAGES], ((g - 1) / STAGES) & 1);
         if constexpr (!TMA) fence_async_shared();  // (K written by cp.async, read by wgmma)
     };
-    consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done);
+    consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done, g0);
+    const Work next = next_work(P, work.k + 1);
+    // the next item's query, in flight during the epilogue; float32 queries (64 registers of words) after it:
+    // fetched here, with O live, they spilled
+    if constexpr (QT != 0) fetch_q(P, next, cw, ct, qw);
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
     const float v_scale = P.vs[cta.kvh * P.stride_vsh];
@@ -565,35 +667,35 @@ __device__ void consume(Smem& sh, const Params& P, const Cta& cta, int cw) {
         if (P.write_lse && c == 0)
             P.lse[lse_idx[h]] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : NEG_INF;
     }
+    if constexpr (QT == 0) fetch_q(P, next, cw, ct, qw);
+    return next;
 }
 
+// A consumer warpgroup (cw = 0, 1: rows 64 cw .. 64 cw + 63 of each item). A persistent CTA's consumers
+// fetch the next item's query before the epilogue of the last, so that its load latency passes during the
+// epilogue's stores, while the producer already loads the next item's tiles.
+__device__ void consume(Smem& sh, const Params& P, int cw) {
+    const int ct = threadIdx.x - 128 * (cw + 1);
+    Work work = next_work(P, 0);
+    QWords qw;
+    fetch_q(P, work, cw, ct, qw);
+    for (int g0 = 0; work.ok;) {  // (g0: the ring's tiles before the item)
+        const int ntiles = work.cta.ntiles;
+        work = consume_item(sh, P, work, cw, ct, g0, qw);
+        g0 += ntiles;
+    }
+}
 }  // namespace fp8kv
 
 using namespace fp8kv;
 
-// One CTA per (query block, KV head): grid (num_seqs * q_blocks, H), THREADS threads, SMEM_BYTES.
+// Work items are (query block, KV head) pairs: grid (num_items) CTAs, one an item, or fewer (persistent:
+// each takes items in turn, cta_item); THREADS threads, SMEM_BYTES.
 extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const __grid_constant__ Params P) {
     extern __shared__ __align__(1024) u8 smem_raw[];
     trap_unless_smem(SMEM_BYTES);  // (fp8kv_hopper.wgmma.smem_bytes mirrors sizeof(Smem))
     if (smem_addr(smem_raw) & 1023u) __trap();  // (the swizzled tiles need 1024-byte alignment)
     Smem& sh = *reinterpret_cast<Smem*>(smem_raw);
-    Cta cta;
-    cta.seq = blockIdx.x / P.q_blocks;
-    cta.qb = P.q_blocks - 1 - (int)(blockIdx.x % P.q_blocks);  // the longest rows first
-    cta.kvh = blockIdx.y;
-    const int qs0 = min(max(P.qsl[cta.seq], 0), P.T), qs1 = min(max(P.qsl[cta.seq + 1], 0), P.T);
-    cta.q_start = qs0;
-    cta.q_len = max(qs1 - qs0, 0);
-    if (cta.qb * P.block_q >= cta.q_len) return;
-    cta.seq_len = min(max(P.seq_lens[cta.seq], 0), P.max_keys);
-    const int first_pos = cta.seq_len - cta.q_len + cta.qb * P.block_q;
-    const int last_pos = cta.seq_len - cta.q_len + min(cta.qb * P.block_q + P.block_q, cta.q_len) - 1;
-    cta.hi = P.causal ? last_pos + 1 : cta.seq_len;
-    cta.lo = max(first_pos - P.window + 1, 0) / BLOCK_N * BLOCK_N;
-    cta.all_lo = last_pos - P.window + 1;
-    cta.all_hi = P.causal ? first_pos + 1 : cta.seq_len;
-    cta.ntiles = cta.hi > cta.lo ? (cta.hi - cta.lo + BLOCK_N - 1) / BLOCK_N : 0;
-
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(&sh.loaded[s], TMA ? 1 : 32);
@@ -607,10 +709,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 1) fp8kv_fp8_prefill(const
     // consumers, whose phases keep S, O and p8 live at once (else ptxas serializes the wgmma).
     if (threadIdx.x < 128) {
         producer_registers();
-        produce(sh, P, cta);
+        produce(sh, P);
     } else {
         consumer_registers();
-        consume(sh, P, cta, threadIdx.x >= 256 ? 1 : 0);
+        consume(sh, P, __shfl_sync(0xFFFFFFFFu, threadIdx.x >= 256 ? 1 : 0, 0));  // (warp-uniform, as ptxas then sees)
     }
 }
 
