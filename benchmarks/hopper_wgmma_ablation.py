@@ -20,7 +20,9 @@ divisions, before 2026-11-27, in place of ``div_by_scale``'s float64 products), 
 epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
 products), ``lazyshfl`` (the conditional rescaling's test on the quad-reduced row maxima, two shuffles
 and a ceil a row, as first written), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
-without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then).
+without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then),
+``nooverlap`` and ``nooverlap_pp`` (each phase waits for both products before the softmax, as before
+2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does).
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
             "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazyshfl": (wgmma.STAGES, False, [LAZYSHFL], {}),
-            "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {})}
+            "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {}),
+            "nooverlap": (wgmma.STAGES, False, [], {"overlap": False}),
+            "nooverlap_pp": (wgmma.STAGES, True, [], {"overlap": False})}
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 

@@ -170,6 +170,8 @@ __device__ __forceinline__ u32 pack_f16x2(float a, float b) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// (all but the last committed group done: groups complete in order)
+__device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
 // keeps the compiler from touching accumulators across an asynchronous wgmma
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N]) {
@@ -321,6 +323,58 @@ __device__ __forceinline__ void consumer_pipeline_waits(Wait&& wait, u64* empty,
         if (t >= 1) mbar_arrive(&empty[(base + t - 1) % STAGES]);  // tile t-1's operands are read
         done(t);
     }
+    if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
+}
+// FA3's intra-warpgroup overlap, the same phases otherwise: phase t issues tile t's first product (first(t),
+// S = Q K^T) and then tile t - 1's second (second(t - 1), O += P V) as a group of its own, waits for the first
+// alone and runs early(t) (tile t's softmax, while the second product runs: it must touch neither O nor the
+// second product's A registers), then waits for the second, releases tile t - 1's stage and runs late(t)
+// (what needs O += P(t-1) V(t-1) done: O's rescaling, the A registers of P(t); t = ntiles too). early and
+// late start with fence_acc on the accumulators they read.
+template <int STAGES, bool PINGPONG, class Wait, class First, class Second, class Early, class Late>
+__device__ __forceinline__ void consumer_pipeline_overlap(Wait&& wait, u64* empty, int ntiles, int cw, First&& first,
+                                                          Second&& second, Early&& early, Late&& late, int base = 0) {
+    // (the first and last phases peeled: ptxas serializes the wgmma where the groups' count is conditional)
+    if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
+    auto turn = [&] { if (PINGPONG) named_sync(4 + cw, 256); };
+    auto pass = [&] { if (PINGPONG) named_arrive(4 + (1 - cw), 256); };
+    if (ntiles > 0) {
+        wait(0);
+        turn();
+        wgmma_fence();
+        first(0);
+        wgmma_commit();
+        pass();
+        wgmma_wait0();
+        early(0);
+        late(0);
+    }
+    for (int t = 1; t < ntiles; ++t) {
+        wait(t);
+        turn();
+        wgmma_fence();
+        first(t);
+        wgmma_commit();
+        second(t - 1);
+        wgmma_commit();
+        pass();
+        wgmma_wait1();
+        early(t);
+        wgmma_wait0();
+        mbar_arrive(&empty[(base + t - 1) % STAGES]);  // tile t-1's operands are read
+        late(t);
+    }
+    if (ntiles > 0) {
+        wait(ntiles);
+        turn();
+        wgmma_fence();
+        second(ntiles - 1);
+        wgmma_commit();
+        pass();
+        wgmma_wait0();
+        mbar_arrive(&empty[(base + ntiles - 1) % STAGES]);
+    }
+    late(ntiles);
     if (PINGPONG && cw == 0) named_sync(4, 256);  // warpgroup 1's last arrive
 }
 // The same, phase t waiting for tile t on full[t % STAGES] (t < ntiles).

@@ -55,6 +55,10 @@ constexpr bool TMA = FP8KV_TMA != 0;            // K and V tiles loaded by TMA (
 #define FP8KV_LAZY 1
 #endif
 constexpr bool LAZY = FP8KV_LAZY != 0;          // lazy_softmax on the interior tiles (FMA logits)
+#ifndef FP8KV_OVERLAP
+#define FP8KV_OVERLAP 1
+#endif
+constexpr bool OVERLAP = FP8KV_OVERLAP != 0;    // a tile's softmax overlaps the previous tile's O += p8 v8
 constexpr int TILE_BYTES = BLOCK_N * D;         // a K (or V) tile: 128 keys x 128 e4m3 codes
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
 constexpr float E4M3_MAX = 448.0f;
@@ -436,17 +440,19 @@ __device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const
 }
 
 // Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running
-// maximum, p = 2^(logit - m) (l += p), O *= 2^(m_old - m_new), and p8 = e4m3(p / prob_scale) as wgmma A
-// fragments (pack_p8). MODE: the warpgroup's logit path (sm.mode, LOGIT_*).
+// maximum, p = 2^(logit - m) (l += p), O's factor alpha = 2^(m_old - m_new) (1 where the maximum stayed; the
+// caller rescales O once the previous tile's O += p8 v8 is done), and p8 = e4m3(p / prob_scale) as wgmma A
+// fragments (pack_p8) into pb. MODE: the warpgroup's logit path (sm.mode, LOGIT_*).
 template <int MODE>
 __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
-                                             bool all_valid, const Cta& cta, int c, float (&sa)[64], float (&o)[64],
-                                             u32 (&pa)[4][4]) {
+                                             bool all_valid, const Cta& cta, int c, float (&sa)[64],
+                                             u32 (&pb)[4][4], float (&alpha)[2]) {
     const bool interior = all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi;  // (uniform)
     const bool started = sm.started;
     sm.started = true;
     if constexpr (LAZY && MODE == LOGIT_FMA) {
-        if (interior && started && (P.scale_p ? lazy_softmax<true>(P, sm, sa, pa) : lazy_softmax<false>(P, sm, sa, pa)))
+        alpha[0] = alpha[1] = 1.0f;
+        if (interior && started && (P.scale_p ? lazy_softmax<true>(P, sm, sa, pb) : lazy_softmax<false>(P, sm, sa, pb)))
             return;
     }
     if (!interior) {  // an edge tile: mask
@@ -470,7 +476,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
                                                      3.4028234663852886e38);
         }
     }
-    float mx[2], msafe[2], alpha[2];
+    float mx[2], msafe[2];
     row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -480,7 +486,6 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
         sm.m[h] = mnew;
         sm.l[h] *= alpha[h];
     }
-    rescale_rows(o, alpha);  // (the maximum moved: rarely)
     float lsum[2][4] = {};  // (four chains a row)
 #pragma unroll
     for (int i = 0; i < 64; ++i) {
@@ -499,7 +504,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
 #pragma unroll
         for (int i = 0; i < 64; ++i) sa[i] *= P.inv_prob_scale;
     }
-    pack_p8(sa, pa);
+    pack_p8(sa, pb);
 }
 
 // Query half-row `row` (of the item's 128), half `half` (64 dims): where it starts in the query, whether it
@@ -613,25 +618,29 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     float o[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) o[i] = 0.0f;
-    float sa[64];
-    u32 pa[4][4];
+    float sa[64], alpha[2];
+    u32 pa[4][4], pb[4][4];  // p8 of the tile in O += p8 v8, and of the next (the softmax's, while pa is read)
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
-    bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by done(t))
-    // Phase t issues O += p8(t-1) v(t-1) (t >= 1) and S = q8 k(t)^T (t < ntiles) together, then runs the
-    // softmax of tile t (consumer_pipeline: the waits, the stage release and the ping-pong turns)
-    auto issue = [&](int t) {
-        if (t >= 1) issue_pv(o, pa, desc(smem_addr(sh.vt[(g0 + t - 1) % STAGES]), VT_SBO));
-        if (t < cta.ntiles) issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[(g0 + t) % STAGES])));
-    };
-    auto done = [&](int t) {
-        fence_acc(o);
+    bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by early(t))
+    auto issue_s = [&](int t) { issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[(g0 + t) % STAGES]))); };
+    auto issue_o = [&](int t) { issue_pv(o, pa, desc(smem_addr(sh.vt[(g0 + t) % STAGES]), VT_SBO)); };
+    auto early = [&](int t) {  // tile t's softmax: p8 into pb, O's factor
         fence_acc(sa);
-        if (t == cta.ntiles) return;
         const int s = (g0 + t) % STAGES, n0 = cta.lo + t * BLOCK_N;
-        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA)) softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))
+            softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
         else if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_PRODUCT))
-            softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
-        else softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, o, pa);
+            softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
+        else softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
+    };
+    auto late = [&](int t) {  // O += p8(t-1) v(t-1) is done: O's rescaling, p8 of tile t into pa
+        fence_acc(o);
+        if (t == cta.ntiles) return;
+        rescale_rows(o, alpha);  // (the maximum moved: rarely)
+#pragma unroll
+        for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+            for (int w = 0; w < 4; ++w) pa[kk][w] = pb[kk][w];
     };
     // phase t reads K of tile t and V^T of tile t - 1
     auto wait = [&](int t) {
@@ -643,7 +652,20 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
         if (t >= 1) mbar_wait(&sh.vready[(g - 1) % STAGES], ((g - 1) / STAGES) & 1);
         if constexpr (!TMA) fence_async_shared();  // (K written by cp.async, read by wgmma)
     };
-    consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done, g0);
+    if constexpr (OVERLAP) {  // tile t's softmax while O += p8(t-1) v(t-1) runs
+        consumer_pipeline_overlap<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue_s, issue_o, early, late, g0);
+    } else {  // both products, then the softmax
+        auto issue = [&](int t) {
+            if (t >= 1) issue_o(t - 1);
+            if (t < cta.ntiles) issue_s(t);
+        };
+        auto done = [&](int t) {
+            fence_acc(o);
+            if (t < cta.ntiles) early(t);
+            late(t);
+        };
+        consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done, g0);
+    }
     const Work next = next_work(P, work.k + 1);
     // the next item's query, in flight during the epilogue; float32 queries (64 registers of words) after it:
     // fetched here, with O live, they spilled
