@@ -42,7 +42,7 @@ from test_hopper_gpu import _case  # noqa: E402
 
 LOAD = "load_tile(sh, P, cta, bt_row, t, g, lane);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
-SOFTMAX = "        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))\n            softmax_tile<LOGIT_FMA>"
+SOFTMAX = "        const int s = (g0 + t) % STAGES, n0 = cta.lo + t * BLOCK_N;"
 NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[s]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
