@@ -18,8 +18,8 @@ only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_on
 replaced by products: what the prologue's divisions cost), ``fdiv`` (those divisions as IEEE float32
 divisions, before 2026-11-27, in place of ``div_by_scale``'s float64 products), ``epidiv`` (the
 epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
-products), ``lazyshfl`` (the conditional rescaling's test on the quad-reduced row maxima, two shuffles
-and a ceil a row, as first written), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
+products), ``lazymax`` (the conditional rescaling's test on the row maxima, as before 2026-11-28, in
+place of the chain sums), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
 without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then),
 ``nooverlap`` and ``nooverlap_pp`` (each phase waits for both products before the softmax, as before
 2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does).
@@ -52,12 +52,14 @@ EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h
           ("((o[4 * j + 2 * h + 1] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h + 1], 1.0f / inv_l) * v_scale)")]
 QMUL = (QDIV, "w[k] = e4m3x4(v[0] * qs, v[1] * qs, v[2] * qs, v[3] * qs);")  # (timing only: not the quantization)
 FDIV = (QDIV, "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));")
-LAZYSHFL = ("        const float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));\n"
-            "        jump |= sm.rv[h] && __fmul_rn(mx, sm.f[h]) > sm.m[h] + P.lazy_t;",
-            "        float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));\n"
-            "        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));\n"
-            "        mx = fmaxf(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));\n"
-            "        jump |= sm.rv[h] && ceilf(__fmul_rn(mx, sm.f[h])) > sm.m[h] + P.lazy_t;")
+LAZYMAX = [  # the conditional rescaling's test on the row maxima (before 2026-11-28) instead of the chain sums
+    ("    float lsum[2][4] = {}, msafe[2];\n",
+     "    float lsum[2][4] = {}, msafe[2], part[2][4];\n"
+     "    for (int h = 0; h < 2; ++h) for (int k = 0; k < 4; ++k) part[h][k] = NEG_INF;\n"),
+    ("                lsum[h][k] += p;\n", "                lsum[h][k] += p;\n                part[h][k] = fmaxf(part[h][k], sa[i]);\n"),
+    ("        jump |= sm.rv[h] && (!within || sm.m[h] == NEG_INF);",
+     "        jump |= sm.rv[h] && __fmul_rn(fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3])), "
+     "sm.f[h]) > sm.m[h] + P.lazy_t;")]
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, False, [], {"lazy": False}),
             "nopp": (wgmma.STAGES, False, [], {}), "pp": (wgmma.STAGES, True, [], {}),
@@ -69,7 +71,7 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
-            "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazyshfl": (wgmma.STAGES, False, [LAZYSHFL], {}),
+            "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazymax": (wgmma.STAGES, False, LAZYMAX, {}),
             "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {}),
             "nooverlap": (wgmma.STAGES, False, [], {"overlap": False}),
             "nooverlap_pp": (wgmma.STAGES, True, [], {"overlap": False})}

@@ -62,14 +62,18 @@ def _hopper_dot(a: torch.Tensor, b: torch.Tensor, eq: str, c: torch.Tensor | Non
 
 def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, order: str = "forward",
                         acc_bits: int | None = None, hopper: bool = False, mistake: str | None = None,
-                        seed: int = 0, lazy_t: int | None = None, stats: dict | None = None) -> None:
+                        seed: int = 0, lazy_t: int | None = None, lazy_rule: str = "max",
+                        stats: dict | None = None) -> None:
     """Fill ``out [T, Hq, D]`` (and ``lse [T, Hq]``) with the FP8 mode of ``meta`` over ``cache``.
 
     ``order``: ``forward``, ``reverse`` or ``random`` tiles. ``hopper``: both products accumulated as
     Hopper's e4m3 wgmma does (fp8kv.testing.fp8_accumulator; P V onto the running output, as a
     kernel's register accumulator). ``lazy_t``: after a row's first tile, it keeps its running maximum
     ``m`` unless the tile's ``ceil(max)`` exceeds ``m + lazy_t`` (so ``p`` may reach ``2^lazy_t``; above
-    ``lazy_threshold(prob_scale)`` a planted bug); None: the exact schedule. ``stats["kept"]`` counts
+    ``lazy_threshold(prob_scale)`` a planted bug); None: the exact schedule. ``lazy_rule``: ``"max"`` as
+    just said (the laziest the tolerance argument allows), ``"sum"`` as the Hopper kernel decides since
+    2026-11-28: keep ``m`` if the tile's ``p`` against it sum to at most ``2^lazy_t`` in each row (the
+    kernel's chains of 8 keys, for ``tile=8``). ``stats["kept"]`` counts
     the (row, tile) pairs that kept a maximum below the tile's. ``mistake``: None, ``p_not_rounded``,
     ``no_v_scale``, ``q_scale_ignored``, ``drop_last_key``.
     """
@@ -120,7 +124,11 @@ def tiled_fp8_attention(query, cache, meta, out, lse=None, *, tile: int = 8, ord
             m_tile = torch.ceil(t.amax(-1, keepdim=True))
             m_new = torch.maximum(m, m_tile)
             if lazy_t is not None:  # a row with a finite maximum keeps it unless the tile's exceeds it by more than t
-                keep = torch.isfinite(m) & (m_tile <= m + lazy_t)
+                if lazy_rule == "sum":
+                    p_kept = torch.exp2(t - torch.where(torch.isfinite(m), m, 0.0))
+                    keep = torch.isfinite(m) & (p_kept.sum(-1, keepdim=True) <= 2.0**lazy_t)
+                else:
+                    keep = torch.isfinite(m) & (m_tile <= m + lazy_t)
                 m_new = torch.where(keep, m, m_new)
                 if stats is not None:
                     stats["kept"] = stats.get("kept", 0) + int((keep & (m_tile > m)).sum())

@@ -238,16 +238,19 @@ def test_probability_envelope_contains_every_kernel_rounding(shift, prob_scale):
 
 @pytest.mark.parametrize("prob_scale", [1.0, 0.25, 4.0, 1 / 448, 2.0**-12])
 @pytest.mark.parametrize("order", ["forward", "random"])
-def test_tolerance_holds_with_conditional_rescaling(prob_scale, order):
+@pytest.mark.parametrize("rule", ["max", "sum"])
+def test_tolerance_holds_with_conditional_rescaling(prob_scale, order, rule):
     """FA4's conditional rescaling (the Hopper kernel's lazy_softmax): rows keep a running maximum up to
-    lazy_threshold(prob_scale) below a tile's, so p reaches 2^t; with both products as Hopper accumulates
-    them, the bound holds, and the rows that kept a lower maximum are many (the check is not vacuous)."""
+    lazy_threshold(prob_scale) below a tile's (rule "max"; "sum": while the tile's p against it sum to at
+    most 2^t, the kernel's test), so p reaches 2^t; with both products as Hopper accumulates them, the
+    bound holds, and the rows that kept a lower maximum are many (the check is not vacuous)."""
     cache, q, tables, lens, qsl = _setup(seed=7, cached=90, new=6)
     q = q * 3  # (logits spread over tens of units: running maxima move)
     stats: dict = {}
     (out, lse), (ref, ref_lse), (tol, lse_tol) = _tiled(q, cache, tables, lens, qsl, tol_kw=dict(prob_scale=prob_scale),
-                                                        tile=4, order=order, hopper=True,
-                                                        lazy_t=lazy_threshold(prob_scale), stats=stats)
+                                                        tile=4 if rule == "max" else 8, order=order, hopper=True,
+                                                        lazy_t=lazy_threshold(prob_scale), lazy_rule=rule,
+                                                        stats=stats)
     assert_fp8_attention_close(out, ref, tol, lse=lse, ref_lse=ref_lse, lse_tol=lse_tol)
     if lazy_threshold(prob_scale) == 0:  # (below prob_scale 1/224 it is the exact schedule)
         assert stats["kept"] == 0

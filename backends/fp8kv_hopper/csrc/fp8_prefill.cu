@@ -394,20 +394,19 @@ constexpr int LOGIT_FMA = 2;        // every f in (2^-96, 2^-5]: one FMA, q8 . k
 
 // FA4's conditional rescaling with the definition's integer maxima (an interior tile, FMA logits, after the
 // warpgroup's first tile; docs/fp8_attention.md says why the mode's tolerance still holds). p = 2^(logit -
-// m) against each row's running maximum m as it stands, rounded to e4m3 and packed into pa while the tile's
-// row maxima are found, so that the exponentials wait for no reduction; S stays in sa. If some valid row
-// of the warp has ceil(its tile maximum) above m + P.lazy_t, the warp returns false and takes the exact
-// path (which recomputes everything from sa); else p <= 2^lazy_t, so p / prob_scale never saturates (2^lazy_t
-// <= 448 prob_scale), m stays and l adds the tile's p. SCALE_P: P.scale_p.
+// m) against each row's running maximum m as it stands, rounded to e4m3 and packed into pa; S stays in sa.
+// The test needs no row maxima: a thread sums each row's p in four chains of 8 keys, and a chain's sum
+// (float32, of values >= 0) is at least each of its p. If every chain of every valid row of the warp is at
+// most 2^P.lazy_t (and the row's m is finite), so is every p: p / prob_scale never saturates (2^lazy_t <= 448
+// prob_scale), m stays and l adds the tile's p. Else (NaN too) the warp returns false and takes the exact
+// path, which recomputes everything from sa. So m stays where a tile's maximum is up to about m + lazy_t - 3
+// (8 keys of p <= 2^(lazy_t - 3)), never beyond m + lazy_t (the rule of fp8kv's tolerance argument); the
+// row maxima this no longer finds were 64 FMNMX a tile and thread. SCALE_P: P.scale_p.
 template <bool SCALE_P>
 __device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const float (&sa)[64], u32 (&pa)[4][4]) {
-    float part[2][4], lsum[2][4] = {}, msafe[2];
+    float lsum[2][4] = {}, msafe[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        msafe[h] = sm.m[h] == NEG_INF ? 0.0f : sm.m[h];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) part[h][k] = NEG_INF;
-    }
+    for (int h = 0; h < 2; ++h) msafe[h] = sm.m[h] == NEG_INF ? 0.0f : sm.m[h];
 #pragma unroll
     for (int kk = 0; kk < 4; ++kk)  // (pack_p8's order: each A word from its four accumulator values)
 #pragma unroll
@@ -418,20 +417,18 @@ __device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
                 const int i = idx[q], h = (i >> 1) & 1, k = (i & 1) + 2 * ((i >> 2) & 1);
-                part[h][k] = fmaxf(part[h][k], sa[i]);
                 const float p = exp2_approx(__fmaf_rn(sa[i], sm.f[h], -msafe[h]));
                 lsum[h][k] += p;
                 x[q] = SCALE_P ? p * P.inv_prob_scale : p;
             }
             pa[kk][w] = e4m3x4(x[0], x[1], x[2], x[3]);
         }
+    const float bound = __int_as_float((127 + (int)P.lazy_t) << 23);  // 2^lazy_t (lazy_t in [0, 8])
     bool jump = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        // this lane's part of the row maximum suffices: the warp's vote covers every lane of the row; and
-        // ceil(x) > m + t for an integer m + t exactly when x > m + t (from m = -inf any finite x jumps)
-        const float mx = fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3]));
-        jump |= sm.rv[h] && __fmul_rn(mx, sm.f[h]) > sm.m[h] + P.lazy_t;
+        const bool within = lsum[h][0] <= bound && lsum[h][1] <= bound && lsum[h][2] <= bound && lsum[h][3] <= bound;
+        jump |= sm.rv[h] && (!within || sm.m[h] == NEG_INF);
     }
     if (__any_sync(0xFFFFFFFFu, jump)) return false;  // (rare after the first tiles)
 #pragma unroll
