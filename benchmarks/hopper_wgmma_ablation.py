@@ -56,7 +56,8 @@ LAZYMAX = [  # the conditional rescaling's test on the row maxima (before 2026-1
     ("    float lsum[2][4] = {}, msafe[2];\n",
      "    float lsum[2][4] = {}, msafe[2], part[2][4];\n"
      "    for (int h = 0; h < 2; ++h) for (int k = 0; k < 4; ++k) part[h][k] = NEG_INF;\n"),
-    ("                lsum[h][k] += p;\n", "                lsum[h][k] += p;\n                part[h][k] = fmaxf(part[h][k], sa[i]);\n"),
+    ("                lsum[h][k] += p;\n",
+     "                lsum[h][k] += p;\n                part[h][k] = fmaxf(part[h][k], sa[i]);\n"),
     ("        jump |= sm.rv[h] && (!within || sm.m[h] == NEG_INF);",
      "        jump |= sm.rv[h] && __fmul_rn(fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3])), "
      "sm.f[h]) > sm.m[h] + P.lazy_t;")]
