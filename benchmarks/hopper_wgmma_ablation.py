@@ -3,7 +3,7 @@ source (the outputs are wrong then; only the times mean anything), at 4 x 2048 n
 (GQA 32/8, D=128, block 16, dynamic q scale, bf16 queries); medians of CUDA-graph replays, as
 ``hopper_prefill.py`` times.
 
-    python benchmarks/hopper_wgmma_ablation.py [--json FILE] [VARIANT ...]
+    python benchmarks/hopper_wgmma_ablation.py [--json FILE] [--baseline OLD.cu] [VARIANT ...]
 
 Every variant runs as shipped but for what it names: since 2026-11-27 without ping-pong (before, with it;
 the iteration files say which). Variants: ``base`` (as shipped), ``pp`` (the consumer warpgroups take turns,
@@ -22,7 +22,8 @@ products), ``lazymax`` (the conditional rescaling's test on the row maxima, as b
 place of the chain sums), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
 without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then),
 ``nooverlap`` and ``nooverlap_pp`` (each phase waits for both products before the softmax, as before
-2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does).
+2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does), ``baseline``
+(the kernel of ``--baseline``'s source file, e.g. ``git show REV:backends/fp8kv_hopper/csrc/fp8_prefill.cu``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from test_hopper_gpu import _case  # noqa: E402
 
 LOAD = "load_tile(sh, P, cta, bt_row, t, g, lane);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
-SOFTMAX = "        const int s = (g0 + t) % STAGES, n0 = cta.lo + t * BLOCK_N;"
+SOFTMAX = "        const int s = stage(t), n0 = cta.lo + t * BLOCK_N;"
 NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[s]);"), (TRANSPOSE, "")]
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
@@ -84,13 +85,21 @@ def main(argv=None) -> int:
     ap.add_argument("variants", nargs="*", default=[], help=f"any of {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--baseline", metavar="CU", help="variant 'baseline': the kernel compiled from this source file "
+                    "(an earlier fp8_prefill.cu with the same Params), for an A/B against the working tree")
     args = ap.parse_args(argv)
     cache, q, tables, lens, qsl, new = _case(4, 2048, 2048)
     useful = 0.412e12  # useful FLOPs of the shape (benchmarks/hopper_prefill.py)
     source, smem_bytes, rows = wgmma.source(), wgmma.smem_bytes, []
+    variants = dict(VARIANTS, baseline=(wgmma.STAGES, False, [], {}))
     for name in args.variants or list(VARIANTS):
-        stages, pingpong, patches, extra = VARIANTS[name]
+        stages, pingpong, patches, extra = variants[name]
         src = source
+        if name == "baseline":
+            from fp8kv_cuda.variants import inline_headers
+
+            with open(args.baseline) as f:
+                src = inline_headers(f.read())
         for old, new_text in patches:
             assert old in src, f"{name}: the kernel source changed ({old!r} not found)"
             src = src.replace(old, new_text)

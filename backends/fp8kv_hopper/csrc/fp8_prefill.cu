@@ -439,18 +439,18 @@ __device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const
 // Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running
 // maximum, p = 2^(logit - m) (l += p), O's factor alpha = 2^(m_old - m_new) (1 where the maximum stayed; the
 // caller rescales O once the previous tile's O += p8 v8 is done), and p8 = e4m3(p / prob_scale) as wgmma A
-// fragments (pack_p8) into pb. MODE: the warpgroup's logit path (sm.mode, LOGIT_*).
+// fragments (pack_p8) into pb. MODE: the warpgroup's logit path (sm.mode, LOGIT_*). Returns whether O
+// may need rescaling (false: the conditional rescaling kept every maximum; uniform over the warp).
 template <int MODE>
-__device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
+__device__ __forceinline__ bool softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
                                              bool all_valid, const Cta& cta, int c, float (&sa)[64],
                                              u32 (&pb)[4][4], float (&alpha)[2]) {
     const bool interior = all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi;  // (uniform)
     const bool started = sm.started;
     sm.started = true;
     if constexpr (LAZY && MODE == LOGIT_FMA) {
-        alpha[0] = alpha[1] = 1.0f;
         if (interior && started && (P.scale_p ? lazy_softmax<true>(P, sm, sa, pb) : lazy_softmax<false>(P, sm, sa, pb)))
-            return;
+            return false;
     }
     if (!interior) {  // an edge tile: mask
 #pragma unroll
@@ -502,6 +502,7 @@ __device__ __forceinline__ void softmax_tile(const Smem& sh, const Params& P, So
         for (int i = 0; i < 64; ++i) sa[i] *= P.inv_prob_scale;
     }
     pack_p8(sa, pb);
+    return true;
 }
 
 // Query half-row `row` (of the item's 128), half `half` (64 dims): where it starts in the query, whether it
@@ -619,21 +620,23 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     u32 pa[4][4], pb[4][4];  // p8 of the tile in O += p8 v8, and of the next (the softmax's, while pa is read)
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
     bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by early(t))
-    auto issue_s = [&](int t) { issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[(g0 + t) % STAGES]))); };
-    auto issue_o = [&](int t) { issue_pv(o, pa, desc(smem_addr(sh.vt[(g0 + t) % STAGES]), VT_SBO)); };
+    auto stage = [&](int t) { return (int)((unsigned)(g0 + t) % STAGES); };  // (g0 + t >= 0)
+    auto issue_s = [&](int t) { issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[stage(t)]))); };
+    auto issue_o = [&](int t) { issue_pv(o, pa, desc(smem_addr(sh.vt[stage(t)]), VT_SBO)); };
+    const int path = __shfl_sync(0xFFFFFFFFu, sm.mode, 0);  // (uniform: ptxas then branches without votes)
+    bool rescale = false;  // the tile's softmax moved some row maximum (early(t) to late(t))
     auto early = [&](int t) {  // tile t's softmax: p8 into pb, O's factor
         fence_acc(sa);
-        const int s = (g0 + t) % STAGES, n0 = cta.lo + t * BLOCK_N;
-        if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_FMA))
-            softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
-        else if (__all_sync(0xFFFFFFFFu, sm.mode == LOGIT_PRODUCT))
-            softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
-        else softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
+        const int s = stage(t), n0 = cta.lo + t * BLOCK_N;
+        if (path == LOGIT_FMA) rescale = softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
+        else if (path == LOGIT_PRODUCT)
+            rescale = softmax_tile<LOGIT_PRODUCT>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
+        else rescale = softmax_tile<LOGIT_SATURATED>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
     };
     auto late = [&](int t) {  // O += p8(t-1) v(t-1) is done: O's rescaling, p8 of tile t into pa
         fence_acc(o);
         if (t == cta.ntiles) return;
-        rescale_rows(o, alpha);  // (the maximum moved: rarely)
+        if (rescale) rescale_rows(o, alpha);  // (the maximum moved: rarely)
 #pragma unroll
         for (int kk = 0; kk < 4; ++kk)
 #pragma unroll
@@ -641,7 +644,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     };
     // phase t reads K of tile t and V^T of tile t - 1
     auto wait = [&](int t) {
-        const int g = g0 + t;
+        const unsigned g = g0 + t;
         if (t < cta.ntiles) {
             mbar_wait(&sh.loaded[g % STAGES], (g / STAGES) & 1);
             all_valid = __all_sync(0xFFFFFFFFu, reinterpret_cast<const u32*>(sh.valid[g % STAGES])[lane] == 0x01010101u);
