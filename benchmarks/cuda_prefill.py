@@ -16,7 +16,6 @@ largest difference in units of ``max |v|``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 
@@ -74,18 +73,11 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
     runs = [("triton", "triton", None), ("cuda", "cuda tensor-core prefill", None)]
     if args.wgmma and torch.cuda.get_device_capability(device) == (9, 0):  # the sm90 kernel (its default)
         runs += [("cuda", "cuda wgmma prefill (ping-pong)", True), ("cuda", "cuda wgmma prefill", False)]
-        if args.no_overlap:  # the same without the intra-warpgroup overlap (FP8KV_OVERLAP=0), the A/B
-            runs += [("cuda", "cuda wgmma prefill (ping-pong) without overlap", "pp-no-overlap"),
-                     ("cuda", "cuda wgmma prefill without overlap", "no-overlap")]
     if args.wmma and qdtype == torch.float16:  # Volta's kernel, on this GPU
         runs += [("cuda", "cuda wmma prefill (Volta's kernel)", "wmma")]
-    variant = cuda_attention.prefill_wgmma_variant
     for name, label, pingpong in runs:
-        overlap = not str(pingpong).endswith("no-overlap")
-        cuda_attention.prefill_wgmma_variant = variant if overlap else (  # (a variant of its own: another cubin)
-            lambda *a, **k: dataclasses.replace(v := variant(*a, **k), macros=v.macros + (("FP8KV_OVERLAP", 0),)))
         cuda_attention.WGMMA_PREFILL = pingpong is not None and pingpong != "wmma"
-        cuda_attention.WGMMA_PINGPONG = pingpong is True or pingpong == "pp-no-overlap"
+        cuda_attention.WGMMA_PINGPONG = bool(pingpong)
         cuda_attention.WMMA_PREFILL_BELOW_SM = 1000 if pingpong == "wmma" else default[2]
         meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=qdtype, block_tables=tables,
                                     seq_lens=seq_lens, query_start_loc=qsl, num_tokens=query.shape[0],
@@ -107,7 +99,6 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
                         calls=3, reps=args.reps)
         record("fp8kv " + label, ms, **extra)
     cuda_attention.WGMMA_PREFILL, cuda_attention.WGMMA_PINGPONG, cuda_attention.WMMA_PREFILL_BELOW_SM = default
-    cuda_attention.prefill_wgmma_variant = variant
     if args.splits:  # the CUDA backend's default prefill kernel at forced KV split counts (the plan's A/B)
         from fp8kv_cuda.attention import plan_prefill
 
@@ -139,8 +130,6 @@ def main(argv=None) -> int:
                     help="on sm90 also time the wgmma prefill kernel (the default there), ping-pong on and off")
     ap.add_argument("--splits", default="", help="also time the CUDA backend's prefill at these forced KV split "
                     "counts, e.g. 1,2,8 (the plan's split rule is measured this way)")
-    ap.add_argument("--no-overlap", action="store_true",
-                    help="with --wgmma: also time that kernel without its intra-warpgroup overlap (the A/B)")
     ap.add_argument("--wmma", action="store_true",
                     help="also time Volta's wmma prefill kernel on this GPU (float16 queries only)")
     ap.add_argument("--profile", action="store_true", help="only run the CUDA kernel, untimed (for ncu)")

@@ -25,17 +25,14 @@
 //     S = Q K^T (8 wgmma m64n64k16, exact products, float32 accumulation), the online softmax
 //     (p = 2^(s f - m), l += p in float32), P as float16 (hi + lo where a row sees fewer than
 //     FP8KV_FULL_P_KEYS keys, as prefill_mma.cu) straight from the accumulators into wgmma A
-//     registers, O += P V (4 or 8 wgmma m64n128k16). Phase t issues S(t), then O += P(t-1) V(t-1) as a
-//     group of its own, and runs tile t's softmax once S(t) is done, while the second product runs
-//     (FA3's intra-warpgroup overlap, FP8KV_OVERLAP; 0: both products, then the softmax); O is rescaled
-//     after. With FP8KV_PINGPONG the two warpgroups issue their phases in turn (named barriers 4 + cw).
+//     registers, O += P V (4 or 8 wgmma m64n128k16). Phase t issues O += P(t-1) V(t-1) with S(t); with
+//     FP8KV_PINGPONG the two warpgroups issue their phases in turn (named barriers 4 + cw).
 //
 // Memory safety without host checks: query_start_loc and seq_lens clamped as in prefill_mma.cu, block
 // ids outside [0, num_blocks) never loaded (the keys masked), rows past a sequence's queries neither
 // read nor written.
 //
 // Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_FULL_P_KEYS, FP8KV_STAGES, FP8KV_PINGPONG, FP8KV_TMA,
-// FP8KV_OVERLAP (default 1),
 // and the format's (e4m3 only).
 #include "prefill_rows.cuh"
 #include "wgmma_common.cuh"
@@ -49,10 +46,6 @@ constexpr int BLOCK_N = 64;         // keys per tile
 constexpr int STAGES = FP8KV_STAGES;
 constexpr int THREADS = WS_THREADS;
 constexpr bool PINGPONG = FP8KV_PINGPONG != 0;
-#ifndef FP8KV_OVERLAP
-#define FP8KV_OVERLAP 1
-#endif
-constexpr bool OVERLAP = FP8KV_OVERLAP != 0;  // a tile's softmax overlaps the previous tile's O += P V
 constexpr bool BF16 = QT == 2;
 constexpr int ROW16 = 2 * D;        // bytes of a 16-bit Q or K row
 constexpr int SBO16 = 8 * ROW16;    // 8-row groups of the 16-bit Q and K tiles
@@ -300,12 +293,11 @@ struct RowState {
 };
 
 // Tile at n0 in stage s: mask an edge tile, logits s * fs, the running maximum, p = 2^(logit - m)
-// (l += p), O's factor alpha = 2^(m_old - m_new) (the caller rescales O once the previous tile's O += P V
-// is done), P as float16 A fragments: word 0 / 1 = rows r / r + 8, keys 16 kk + 2c, + 1; words 2 / 3 the
-// same 8 keys on (CLayout_64x16 = ALayout_64x16).
+// (l += p), O *= 2^(m_old - m_new) where the maximum moved, P as float16 A fragments: word 0 / 1 =
+// rows r / r + 8, keys 16 kk + 2c, + 1; words 2 / 3 the same 8 keys on (CLayout_64x16 = ALayout_64x16).
 template <bool SPLIT_P>
 __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n0, const Cta& cta, float fs,
-                                             RowState& rs, float (&sa)[32], float (&alpha)[2], u32 (&pa)[4][4],
+                                             RowState& rs, float (&sa)[32], float (&o)[64], u32 (&pa)[4][4],
                                              u32 (&pl)[4][4]) {
     const int lane = threadIdx.x & 31, c = lane & 3;
     const bool all_valid =
@@ -321,7 +313,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
                 sa[4 * j + e] = vis ? sa[4 * j + e] : NEG_INF;
             }
     }
-    float mx[2], msafe[2];
+    float mx[2], msafe[2], alpha[2];
     row_max(sa, mx);
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -331,6 +323,7 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
         rs.m[h] = mnew;
         rs.l[h] *= alpha[h];
     }
+    rescale_rows(o, alpha);
     float lsum[2][2] = {{0.0f, 0.0f}, {0.0f, 0.0f}};
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
@@ -355,58 +348,35 @@ __device__ __forceinline__ void softmax_tile(const WgmmaShared& sh, int s, int n
 template <bool SPLIT_P>
 __device__ void consume(WgmmaShared& sh, const Cta& cta, int cw, float fs, float (&o)[64], RowState& rs) {
     const int ct = threadIdx.x - 128 * (cw + 1);
-    float sa[32], alpha[2];
-    u32 pa[4][4], pl[4][4];  // P (hi, lo) of the tile in O += P V
-    u32 pb[4][4], plb[4][4];  // and of the next (OVERLAP: the softmax's, while pa and pl are read)
+    float sa[32];
+    u32 pa[4][4], pl[4][4];
     const u64 dq = desc(smem_addr(sh.q + 16384 * cw), SBO16);
-    auto issue_s = [&](int t) {  // S = Q K(t)^T (16 keys / 16 dims a k step: +256 bytes)
-        const u64 dk = desc(smem_addr(sh.k[t % STAGES]), SBO16);
+    auto issue = [&](int t) {  // O += P(t-1) V(t-1), S = Q K(t)^T (16 keys / 16 dims a k step: +256 bytes)
+        if (t >= 1) {
+            const u64 dv = desc(smem_addr(sh.vt[(t - 1) % STAGES]), VT_SBO);
 #pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) wgmma_16_ss_n64<BF16>(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
-    };
-    auto issue_o = [&](int t) {  // O += P(t) V(t)
-        const u64 dv = desc(smem_addr(sh.vt[t % STAGES]), VT_SBO);
+            for (int kk = 0; kk < 4; ++kk) {
+                wgmma_f16_rs_n128(o, pa[kk], dv + 16 * kk);
+                if constexpr (SPLIT_P) wgmma_f16_rs_n128(o, pl[kk], dv + 16 * kk);
+            }
+        }
+        if (t < cta.ntiles) {
+            const u64 dk = desc(smem_addr(sh.k[t % STAGES]), SBO16);
 #pragma unroll
-        for (int kk = 0; kk < 4; ++kk) {
-            wgmma_f16_rs_n128(o, pa[kk], dv + 16 * kk);
-            if constexpr (SPLIT_P) wgmma_f16_rs_n128(o, pl[kk], dv + 16 * kk);
+            for (int ks = 0; ks < D / 16; ++ks) wgmma_16_ss_n64<BF16>(sa, dq + 16 * ks, dk + 16 * ks, ks > 0);
         }
     };
-    auto early = [&](int t) {  // tile t's softmax: P into pb (and plb), O's factor
+    auto done = [&](int t) {
+        fence_acc(o);
         fence_acc(sa);
+        if (t == cta.ntiles) return;
         const int s = t % STAGES, n0 = cta.n_start + t * BLOCK_N;
         if ((n0 < cta.lo_max || n0 + BLOCK_N > cta.hi_min) && *reinterpret_cast<const u32*>(sh.vnan[s]) != 0u &&
             (ct & 127) == 0)
             atomicOr(&sh.abort, 1u);  // a NaN V code where some row does not see the whole tile
-        softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, alpha, pb, plb);
+        softmax_tile<SPLIT_P>(sh, s, n0, cta, fs, rs, sa, o, pa, pl);
     };
-    auto late = [&](int t) {  // O += P(t-1) V(t-1) is done: O's rescaling, P of tile t into pa (and pl)
-        fence_acc(o);
-        if (t == cta.ntiles) return;
-        rescale_rows(o, alpha);
-#pragma unroll
-        for (int kk = 0; kk < 4; ++kk)
-#pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                pa[kk][w] = pb[kk][w];
-                if constexpr (SPLIT_P) pl[kk][w] = plb[kk][w];
-            }
-    };
-    auto wait = [&](int t) { if (t < cta.ntiles) mbar_wait(&sh.full[t % STAGES], (t / STAGES) & 1); };
-    if constexpr (OVERLAP) {  // tile t's softmax while O += P(t-1) V(t-1) runs
-        consumer_pipeline_overlap<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue_s, issue_o, early, late);
-    } else {  // phase t: O += P(t-1) V(t-1) and S(t) together, then the softmax
-        auto issue = [&](int t) {
-            if (t >= 1) issue_o(t - 1);
-            if (t < cta.ntiles) issue_s(t);
-        };
-        auto done = [&](int t) {
-            fence_acc(o);
-            if (t < cta.ntiles) early(t);
-            late(t);
-        };
-        consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done);
-    }
+    consumer_pipeline<STAGES, PINGPONG>(sh.full, sh.empty, cta.ntiles, cw, issue, done);
 }
 
 }  // namespace fp8kv
