@@ -107,6 +107,48 @@ def sw128(row, kb):
     return row * 128 + ((((kb >> 4) ^ row) & 7) << 4) + (kb & 15)
 
 
+def cta_item(k, b, grid, persistent):
+    """fp8_prefill.cu's cta_item: the k-th work item of CTA b of `grid`."""
+    return grid * k + (grid - 1 - b if persistent and k & 1 else b)
+
+
+def item_pair(item, seqs, q_blocks, heads, persistent):
+    """cta_of's (KV head, sequence, query block counted from the last) of an item."""
+    if persistent:
+        return item % heads, item // heads % seqs, item // heads // seqs
+    pairs = seqs * q_blocks
+    return item // pairs, item % pairs // q_blocks, item % pairs % q_blocks
+
+
+@pytest.mark.parametrize("seqs,q_blocks,heads", [(4, 64, 8), (1, 3, 2), (3, 19, 8)])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_the_work_items_are_dealt_once_each(seqs, q_blocks, heads, persistent):
+    """Every (KV head, sequence, query block) is one work item and some CTA takes it exactly once, for
+    persistent grids of 1, 5 and 132 CTAs (each walking cta_item until an item is past the last) and for
+    a CTA per item; on 4 x 2048 over 2048 (2048 items, 17-32 tiles each, 15.5 per CTA) the snake leaves
+    the CTAs' tile counts less than the longest item apart (368-392 tiles)."""
+    items = seqs * q_blocks * heads
+    assert sorted(item_pair(i, seqs, q_blocks, heads, persistent) for i in range(items)) == sorted(
+        (h, s, q) for h in range(heads) for s in range(seqs) for q in range(q_blocks))
+    for grid in ((1, 5, 132) if persistent else (items,)):
+        taken = []
+        for b in range(grid):
+            k = 0
+            while (item := cta_item(k, b, grid, persistent)) < items:
+                taken.append(item)
+                k += 1
+        assert sorted(taken) == list(range(items)), grid
+    if persistent and (seqs, q_blocks, heads) == (4, 64, 8):  # 32 tokens a query block, 2048 cached keys
+        tiles = [0] * 132
+        for b in range(132):
+            k = 0
+            while (item := cta_item(k, b, 132, True)) < items:
+                qb = q_blocks - 1 - item_pair(item, seqs, q_blocks, heads, True)[2]
+                tiles[b] += -(-(2048 + 32 * qb + 32) // 128)
+                k += 1
+        assert max(tiles) - min(tiles) < 32, (min(tiles), max(tiles))
+
+
 @pytest.mark.parametrize("tail", [128, 77, 0])
 def test_v_transpose_writes_every_byte_of_vt_once(tail):
     """transpose_v as the kernel addresses it: raw V in the 128-byte swizzle (as TMA writes it), V^T
