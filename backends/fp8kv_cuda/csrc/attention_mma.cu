@@ -658,7 +658,7 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
         const float given = head_live ? q_scale[(i64)h * qs_kv + (i64)(h * group + g0 + g) * qs_q] : 1.0f;
-        f8.qs = q_dynamic ? fmaxf(__fdiv_rn(a, 448.0f), 1.1754943508222875e-38f) : given;
+        f8.qs = q_dynamic ? dynamic_scale(a, 448.0f) : given;
         f8.inv_ps = inv_prob_scale;
         k16 = true;
         qshift = 0;

@@ -19,6 +19,17 @@ __device__ __forceinline__ float f16_hi(u32 x) {  // the high half
     return r;
 }
 
+// The dynamic scale of a row, as the cache's token_head scales and the FP8 mode's query scale are defined:
+// max(amax / fmt_max, 2^-126), one IEEE division; amax_term(x) is what x adds to amax (|x|, NaN as 0, inf as
+// the largest float).
+__device__ __forceinline__ float amax_term(float x) {
+    const float v = fabsf(x);
+    return v != v ? 0.0f : fminf(v, 3.4028234663852886e38f);
+}
+__device__ __forceinline__ float dynamic_scale(float amax, float fmt_max) {
+    return fmaxf(__fdiv_rn(amax, fmt_max), 1.1754943508222875e-38f);
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 2 ulp; below 2^-126: 0)
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));

@@ -18,6 +18,7 @@
 //   FP8KV_VEC: 1 when inputs and cache rows are aligned for EPT-wide loads and stores
 //   FP8KV_SLOT64: 1 when slot_mapping is int64 (else int32)
 #include "codec.cuh"
+#include "ptx_math.cuh"
 
 namespace fp8kv {
 
@@ -120,8 +121,7 @@ __device__ __forceinline__ void quantize_row(
         }
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) amax = u32_max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        // one IEEE division, floored at the smallest normal float32 (2^-126)
-        scale = fmaxf(__fdiv_rn(u2f(amax), u2f(MAXBITS)), u2f(0x00800000u));
+        scale = dynamic_scale(u2f(amax), u2f(MAXBITS));  // (one IEEE division, floored at 2^-126)
         if (valid && lane == 0) scales[blk * cb + off * ct + h * ch] = scale;
     } else {
         scale = valid ? scales[h * ch] : 1.0f;  // ch = 0: per-tensor

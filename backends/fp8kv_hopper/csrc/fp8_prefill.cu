@@ -536,12 +536,9 @@ __device__ __forceinline__ int quantize_q(Smem& sh, const Params& P, const Cta& 
     if (P.q_dynamic) {  // max(amax|q| / 448, 2^-126), NaN as 0 and inf as the largest float
         float a = 0.0f;
 #pragma unroll
-        for (int i = 0; i < 64; ++i) {
-            const float v = fabsf(x[i]);
-            a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
-        }
+        for (int i = 0; i < 64; ++i) a = fmaxf(a, amax_term(x[i]));
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
-        qs = fmaxf(__fdiv_rn(a, E4M3_MAX), 1.1754943508222875e-38f);
+        qs = dynamic_scale(a, E4M3_MAX);
     } else {
         qs = P.qs[cta.kvh * P.stride_qs_kv + qh * P.stride_qs_q];
     }
