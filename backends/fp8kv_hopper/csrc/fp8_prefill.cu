@@ -20,6 +20,9 @@
 //     the S accumulators straight into wgmma A registers, O += p8 v8 (4 wgmma, A from registers).
 //     The key order of a 32-key slice of p8's A fragment differs from S's accumulator order; the
 //     producer writes V^T's key columns in that order (vt_key), so nothing moves between lanes.
+//     Tile t's softmax runs while O += p8(t-1) v8(t-1) does (FP8KV_OVERLAP; consumer_pipeline_overlap).
+// Work items: (query block, KV head) pairs, a CTA each, or (Params::persistent) a grid of one CTA per SM
+// taking them in turn (cta_item), the ring running on from one item into the next.
 //
 // Shared-memory layouts: K and the raw V tiles as TMA's 128-byte swizzle writes them (sw128: rows of 128
 // bytes, 16-byte chunk c of row r at chunk c ^ (r % 8); wgmma reads K so, layout type 1), which keeps the
