@@ -379,7 +379,6 @@ struct Softmax {
     int row[2];        // the rows (their float64 factors in Smem::row_f: the saturating path reads them there)
     int pos[2];
     bool rv[2];
-    int mode;          // the warpgroup's logit path (LOGIT_*), uniform
     bool started;      // a tile has been through the softmax (uniform over the warpgroup)
 };
 
@@ -442,7 +441,7 @@ __device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const
 // Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running
 // maximum, p = 2^(logit - m) (l += p), O's factor alpha = 2^(m_old - m_new) (1 where the maximum stayed; the
 // caller rescales O once the previous tile's O += p8 v8 is done), and p8 = e4m3(p / prob_scale) as wgmma A
-// fragments (pack_p8) into pb. MODE: the warpgroup's logit path (sm.mode, LOGIT_*). Returns whether O
+// fragments (pack_p8) into pb. MODE: the warpgroup's logit path (LOGIT_*). Returns whether O
 // may need rescaling (false: the conditional rescaling kept every maximum; uniform over the warp).
 template <int MODE>
 __device__ __forceinline__ bool softmax_tile(const Smem& sh, const Params& P, Softmax& sm, int s, int n0,
@@ -603,7 +602,6 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     }
 
     Softmax sm{};
-    sm.mode = mode;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         sm.m[h] = NEG_INF;
@@ -623,7 +621,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     auto stage = [&](int t) { return (int)((unsigned)(g0 + t) % STAGES); };  // (g0 + t >= 0)
     auto issue_s = [&](int t) { issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[stage(t)]))); };
     auto issue_o = [&](int t) { issue_pv(o, pa, desc(smem_addr(sh.vt[stage(t)]), VT_SBO)); };
-    const int path = __shfl_sync(0xFFFFFFFFu, sm.mode, 0);  // (uniform: ptxas then branches without votes)
+    const int path = __shfl_sync(0xFFFFFFFFu, mode, 0);  // (uniform: ptxas then branches without votes)
     bool rescale = false;  // the tile's softmax moved some row maximum (early(t) to late(t))
     auto early = [&](int t) {  // tile t's softmax: p8 into pb, O's factor
         fence_acc(sa);
@@ -659,8 +657,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
             if (t >= 1) issue_o(t - 1);
             if (t < cta.ntiles) issue_s(t);
         };
-        auto done = [&](int t) {
-            fence_acc(o);
+        auto done = [&](int t) {  // (each starts with its fence_acc)
             if (t < cta.ntiles) early(t);
             late(t);
         };
