@@ -77,6 +77,25 @@ def test_tma_maps_decline_what_a_box_cannot_cover():
     assert wgmma.tma_maps(mixed) is None
 
 
+def test_too_many_work_items_are_refused_before_any_launch():
+    """The kernel indexes work items (sequences x query blocks x KV heads) in int32 up to items + grid:
+    launch() refuses a step with more than that, naming max_query_len, before anything is launched (CPU
+    tensors: a launch would fail differently) and with the cache unchanged."""
+    import fp8kv
+    from fp8kv.errors import InvalidArgument
+
+    cache = fp8kv.KVCache.allocate(4, 16, 8, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    before = cache.key_cache.view(torch.uint8).clone()
+    S, max_query_len = 8192, 2**20  # 8192 x 32768 query blocks (32 tokens each at group 4) x 8 heads = 2^31
+    q = torch.zeros(1, 32, 128, dtype=torch.bfloat16)  # (launch takes max_query_len as the caller clamped it)
+    meta = (torch.zeros(S, 1, dtype=torch.int32), torch.ones(S, dtype=torch.int32),
+            torch.zeros(S + 1, dtype=torch.int32))
+    for ctas in (0, 132):
+        with pytest.raises(InvalidArgument, match=r"^max_query_len: got 1048576 .* expected fewer than 2\^31 - "):
+            wgmma.launch(q, cache, *meta, max_query_len, 1.0, 0, True, 2**30, q, None, None, (0, 0), 1.0, ctas=ctas)
+    assert torch.equal(cache.key_cache.view(torch.uint8), before)
+
+
 def test_host_structs_have_the_kernels_sizes():
     from fp8kv_cuda import compile as cc
 

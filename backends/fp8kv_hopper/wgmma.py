@@ -25,6 +25,7 @@ from importlib import resources
 
 import torch
 
+from fp8kv.errors import InvalidArgument
 from fp8kv.fp8_attention import lazy_threshold
 from fp8kv.probe import probe
 
@@ -156,6 +157,11 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
     block_q = max(1, BLOCK_M // group)
     q_blocks = -(-max_query_len // block_q)
     S = seq_lens.shape[0]
+    items = S * q_blocks * H
+    grid = min(ctas, items) if ctas > 0 else items
+    if items + grid >= 2**31:  # (the kernel's item indices, int32, run up to items + grid)
+        raise InvalidArgument(f"max_query_len: got {max_query_len} ({S} sequences x {q_blocks} query blocks x {H} KV "
+                              f"heads = {items} work items), expected fewer than 2^31 - {grid} work items")
     page = cache.block_size
     kb, kt, kh = cache_strides(cache, "key")
     vb, vt, vh = cache_strides(cache, "value")
@@ -173,14 +179,11 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         group=group, block_q=block_q, q_blocks=q_blocks, page=page,
         page_shift=page.bit_length() - 1 if page & (page - 1) == 0 else -1, num_blocks=cache.key_cache.shape[0],
         max_keys=block_tables.shape[1] * page, q_dynamic=int(q_scale is None), write_lse=int(lse is not None),
-        scale_p=int(prob_scale != 1.0), num_seqs=S, num_items=S * q_blocks * H, persistent=int(ctas > 0))
+        scale_p=int(prob_scale != 1.0), num_seqs=S, num_items=items, persistent=int(ctas > 0))
     maps = tma_maps(cache)
     if maps is not None:
         p.tmap_k[:], p.tmap_v[:], p.head_inner, p.box_rows = maps
     fn = function(ENTRY, query.dtype, query.device, pingpong, tma=maps is not None)
-    grid = min(ctas, p.num_items) if ctas > 0 else p.num_items
-    if p.num_items >= 2**31:
-        raise ValueError(f"{p.num_items} work items: at most 2^31 - 1 (sequences x query blocks x KV heads)")
     if grid > 0:
         runtime.launch_struct(fn, runtime.device_index(query.device), (grid, 1, 1), THREADS, p, smem_bytes())
 
