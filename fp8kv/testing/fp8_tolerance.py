@@ -119,7 +119,6 @@ __all__ = ["E4M3_HALF_ULP", "E4M3_MAX", "U_FP8_DOT", "assert_fp8_attention_close
            "fp8_probability_envelope"]
 
 
-
 def _e4m3_round(x: torch.Tensor) -> torch.Tensor:
     """``e4m3(x)`` (float32 first, saturating, round to nearest even) as float64."""
     return x.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).to(torch.float64)
