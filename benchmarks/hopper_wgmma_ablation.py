@@ -16,7 +16,9 @@ masking path), ``notrans`` (no V transpose), ``nosoftmax`` (the consumers skip t
 only), ``gemm_only`` (noprod and nosoftmax: the wgmma pipeline alone), ``gemm_only_vt128``,
 ``noprod_nopp``, ``nopp_nosoftmax``, ``nopp_notrans``, ``qmul`` (the query's 64 divisions a thread
 replaced by products: what the prologue's divisions cost), ``fdiv`` (those divisions as IEEE float32
-divisions, before 2026-11-27, in place of ``div_by_scale``'s float64 products), ``epidiv`` (the
+divisions, before 2026-11-27, in place of ``div_by_scale``'s), ``f64div`` (every scale's divisions through
+a float64 reciprocal, as before session 18; since then scales in [2^-80, 2^80] take float32 Markstein
+divisions), ``epidiv`` (the
 epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
 products), ``lazymax`` (the conditional rescaling's test on the row maxima, as before 2026-11-28, in
 place of the chain sums), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
@@ -48,11 +50,13 @@ NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[s]);"), (TRANSPO
 NOTRANS = [(TRANSPOSE, "")]
 NOSOFT = (SOFTMAX, "        return;\n" + SOFTMAX)
 VT128 = ("constexpr int VT_SBO = 1040;", "constexpr int VT_SBO = 1152;")
-QDIV = "w[k] = e4m3x4(div_by_scale(v[0], rq), div_by_scale(v[1], rq), div_by_scale(v[2], rq), div_by_scale(v[3], rq));"
+# the query's float32 division (scales in [2^-80, 2^80]); F64DIV: every scale through the float64 reciprocal
+QDIV = "return div_by_scale(v, qs, rs);"
+QMUL = (QDIV, "return v * rs;")  # (timing only: not the quantization)
+FDIV = (QDIV, "return __fdiv_rn(v, qs);")
+F64DIV = ("if (qs >= 0x1p-80f && qs <= 0x1p80f) {", "if (false) {")
 EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h], 1.0f / inv_l) * v_scale)"),
           ("((o[4 * j + 2 * h + 1] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h + 1], 1.0f / inv_l) * v_scale)")]
-QMUL = (QDIV, "w[k] = e4m3x4(v[0] * qs, v[1] * qs, v[2] * qs, v[3] * qs);")  # (timing only: not the quantization)
-FDIV = (QDIV, "w[k] = e4m3x4(__fdiv_rn(v[0], qs), __fdiv_rn(v[1], qs), __fdiv_rn(v[2], qs), __fdiv_rn(v[3], qs));")
 LAZYMAX = [  # the conditional rescaling's test on the row maxima (before 2026-11-28) instead of the chain sums
     ("    float lsum[2][4] = {}, msafe[2];\n",
      "    float lsum[2][4] = {}, msafe[2], part[2][4];\n"
@@ -73,6 +77,7 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "noprod_nopp": (wgmma.STAGES, False, NOPROD, {}),
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
+            "f64div": (wgmma.STAGES, False, [F64DIV], {}),
             "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazymax": (wgmma.STAGES, False, LAZYMAX, {}),
             "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {}),
             "nooverlap": (wgmma.STAGES, False, [], {"overlap": False}),

@@ -260,6 +260,8 @@ def test_the_ablation_benchmark_finds_its_patch_points():
     for name in ("LOAD", "TRANSPOSE", "SOFTMAX", "QDIV"):
         text = re.search(rf'^{name} = "(.*)"$', bench, re.M).group(1)
         assert text in wgmma.source(), name
+    f64div = re.search(r'^F64DIV = \("(.*?)", ', bench, re.M).group(1)
+    assert wgmma.source().count(f64div) == 1
 
 
 def test_the_query_division_through_a_float64_reciprocal_rounds_as_ieee_division():
@@ -283,3 +285,65 @@ def test_the_query_division_through_a_float64_reciprocal_rounds_as_ieee_division
         special = ~torch.isfinite(want)
         assert torch.equal(got[special].isnan(), want[special].isnan()), float(qs)
         assert torch.equal(got[special & ~want.isnan()], want[special & ~want.isnan()]), float(qs)
+
+
+def _fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``fmaf(a, b, c)``: ``a b + c`` rounded once to float32 (a b is exact in float64; TwoSum gives the
+    float64 sum's error, which decides the rounding only where the float64 sum is a float32 midpoint)."""
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
+    bb = s - p
+    err = (p - (s - bb)) + (c64 - bb)
+    r = s.float()
+    toward = torch.where(err > 0, torch.tensor(float("inf")), torch.tensor(-float("inf")))
+    nb = torch.nextafter(r, toward)
+    beyond_midpoint = (err != 0) & (s == (r.double() + nb.double()) / 2)
+    return torch.where(beyond_midpoint, nb, r)
+
+
+def _markstein_division(x: torch.Tensor, qs: torch.Tensor) -> torch.Tensor:
+    """fp8_prefill.cu's float32 div_by_scale(x, qs, rs), operation for operation."""
+    rs = (1.0 / qs.double()).float()  # __frcp_rn: a float32 reciprocal never rounds at a float32 midpoint
+    y0 = (x.double() * rs.double()).float()
+    y1 = _fma32(_fma32(-y0, qs.expand_as(x), x), rs.expand_as(x), y0)
+    y2 = _fma32(_fma32(-y1, qs.expand_as(x), x), rs.expand_as(x), y1)
+    a = y0.abs()
+    return torch.where((a >= 2.0**-12) & (a < 1024.0), y2, y0)
+
+
+def _e4m3(v: torch.Tensor) -> torch.Tensor:
+    """``cvt.rn.satfinite.e4m3x2.f32``: the e4m3 code of v (NaN stays NaN, the rest saturates at 448)."""
+    return torch.where(v.isnan(), v, v.clamp(-448.0, 448.0)).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def test_the_query_division_in_float32_gives_the_e4m3_codes_of_ieee_division():
+    """fp8_prefill.cu's float32 ``div_by_scale(x, qs, rs)`` (Markstein's division: a product and two
+    corrections by exact FMA residuals), taken for scales in [2^-80, 2^80], gives the e4m3 code of
+    ``x / qs`` (torch's float32 division, IEEE) for every bfloat16 and float16 ``x``, 2^18 random float32
+    bit patterns, infinities and NaN, at random scales, powers of two, the range's ends and dynamic scales
+    ``amax / 448``; wherever it keeps the corrected quotient (2^-12 <= |x rs| < 1024) the float32 bits are
+    those of the division, so the rounding, not just e4m3's coarser one, is the IEEE one there."""
+    g = torch.Generator().manual_seed(1)
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    random32 = torch.randint(-(2**31), 2**31 - 1, (2**18,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.bfloat16).float(), bits.view(torch.float16).float(), random32.view(torch.float32),
+                   torch.tensor([float("inf"), -float("inf"), float("nan"), -0.0, 0.0])])
+    exps = torch.randint(-80, 80, (120,), generator=g).double()
+    finite = x[torch.isfinite(x) & (x != 0)]
+    scales = [(1 + torch.rand(120, generator=g, dtype=torch.float64)) * 2.0**exps,
+              2.0 ** torch.arange(-80, 81, 20, dtype=torch.float64), torch.tensor([2.0**-80, 2.0**80]),
+              (torch.nextafter(torch.tensor([2.0**-80, 2.0**80]).float(), torch.tensor([1.0, 1.0]))).double(),
+              finite[torch.randint(0, finite.numel(), (120,), generator=g)].double().abs() / 448.0]
+    qss = torch.cat(scales).float()
+    qss = qss[(qss >= 2.0**-80) & (qss <= 2.0**80)]
+    assert qss.numel() > 200
+    kept_corrected = 0
+    for qs in qss:
+        want = x / qs
+        got = _markstein_division(x, qs)
+        assert torch.equal(_e4m3(got), _e4m3(want)), float(qs)
+        a = (x.double() * (1.0 / qs.double()).float().double()).float().abs()
+        kept = (a >= 2.0**-12) & (a < 1024.0)
+        assert torch.equal(got[kept].view(torch.int32), want[kept].view(torch.int32)), float(qs)
+        kept_corrected += int(kept.sum())
+    assert kept_corrected > 5 * 10**6

@@ -118,6 +118,21 @@ __device__ __forceinline__ void pack_p8(const float (&p)[64], u32 (&pa)[4][4]) {
 // 0). Three float64-pipe instructions where __fdiv_rn takes a dozen and a range check.
 __device__ __forceinline__ float div_by_scale(float x, double rq) { return (float)((double)x * rq); }
 
+// The same quotient where e4m3 can tell (Markstein's division in float32, all on the FMA pipe; the float64
+// conversions above run at a sixteenth of its rate), for qs in [2^-80, 2^80] and rs = 1 / qs rounded to nearest:
+// y0 = x rs is within 2 ulp of x / qs; one correction with the exact residual x - y0 qs (an FMA) makes it
+// faithful, a second one correctly rounded (Markstein: rs within half an ulp of 1 / qs, the residual exact).
+// The range keeps every residual a multiple of 2^-149 that needs at most 24 bits where it is used:
+// 2^-12 <= |y0| < 1024. Outside it y0 stands: e4m3 saturates from 464, rounds below 2^-10 to a zero of the
+// sign y0 keeps, and NaN and infinities pass (tests/test_hopper_wgmma.py checks it against float32 division).
+__device__ __forceinline__ float div_by_scale(float x, float qs, float rs) {
+    const float y0 = __fmul_rn(x, rs);
+    const float y1 = __fmaf_rn(__fmaf_rn(-y0, qs, x), rs, y0);
+    const float y2 = __fmaf_rn(__fmaf_rn(-y1, qs, x), rs, y1);
+    const float a = fabsf(y0);
+    return a >= 0x1p-12f && a < 1024.0f ? y2 : y0;
+}
+
 // 64 query values as loaded: 16-byte words (16 for float32 queries, 8 for 16-bit ones)
 struct QWords {
     uint4 w[QT == 0 ? 16 : 8];
@@ -523,6 +538,21 @@ __device__ __forceinline__ QRow q_row(const Params& P, const Cta& cta, int row, 
     return q;
 }
 
+// e4m3(div(x)) of a thread's 64 query values into its half-row `half` of K-major row `ql` of q8
+template <class Div>
+__device__ __forceinline__ void store_q8(u8* qdst, const float (&x)[64], int ql, int half, Div&& div) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        u32 w[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float* v = x + 16 * j + 4 * k;
+            w[k] = e4m3x4(div(v[0]), div(v[1]), div(v[2]), div(v[3]));
+        }
+        *reinterpret_cast<uint4*>(qdst + kmajor(ql, 64 * half + 16 * j, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+}
+
 // q8 = e4m3(q / q_scale) of the item's rows 64 cw .. 64 cw + 63 into shared memory with their float64 logit
 // factors (row_f): thread ct quantizes half (64 dims) of row ct / 2 from its fetched words `qw`. Returns
 // the warpgroup's logit path (LOGIT_*, from every row's factor; a named barrier of the warpgroup).
@@ -545,16 +575,12 @@ __device__ __forceinline__ int quantize_q(Smem& sh, const Params& P, const Cta& 
         qs = P.qs[cta.kvh * P.stride_qs_kv + qh * P.stride_qs_q];
     }
     u8* qdst = sh.q + 8192 * cw;
-    const double rq = 1.0 / (double)qs;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-        u32 w[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float* v = x + 16 * j + 4 * k;
-            w[k] = e4m3x4(div_by_scale(v[0], rq), div_by_scale(v[1], rq), div_by_scale(v[2], rq), div_by_scale(v[3], rq));
-        }
-        *reinterpret_cast<uint4*>(qdst + kmajor(ql, 64 * half + 16 * j, 1024)) = make_uint4(w[0], w[1], w[2], w[3]);
+    if (qs >= 0x1p-80f && qs <= 0x1p80f) {
+        const float rs = __frcp_rn(qs);
+        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, qs, rs); });
+    } else {
+        const double rq = 1.0 / (double)qs;
+        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, rq); });
     }
     const double F = (double)qs * (double)k_scale * (double)P.sm_mant * ldexp(1.0, P.sm_exp);
     if (half == 0) sh.row_f[row] = F;
