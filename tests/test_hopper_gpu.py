@@ -185,6 +185,21 @@ def test_wgmma_prefill_options(kw):
     _wgmma_check(_case(2, 300, 700, seed=2), **kw)
 
 
+def test_wgmma_prefill_query_scales_at_both_division_paths():
+    """Per-query-head scales from 2^-100 to 2^100 (bfloat16 queries of each head scaled with them, so that
+    q / q_scale spans e4m3's range): the kernel divides in float32 for scales in [2^-80, 2^80] (the range's
+    ends and their neighbours included) and through a float64 reciprocal outside it."""
+    cache, q, *rest = _case(2, 130, 70, seed=4)
+    ends = torch.tensor([2.0**-80, 2.0**80])
+    edge = torch.cat([ends, torch.nextafter(ends, torch.tensor([0.0, float("inf")])),
+                      torch.nextafter(ends, torch.tensor([1.0, 1.0]))])
+    inner = 1.37 * 2.0 ** torch.linspace(-100, 100, 26).round()
+    qs = torch.cat([edge, inner]).to(DEV)
+    assert qs.numel() == q.shape[1] and ((qs < 2.0**-80) | (qs > 2.0**80)).sum() >= 6
+    q = (q.float() * qs[:, None] * 40).to(torch.bfloat16)
+    _wgmma_check((cache, q, *rest), q_scale=qs)
+
+
 LAYOUTS = dict(tensor=dict(granularity="tensor"), mha=dict(HQ=8), group6=dict(HQ=48), page32=dict(page=32),
                page12=dict(page=12), page1=dict(page=1), page256=dict(page=256), page384=dict(page=384),
                hnd=dict(layout="HND"), hnd_page64=dict(layout="HND", page=64))
