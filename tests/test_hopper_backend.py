@@ -156,3 +156,25 @@ def test_every_query_head_of_a_group_has_a_row(group, max_query_len):
     cfg = choose_config(group=group, num_seqs=2, num_kv_heads=1, max_query_len=max_query_len, max_keys=4096,
                         num_sms=132)
     assert cfg.block_m >= group
+
+
+def test_only_a_cuda_decode_step_gets_a_decode_plan():
+    """HopperPlan.decode (the tensor-core decode's plan, made once per step) is None where no decode kernel
+    of fp8kv_cuda would run: a CPU tensor, a prefill step, the Triton kernel asked for, the interpreter."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from fp8kv_hopper.attention import choose_config
+    from fp8kv_hopper.plugin import _decode_plan
+
+    def meta(device: str, max_query_len: int = 1) -> SimpleNamespace:
+        spec = SimpleNamespace(device=torch.device(device), num_kv_heads=8, head_size=128, block_size=16)
+        return SimpleNamespace(spec=spec, max_query_len=max_query_len, num_tokens=4, num_q_heads=32,
+                               block_tables=torch.zeros(4, 8, dtype=torch.int32))
+
+    cfg = choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=1, max_keys=128, num_sms=132)
+    assert cfg.kernel == "auto"
+    assert _decode_plan(meta("cpu"), cfg, interpret=False) is None
+    assert _decode_plan(meta("cuda", max_query_len=2), cfg, interpret=False) is None
+    assert _decode_plan(meta("cuda"), dataclasses.replace(cfg, kernel="triton"), interpret=False) is None
+    assert _decode_plan(meta("cuda"), cfg, interpret=True) is None

@@ -399,6 +399,32 @@ def test_cuda_decode(dtype, q_scale, prob_scale):
     _wgmma_check(case, dtype=dtype, kernel="cuda", q_scale=qs, prob_scale=prob_scale)
 
 
+def test_cuda_decode_is_planned_once_per_step(monkeypatch):
+    """fp8kv.plan_attention makes the tensor-core decode's plan (plan_mma) once; every layer's
+    paged_attention runs it without planning again, and gives the bits of a call that plans for itself."""
+    from fp8kv_cuda import attention as cuda_attention
+    from fp8kv_hopper import attention
+
+    cache, q, tables, lens, qsl, new = _case(8, 1, 3000, seed=9)
+    meta = fp8kv.plan_attention(cache, num_q_heads=q.shape[1], query_dtype=q.dtype, backend="hopper",
+                                block_tables=tables, seq_lens=lens, query_start_loc=qsl, max_query_len=1,
+                                fp8_attention=True)
+    plan = meta.backend_plan.decode
+    assert plan is not None and plan.mma and not plan.prefill
+    o = meta.options
+    want = torch.empty_like(q)
+    attention.paged_attention_fp8(q, cache, tables, lens, qsl, 1, o.softmax_scale, o.causal, None, None, want,
+                                  q_scale=None, prob_scale=1.0, config=meta.backend_plan.config)
+
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned again at a layer's call")
+
+    monkeypatch.setattr(cuda_attention, "plan_mma", no_planning)
+    for _ in range(3):  # layers
+        out = fp8kv.paged_attention(q, cache, meta)
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("shape", [
     dict(seqs=1, cached=20000),                 # KV splits (the merge gets acc * prob_scale)
     dict(seqs=3, cached=50, D=64, HQ=8),        # group 1, head size 64

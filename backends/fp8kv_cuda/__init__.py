@@ -22,8 +22,9 @@ Public for other in-tree backends (the Hopper backend's CUDA kernel uses them): 
 process and device), ``launch_struct`` (a kernel whose one parameter is a struct, on torch's stream),
 ``device_index`` and ``tensor_map_uint8``; :mod:`~fp8kv_cuda.tma`'s ``paged_cache_maps``; in
 :mod:`~fp8kv_cuda.compile`, ``compile_text`` and ``parse_ptxas`` (CPU compile cells through NVRTC 12
-from PyPI); in :mod:`~fp8kv_cuda.attention`, ``Fp8Mode``, ``fp8_decode_why_not`` and
-``paged_attention`` (the FP8 attention mode's decode, which the Hopper backend runs); in
+from PyPI); in :mod:`~fp8kv_cuda.attention`, ``Fp8Mode``, ``fp8_decode_why_not``,
+``plan_mma`` and ``paged_attention`` (the FP8 attention mode's decode, which the Hopper backend plans once
+per step and runs); in
 :mod:`~fp8kv_cuda.variants`, ``inline_headers``. Everything else is private.
 """
 

@@ -30,6 +30,7 @@ offsets clamped to ``[0, T]``, lengths to the block table's width, block ids out
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
@@ -59,6 +60,9 @@ MIN_DYNAMIC_SCALE = tl.constexpr(2.0**-126)
 FLOAT32_MAX = tl.constexpr(3.4028234663852886e38)
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
+
+if TYPE_CHECKING:
+    from fp8kv_cuda.attention import AttnPlan
 
 
 @triton.jit
@@ -353,13 +357,16 @@ def paged_attention_fp8(
     lse: torch.Tensor | None = None,
     config: Fp8AttnConfig | None = None,
     interpret: bool = False,
+    decode_plan: AttnPlan | None = None,
 ) -> None:
     """FP8-mode paged attention of ``query [T, Hq, D]`` (float16/bfloat16/float32) over an e4m3fn
     ``cache`` with per-tensor or per-head scales, into ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
 
     ``q_scale``: float32 ``[]``, ``[H_kv]`` or ``[Hq]``, or None for the dynamic per-(token, head)
     scale; ``prob_scale`` a finite positive float. ``interpret``: Triton's CPU interpreter (FP8 roundings
-    through the integer-bit encoder). Other arguments as the Triton backend's launcher.
+    through the integer-bit encoder). ``decode_plan``: fp8kv_cuda's ``plan_mma`` plan for a decode step
+    (made once per step by the plugin's ``fp8kv_plan_attention``; None: planned here). Other arguments
+    as the Triton backend's launcher.
     """
     from fp8kv_triton.kernels import cache_strides, scale_strides
 
@@ -390,7 +397,8 @@ def paged_attention_fp8(
         if why is None:
             cuda_attention.paged_attention(
                 query, cache, block_tables, seq_lens, query_start_loc, softmax_scale, causal, sliding_window,
-                logits_soft_cap, out, lse, fp8=cuda_attention.Fp8Mode(q_scale, (qs_kv, qs_q), float(prob_scale)))
+                logits_soft_cap, out, lse, plan_=decode_plan,
+                fp8=cuda_attention.Fp8Mode(q_scale, (qs_kv, qs_q), float(prob_scale)))
             return
     use_wgmma = False
     if config.kernel != "triton":

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp8kv.hookspecs import BackendInfo, Request, hookimpl
-from fp8kv.probe import DeviceInfo, triton_interpreter
+from fp8kv.probe import DeviceInfo, probe, triton_interpreter
 
 from . import __version__
 
 if TYPE_CHECKING:
+    from fp8kv_cuda.attention import AttnPlan
+
     from fp8kv.metadata import AttentionMetadata
 
     from .attention import Fp8AttnConfig
@@ -76,10 +78,27 @@ def _arch(device: torch.device) -> str | None:
 
 @dataclass(frozen=True)
 class HopperPlan:
-    """Per-step choices: the launch configuration, and the interpreter flag."""
+    """Per-step choices: the launch configuration, the interpreter flag, and for a decode step the
+    tensor-core decode's plan (fp8kv_cuda's ``plan_mma``: head chunks, KV split, warps), made once here
+    rather than at every layer's call (None: not a decode step, or no CuPy; the call then decides)."""
 
     config: Fp8AttnConfig
     interpret: bool
+    decode: AttnPlan | None = None
+
+
+def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> AttnPlan | None:
+    """fp8kv_cuda's ``plan_mma`` plan for an FP8-mode decode step that its tensor-core decode may take."""
+    if interpret or metadata.max_query_len > 1 or config.kernel not in ("auto", "cuda"):
+        return None
+    spec = metadata.spec
+    if spec.device.type != "cuda" or not probe(spec.device).cupy:
+        return None
+    from fp8kv_cuda import attention as cuda_attention
+
+    return cuda_attention.plan_mma(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
+                                   group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
+                                   max_keys=metadata.block_tables.shape[1] * spec.block_size)
 
 
 class HopperBackend:
@@ -117,7 +136,7 @@ class HopperBackend:
                                num_kv_heads=spec.num_kv_heads, max_query_len=metadata.max_query_len,
                                max_keys=metadata.block_tables.shape[1] * spec.block_size, num_sms=sms,
                                interpret=interpret)
-        return HopperPlan(config, interpret)
+        return HopperPlan(config, interpret, _decode_plan(metadata, config, interpret))
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:
@@ -128,4 +147,4 @@ class HopperBackend:
         paged_attention_fp8(query, cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                             metadata.max_query_len, opts.softmax_scale, opts.causal, opts.sliding_window,
                             opts.logits_soft_cap, out, q_scale=opts.q_scale, prob_scale=opts.prob_scale, lse=lse,
-                            config=plan.config, interpret=plan.interpret)
+                            config=plan.config, interpret=plan.interpret, decode_plan=plan.decode)
