@@ -67,6 +67,21 @@ LAZYMAX = [  # the conditional rescaling's test on the row maxima (before 2026-1
      "        jump |= sm.rv[h] && __fmul_rn(fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3])), "
      "sm.f[h]) > sm.m[h] + P.lazy_t;")]
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
+# per-item costs: the epilogue's stores skipped (NOEPI), the query's quantization skipped (NOQUANT: q8 keeps
+# the previous item's codes), consumer warpgroup 1 starting N microseconds after warpgroup 0 (STAGGER: does a
+# lasting offset between the two hide one's item boundary behind the other's tiles?)
+STORE = "            store_out2(P.out, orow[h] + 8 * j + 2 * c,"
+NOEPI = (STORE, "            if (P.T < 0)" + STORE[11:])
+NOQUANT = [("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, qs, rs); });", ""),
+           ("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, rq); });", "")]
+CONSUME = "    Work work = next_work(P, 0);\n"
+
+
+def stagger(us: int) -> tuple[str, str]:
+    wait = f"const long long t0 = clock64(); while (clock64() - t0 < {us} * 1800LL) {{}}"
+    return (CONSUME, f"    if (cw == 1) {{ {wait} }}\n" + CONSUME)
+
+
 VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, False, [], {"lazy": False}),
             "nopp": (wgmma.STAGES, False, [], {}), "pp": (wgmma.STAGES, True, [], {}),
             "cpasync": (wgmma.STAGES, False, [], {"tma": False}),
@@ -81,7 +96,10 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazymax": (wgmma.STAGES, False, LAZYMAX, {}),
             "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {}),
             "nooverlap": (wgmma.STAGES, False, [], {"overlap": False}),
-            "nooverlap_pp": (wgmma.STAGES, True, [], {"overlap": False})}
+            "nooverlap_pp": (wgmma.STAGES, True, [], {"overlap": False}),
+            "noepi": (wgmma.STAGES, False, [NOEPI], {}), "noquant": (wgmma.STAGES, False, NOQUANT, {}),
+            "stagger1": (wgmma.STAGES, False, [stagger(1)], {}), "stagger3": (wgmma.STAGES, False, [stagger(3)], {}),
+            "stagger10": (wgmma.STAGES, False, [stagger(10)], {})}
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 
