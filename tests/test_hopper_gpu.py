@@ -185,6 +185,34 @@ def test_wgmma_prefill_options(kw):
     _wgmma_check(_case(2, 300, 700, seed=2), **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_wgmma_prefill_writes_its_output_rows_only(dtype):
+    """The epilogue (16-bit outputs staged through shared memory and copied out 16 bytes at a time along whole
+    rows; float32 stored from the accumulators) writes the output's rows and nothing around them: the output
+    is the middle of a NaN-filled buffer, whose guard elements keep their bits; partial query blocks (100
+    tokens a sequence in blocks of 32) included. The result has the bits of an output of its own."""
+    import dataclasses
+
+    from fp8kv_hopper import attention
+
+    cache, q, tables, lens, qsl, new = _case(2, 100, 60, seed=11)
+    q = q.to(dtype)
+    cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=2, num_kv_heads=8, max_query_len=new,
+                                                      max_keys=tables.shape[1] * 16, num_sms=132), kernel="wgmma")
+    guard = 64
+    buf = torch.full((q.numel() + 2 * guard,), float("nan"), dtype=dtype, device=DEV)
+    before = buf.clone()
+    outs = [buf[guard:guard + q.numel()].view(q.shape), torch.empty_like(q)]
+    for out in outs:
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
+                                      q_scale=None, prob_scale=1.0, config=cfg)
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert torch.equal(buf[:guard].view(bits), before[:guard].view(bits))
+    assert torch.equal(buf[-guard:].view(bits), before[-guard:].view(bits))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0].view(bits), outs[1].view(bits))
+
+
 def test_wgmma_prefill_query_scales_at_both_division_paths():
     """Per-query-head scales from 2^-100 to 2^100 (bfloat16 queries of each head scaled with them, so that
     q / q_scale spans e4m3's range): the kernel divides in float32 for scales in [2^-80, 2^80] (the range's
