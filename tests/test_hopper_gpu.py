@@ -187,10 +187,9 @@ def test_wgmma_prefill_options(kw):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_wgmma_prefill_writes_its_output_rows_only(dtype):
-    """The epilogue (16-bit outputs staged through shared memory and copied out 16 bytes at a time along whole
-    rows; float32 stored from the accumulators) writes the output's rows and nothing around them: the output
-    is the middle of a NaN-filled buffer, whose guard elements keep their bits; partial query blocks (100
-    tokens a sequence in blocks of 32) included. The result has the bits of an output of its own."""
+    """The epilogue writes the output's rows and nothing around them: the output is the middle of a
+    NaN-filled buffer, whose guard elements keep their bits; partial query blocks (100 tokens a sequence in
+    blocks of 32) included. The result has the bits of an output of its own."""
     import dataclasses
 
     from fp8kv_hopper import attention

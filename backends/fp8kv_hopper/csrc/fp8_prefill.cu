@@ -160,23 +160,19 @@ __device__ __forceinline__ void q64_floats(const QWords& q, float (&x)[64]) {
         }
     }
 }
-// two outputs of a 16-bit output type, saturated to its finite range, packed (a in the low half)
-__device__ __forceinline__ u32 out16x2(float a, float b) {
-    const float hi = QT == 1 ? 65504.0f : 3.3895313892515355e38f;
-    a = fminf(fmaxf(a, -hi), hi);
-    b = fminf(fmaxf(b, -hi), hi);
-    u32 r;
-    if constexpr (QT == 1) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-    return r;
-}
 // two outputs as the output type (float32 as two floats), saturated to its finite range
 __device__ __forceinline__ void store_out2(void* O, i64 i, float a, float b) {
     if constexpr (QT == 0) {
         *reinterpret_cast<float2*>(static_cast<float*>(O) + i) = make_float2(fminf(fmaxf(a, -FLOAT32_MAX), FLOAT32_MAX),
                                                                             fminf(fmaxf(b, -FLOAT32_MAX), FLOAT32_MAX));
     } else {
-        *reinterpret_cast<u32*>(static_cast<u16*>(O) + i) = out16x2(a, b);
+        const float hi = QT == 1 ? 65504.0f : 3.3895313892515355e38f;
+        a = fminf(fmaxf(a, -hi), hi);
+        b = fminf(fmaxf(b, -hi), hi);
+        u32 r;
+        if constexpr (QT == 1) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+        else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+        *reinterpret_cast<u32*>(static_cast<u16*>(O) + i) = r;
     }
 }
 
@@ -700,48 +696,20 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
     const float v_scale = P.vs[cta.kvh * P.stride_vsh];
-    // 16-bit outputs go out through the warpgroup's q8 region (free: the item's last S is done), a row h of
-    // each of its 16-row slices (32 rows, 8 KB) at a time: written from the accumulators 4 bytes a thread,
-    // 16-byte chunks XOR-swizzled by row (conflict-free), then copied out 16 bytes a thread along whole rows
-    // (the accumulators' own 4-byte stores touch 8 rows a warp instruction: 8x the L1 wavefronts; with them
-    // the epilogue cost up to 4% of the kernel, hopper_wgmma_ablation.py's noepi; the launcher takes 16-byte
-    // aligned outputs only, wgmma.why_not). Float32 outputs (8-byte stores) keep those direct stores.
-    constexpr bool staged = QT != 0;
-    u8* stage_buf = sh.q + 8192 * cw;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 2);
+        if (!rv[h]) continue;
         // 1 / l once (correctly rounded), then products: one rounding more than a division per output, inside
         // the tolerance's float32 allowance for the normalisation (the per-element IEEE divisions were 64 a
         // thread at the end of every CTA)
         const float inv_l = __frcp_rn(l[h] > 0.0f ? l[h] : 1.0f);
-        if constexpr (staged) {
-            const int i = 8 * warp + r;  // the thread's row of the 32
-            if (rv[h]) {
 #pragma unroll
-                for (int j = 0; j < 16; ++j)
-                    *reinterpret_cast<u32*>(stage_buf + 256 * i + 16 * (j ^ (i & 15)) + 4 * c) =
-                        out16x2(((o[4 * j + 2 * h] * inv_l) * v_scale) * P.prob_scale,
-                                ((o[4 * j + 2 * h + 1] * inv_l) * v_scale) * P.prob_scale);
-            }
-            named_sync(2 + cw, 128);  // the 32 rows are staged
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                const int q = ct + 128 * k, ii = q >> 4, jj = q & 15;  // row ii of the 32, its 16-byte chunk jj
-                const QRow qr = q_row(P, cta, 64 * cw + 16 * (ii >> 3) + (ii & 7) + 8 * h, 0);
-                if (qr.valid)
-                    *reinterpret_cast<uint4*>(static_cast<u16*>(P.out) + qr.base + 8 * jj) =
-                        *reinterpret_cast<const uint4*>(stage_buf + 256 * ii + 16 * (jj ^ (ii & 15)));
-            }
-            named_sync(2 + cw, 128);  // read out: the region is free (for h = 1, then the next item's q8)
-        } else if (rv[h]) {
-#pragma unroll
-            for (int j = 0; j < 16; ++j)
-                store_out2(P.out, orow[h] + 8 * j + 2 * c, ((o[4 * j + 2 * h] * inv_l) * v_scale) * P.prob_scale,
-                           ((o[4 * j + 2 * h + 1] * inv_l) * v_scale) * P.prob_scale);
-        }
-        if (rv[h] && P.write_lse && c == 0)
+        for (int j = 0; j < 16; ++j)
+            store_out2(P.out, orow[h] + 8 * j + 2 * c, ((o[4 * j + 2 * h] * inv_l) * v_scale) * P.prob_scale,
+                       ((o[4 * j + 2 * h + 1] * inv_l) * v_scale) * P.prob_scale);
+        if (P.write_lse && c == 0)
             P.lse[lse_idx[h]] = l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : NEG_INF;
     }
     if constexpr (QT == 0) fetch_q(P, next, cw, ct, qw);
