@@ -618,13 +618,13 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     int lse_idx[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        const int row = 64 * cw + 16 * warp + r + 8 * h, qi = row / P.group, tin = cta.qb * P.block_q + qi;
-        const int qh = cta.kvh * P.group + row % P.group;
-        rv[h] = qi < P.block_q && tin < cta.q_len;
+        const int row = 64 * cw + 16 * warp + r + 8 * h, tin = cta.qb * P.block_q + row / P.group;
+        const QRow qr = q_row(P, cta, row, 0);
+        rv[h] = qr.valid;
         pos[h] = cta.seq_len - cta.q_len + tin;
         F[h] = sh.row_f[row];
         f[h] = (float)F[h];
-        lse_idx[h] = (cta.q_start + (rv[h] ? tin : 0)) * P.HQ + qh;
+        lse_idx[h] = (cta.q_start + (rv[h] ? tin : 0)) * P.HQ + qr.qh;
         orow[h] = (i64)lse_idx[h] * D;
     }
 
