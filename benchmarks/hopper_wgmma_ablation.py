@@ -111,6 +111,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline", metavar="CU", help="variant 'baseline': the kernel compiled from this source file "
                     "(an earlier fp8_prefill.cu with the same Params), for an A/B against the working tree")
     args = ap.parse_args(argv)
+    if "baseline" in args.variants and not args.baseline:
+        ap.error("variant 'baseline' needs --baseline FILE (the earlier fp8_prefill.cu to compile)")
     cache, q, tables, lens, qsl, new = _case(4, 2048, 2048)
     useful = 0.412e12  # useful FLOPs of the shape (benchmarks/hopper_prefill.py)
     source, smem_bytes, rows = wgmma.source(), wgmma.smem_bytes, []
