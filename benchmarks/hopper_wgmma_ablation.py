@@ -75,6 +75,20 @@ NOEPI = (STORE, "            if (P.T < 0)" + STORE[11:])
 NOQUANT = [("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, qs, rs); });", ""),
            ("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, rq); });", "")]
 CONSUME = "    Work work = next_work(P, 0);\n"
+# the edge tiles' masking skipped (timing only: what masking the diagonal tile of every item costs)
+NOMASK = ("    if (!interior) {  // an edge tile: mask", "    if (P.T < 0) {")
+# the producer prefetching each item's query rows into L2 as it starts the item's tiles (ahead of the consumers)
+BT_ROW = "        const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;\n"
+QPREFETCH = (BT_ROW, BT_ROW + """        for (int hr = threadIdx.x; hr < 2 * BLOCK_M; hr += 128) {
+            const int qi = (hr >> 1) / P.group, tin = cta.qb * P.block_q + qi;
+            if (qi >= P.block_q || tin >= cta.q_len) continue;
+            const int qh = cta.kvh * P.group + (hr >> 1) % P.group;
+            const i64 base = ((i64)(cta.q_start + tin) * P.HQ + qh) * D + 64 * (hr & 1);
+            const char* a = static_cast<const char*>(P.q) + base * (QT == 0 ? 4 : 2);
+            asm volatile("prefetch.global.L2 [%0];" ::"l"(a));
+            if (QT == 0) asm volatile("prefetch.global.L2 [%0];" ::"l"(a + 128));
+        }
+""")
 
 
 def stagger(us: int) -> tuple[str, str]:
@@ -99,8 +113,14 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "nooverlap_pp": (wgmma.STAGES, True, [], {"overlap": False}),
             "noepi": (wgmma.STAGES, False, [NOEPI], {}), "noquant": (wgmma.STAGES, False, NOQUANT, {}),
             "stagger1": (wgmma.STAGES, False, [stagger(1)], {}), "stagger3": (wgmma.STAGES, False, [stagger(3)], {}),
-            "stagger10": (wgmma.STAGES, False, [stagger(10)], {})}
+            "stagger10": (wgmma.STAGES, False, [stagger(10)], {}),
+            "nomask": (wgmma.STAGES, False, [NOMASK], {}), "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
+
+
+def useful_flops(seqs: int, new: int, cached: int, q_heads: int = 32, head_size: int = 128) -> float:
+    """QK^T and PV FLOPs of the causal keys a query sees (as benchmarks/hopper_prefill.py counts them)."""
+    return 4.0 * head_size * q_heads * seqs * (new * cached + new * (new + 1) / 2)
 
 
 def main(argv=None) -> int:
@@ -108,13 +128,16 @@ def main(argv=None) -> int:
     ap.add_argument("variants", nargs="*", default=[], help=f"any of {', '.join(VARIANTS)} (default: all)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shape", default="4x2048+2048", help="SEQSxNEW+CACHED (causal, GQA 32/8, D=128, page 16)")
     ap.add_argument("--baseline", metavar="CU", help="variant 'baseline': the kernel compiled from this source file "
                     "(an earlier fp8_prefill.cu with the same Params), for an A/B against the working tree")
     args = ap.parse_args(argv)
     if "baseline" in args.variants and not args.baseline:
         ap.error("variant 'baseline' needs --baseline FILE (the earlier fp8_prefill.cu to compile)")
-    cache, q, tables, lens, qsl, new = _case(4, 2048, 2048)
-    useful = 0.412e12  # useful FLOPs of the shape (benchmarks/hopper_prefill.py)
+    seqs, rest = args.shape.split("x")
+    seqs, new_len, cached = int(seqs), *map(int, rest.split("+"))
+    cache, q, tables, lens, qsl, new = _case(seqs, new_len, cached)
+    useful = useful_flops(seqs, new_len, cached)
     source, smem_bytes, rows = wgmma.source(), wgmma.smem_bytes, []
     variants = dict(VARIANTS, baseline=(wgmma.STAGES, False, [], {}))
     for name in args.variants or list(VARIANTS):
@@ -134,7 +157,7 @@ def main(argv=None) -> int:
         wgmma.function = lambda entry, dtype, device, pingpong=True, tma=True, mod=mod: mod.get_function(entry)
         extra_smem = VT128_SMEM * stages if VT128 in patches else 0
         wgmma.smem_bytes = lambda st=stages, x=extra_smem: (smem_bytes(st) + x + 1023) // 1024 * 1024
-        cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=4, num_kv_heads=8, max_query_len=new,
+        cfg = dataclasses.replace(attention.choose_config(group=4, num_seqs=seqs, num_kv_heads=8, max_query_len=new,
                                                           max_keys=tables.shape[1] * 16, num_sms=132),
                                   kernel="wgmma", wgmma_pingpong=pingpong, **CONFIG.get(name, {}))
         out = torch.empty_like(q)
@@ -143,7 +166,7 @@ def main(argv=None) -> int:
             attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
                                           q_scale=None, prob_scale=1.0, config=cfg)
         us = time_graph(run, calls=3, reps=args.reps) * 1e3
-        rows.append({"variant": name, "stages": stages, "pingpong": pingpong, "us": round(us, 1),
+        rows.append({"variant": name, "shape": args.shape, "stages": stages, "pingpong": pingpong, "us": round(us, 1),
                      "useful_tflops": round(useful / us / 1e6, 1)})
         print(f"  {name:12s} {us:8.1f} us  {useful / us / 1e6:6.0f} TFLOP/s", flush=True)
     wgmma.smem_bytes = smem_bytes
@@ -152,7 +175,7 @@ def main(argv=None) -> int:
         print(f"| {r['variant']} | {r['stages']} | {r['pingpong']} | {r['us']} | {r['useful_tflops']} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": environment(q.device), "results": rows}, f, indent=1)
+            json.dump({"environment": environment(q.device), "shape": args.shape, "results": rows}, f, indent=1)
     return 0
 
 
