@@ -76,7 +76,7 @@ NOQUANT = [("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_sc
            ("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, rq); });", "")]
 CONSUME = "    Work work = next_work(P, 0);\n"
 # the edge tiles' masking skipped (timing only: what masking the diagonal tile of every item costs)
-NOMASK = ("    if (!interior) {  // an edge tile: mask", "    if (P.T < 0) {")
+NOMASK = [("    if (!interior) {  // an edge tile: mask", "    if (P.T < 0) {")]
 # the producer prefetching each item's query rows into L2 as it starts the item's tiles (ahead of the consumers)
 BT_ROW = "        const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;\n"
 QPREFETCH = (BT_ROW, BT_ROW + """        for (int hr = threadIdx.x; hr < 2 * BLOCK_M; hr += 128) {
@@ -114,7 +114,7 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "noepi": (wgmma.STAGES, False, [NOEPI], {}), "noquant": (wgmma.STAGES, False, NOQUANT, {}),
             "stagger1": (wgmma.STAGES, False, [stagger(1)], {}), "stagger3": (wgmma.STAGES, False, [stagger(3)], {}),
             "stagger10": (wgmma.STAGES, False, [stagger(10)], {}),
-            "nomask": (wgmma.STAGES, False, [NOMASK], {}), "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
+            "nomask": (wgmma.STAGES, False, NOMASK, {}), "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 
