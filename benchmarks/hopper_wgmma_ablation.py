@@ -43,7 +43,7 @@ from fp8kv_cuda import runtime  # noqa: E402
 from fp8kv_hopper import attention, wgmma  # noqa: E402
 from test_hopper_gpu import _case  # noqa: E402
 
-LOAD = "load_tile(sh, P, cta, bt_row, t, g, lane);"
+LOAD = "load_tile(sh, P, cta, bt_row, t, g, lane, ids);"
 TRANSPOSE = "tail >= BLOCK_N ? transpose_v<false, 1>(vr, vt, lane, tail) : transpose_v<true, 1>(vr, vt, lane, tail);"
 SOFTMAX = "        const int s = stage(t), n0 = cta.lo + t * BLOCK_N;"
 NOPROD = [(LOAD, "if (!TMA || lane == 0) mbar_arrive(&sh.loaded[s]);"), (TRANSPOSE, "")]

@@ -326,22 +326,35 @@ __device__ __forceinline__ int in_page(const Params& P, int n) {
 //     of a longer page); a box whose block id is outside the cache (or past the CTA's keys) gets the
 //     block coordinate num_blocks, outside the tensor map: TMA zero-fills it.
 //   cp.async: lane (ch, krow0) copies chunk ch of keys krow0 + 4 i (zero-filled when invalid).
+// TMA: what a lane reads of the block table for tile t, before its stage is free (so that those reads are not
+// between the stage's release and the loads): the valid flags of keys 4 lane .. 4 lane + 3 and the block id of
+// the lane's first box.
+struct TileIds {
+    u32 flags;
+    int box_blk;
+};
+__device__ __forceinline__ TileIds tile_ids(const Params& P, const Cta& cta, const int* bt_row, int t, int lane) {
+    const int n0 = cta.lo + t * BLOCK_N;
+    TileIds ids{0u, lane * P.box_rows < BLOCK_N ? block_id(P, bt_row, cta, n0 + lane * P.box_rows) : -1};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const int blk = block_id(P, bt_row, cta, n0 + 4 * lane + j);
+        ids.flags |= (u32)(blk >= 0 && blk < P.num_blocks) << (8 * j);
+    }
+    return ids;
+}
+
 __device__ __forceinline__ void load_tile(Smem& sh, const Params& P, const Cta& cta, const int* bt_row, int t,
-                                          int g, int lane) {
+                                          int g, int lane, const TileIds& ids) {
     const int s = g % STAGES, n0 = cta.lo + t * BLOCK_N;
     if constexpr (TMA) {
-        u32 flags = 0;
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-            const int blk = block_id(P, bt_row, cta, n0 + 4 * lane + j);
-            flags |= (u32)(blk >= 0 && blk < P.num_blocks) << (8 * j);
-        }
-        reinterpret_cast<u32*>(sh.valid[s])[lane] = flags;
+        reinterpret_cast<u32*>(sh.valid[s])[lane] = ids.flags;
         __syncwarp();
         if (lane == 0) mbar_arrive_expect_tx(&sh.loaded[s], 2 * TILE_BYTES);  // (releases the warp's flags)
         tma_load_boxes(smem_addr(sh.k[s]), smem_addr(sh.vr[s]), &P.tmap_k, &P.tmap_v, &sh.loaded[s], n0, BLOCK_N,
                        P.box_rows, P.head_inner, cta.kvh, P.num_blocks, lane,
-                       [&](int n) { return block_id(P, bt_row, cta, n); }, [&](int n) { return in_page(P, n); });
+                       [&](int n) { return n == n0 + lane * P.box_rows ? ids.box_blk : block_id(P, bt_row, cta, n); },
+                       [&](int n) { return in_page(P, n); });
     } else {
         const int ch = lane & 7, krow0 = lane >> 3;  // lane: chunk ch of keys krow0 + 4 i
         const u8* kbase = P.kc + cta.kvh * P.stride_kh + 16 * ch;
@@ -375,8 +388,9 @@ __device__ void produce(Smem& sh, const Params& P) {
         const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
         for (int t = (warp - g0) & 3; t < cta.ntiles; t += 4) {
             const int g = g0 + t, s = g % STAGES, tail = cta.hi - (cta.lo + t * BLOCK_N);
+            const TileIds ids = TMA ? tile_ids(P, cta, bt_row, t, lane) : TileIds{};
             mbar_wait(&sh.empty[s], ((g / STAGES) & 1) ^ 1);
-            load_tile(sh, P, cta, bt_row, t, g, lane);
+            load_tile(sh, P, cta, bt_row, t, g, lane, ids);
             mbar_wait(&sh.loaded[s], (g / STAGES) & 1);
             const u8* vr = sh.vr[s];
             u8* vt = sh.vt[s];
@@ -607,6 +621,8 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     const Cta& cta = work.cta;
     const int warp = ct >> 5, lane = ct & 31, r = lane >> 2, c = lane & 3;
     const float k_scale = P.ks[cta.kvh * P.stride_ksh];
+    const float v_scale = __ldg(P.vs + cta.kvh * P.stride_vsh);  // (in flight through the tiles: read in the
+    // epilogue, its latency stalled the stores there, 1.4% of the profile's samples)
     const int mode = quantize_q(sh, P, cta, cw, ct, qw, k_scale);
 
     // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
@@ -696,7 +712,6 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     if constexpr (QT != 0) fetch_q(P, next, cw, ct, qw);
     float m[2] = {sm.m[0], sm.m[1]}, l[2] = {sm.l[0], sm.l[1]};
 
-    const float v_scale = P.vs[cta.kvh * P.stride_vsh];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         l[h] += __shfl_xor_sync(0xFFFFFFFFu, l[h], 1);
