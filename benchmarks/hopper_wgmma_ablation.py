@@ -24,7 +24,10 @@ products), ``lazymax`` (the conditional rescaling's test on the row maxima, as b
 place of the chain sums), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
 without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then),
 ``nooverlap`` and ``nooverlap_pp`` (each phase waits for both products before the softmax, as before
-2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does), ``baseline``
+2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does), ``nosplit`` (S as one
+wgmma group of 128 keys, as before session 19; since then two of 64, the conditional rescaling starting on the
+first), ``nomask`` (edge tiles unmasked), ``qprefetch`` (the producer prefetching each item's query rows into L2),
+``baseline``
 (the kernel of ``--baseline``'s source file, e.g. ``git show REV:backends/fp8kv_hopper/csrc/fp8_prefill.cu``).
 """
 
@@ -114,7 +117,8 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "noepi": (wgmma.STAGES, False, [NOEPI], {}), "noquant": (wgmma.STAGES, False, NOQUANT, {}),
             "stagger1": (wgmma.STAGES, False, [stagger(1)], {}), "stagger3": (wgmma.STAGES, False, [stagger(3)], {}),
             "stagger10": (wgmma.STAGES, False, [stagger(10)], {}),
-            "nomask": (wgmma.STAGES, False, NOMASK, {}), "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
+            "nomask": (wgmma.STAGES, False, NOMASK, {}), "nosplit": (wgmma.STAGES, False, [], {"split_s": False}),
+            "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 
