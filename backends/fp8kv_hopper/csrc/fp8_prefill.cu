@@ -649,6 +649,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     const float v_scale = __ldg(P.vs + cta.kvh * P.stride_vsh);  // (in flight through the tiles: read in the
     // epilogue, its latency stalled the stores there, 1.4% of the profile's samples)
     const int mode = quantize_q(sh, P, cta, cw, ct, qw, k_scale);
+    const Work next = next_work(P, work.k + 1);  // (its reads of the lengths in flight through the tiles)
 
     // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
     int pos[2];
@@ -759,7 +760,6 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
         };
         consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done, g0);
     }
-    const Work next = next_work(P, work.k + 1);
     // the next item's query, in flight during the epilogue; float32 queries (64 registers of words) after it:
     // fetched here, with O live, they spilled
     if constexpr (QT != 0) fetch_q(P, next, cw, ct, qw);
