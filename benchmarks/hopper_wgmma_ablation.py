@@ -1,9 +1,9 @@
 """Where the Hopper FP8 wgmma prefill's time goes: the kernel timed with parts of it removed from its
 source (the outputs are wrong then; only the times mean anything), at 4 x 2048 new over 2048 cached
-(GQA 32/8, D=128, block 16, dynamic q scale, bf16 queries); medians of CUDA-graph replays, as
+(GQA 32/8, D=128, block 16, dynamic q scale, bf16 queries; ``--shape`` for others); medians of CUDA-graph replays, as
 ``hopper_prefill.py`` times.
 
-    python benchmarks/hopper_wgmma_ablation.py [--json FILE] [--baseline OLD.cu] [VARIANT ...]
+    python benchmarks/hopper_wgmma_ablation.py [--shape 4x2048+2048] [--json FILE] [--baseline OLD.cu] [VARIANT ...]
 
 Every variant runs as shipped but for what it names: since 2026-11-27 without ping-pong (before, with it;
 the iteration files say which). Variants: ``base`` (as shipped), ``pp`` (the consumer warpgroups take turns,
@@ -20,13 +20,12 @@ divisions, before 2026-11-27, in place of ``div_by_scale``'s), ``f64div`` (every
 a float64 reciprocal, as before session 18; since then scales in [2^-80, 2^80] take float32 Markstein
 divisions), ``epidiv`` (the
 epilogue's 64 IEEE divisions a thread by l, as before 2026-11-27, in place of one reciprocal and
-products), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
+products), ``lazymax`` (the conditional rescaling's test on the row maxima, as before 2026-11-28, in
+place of the chain sums), ``grid`` and ``grid_pp`` (a CTA per work item, as before 2026-11-28,
 without and with ping-pong; ``base`` and ``pp`` run the persistent grid of one CTA per SM since then),
 ``nooverlap`` and ``nooverlap_pp`` (each phase waits for both products before the softmax, as before
-2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does), ``nosplit`` (S as one
-wgmma group of 128 keys, as before session 19; since then two of 64, the conditional rescaling starting on the
-first), ``nomask`` (edge tiles unmasked), ``qprefetch`` (the producer prefetching each item's query rows into L2),
-``baseline``
+2026-11-28; since then a tile's softmax runs while the previous tile's ``p8 @ v8`` does), ``nomask`` (edge
+tiles unmasked), ``qprefetch`` (the producer prefetching each item's query rows into L2), ``baseline``
 (the kernel of ``--baseline``'s source file, e.g. ``git show REV:backends/fp8kv_hopper/csrc/fp8_prefill.cu``).
 """
 
@@ -59,6 +58,15 @@ FDIV = (QDIV, "return __fdiv_rn(v, qs);")
 F64DIV = ("if (qs >= 0x1p-80f && qs <= 0x1p80f) {", "if (false) {")
 EPIDIV = [("((o[4 * j + 2 * h] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h], 1.0f / inv_l) * v_scale)"),
           ("((o[4 * j + 2 * h + 1] * inv_l) * v_scale)", "(__fdiv_rn(o[4 * j + 2 * h + 1], 1.0f / inv_l) * v_scale)")]
+LAZYMAX = [  # the conditional rescaling's test on the row maxima (before 2026-11-28) instead of the chain sums
+    ("    float lsum[2][4] = {}, msafe[2];\n",
+     "    float lsum[2][4] = {}, msafe[2], part[2][4];\n"
+     "    for (int h = 0; h < 2; ++h) for (int k = 0; k < 4; ++k) part[h][k] = NEG_INF;\n"),
+    ("                lsum[h][k] += p;\n",
+     "                lsum[h][k] += p;\n                part[h][k] = fmaxf(part[h][k], sa[i]);\n"),
+    ("        jump |= sm.rv[h] && (!within || sm.m[h] == NEG_INF);",
+     "        jump |= sm.rv[h] && __fmul_rn(fmaxf(fmaxf(part[h][0], part[h][1]), fmaxf(part[h][2], part[h][3])), "
+     "sm.f[h]) > sm.m[h] + P.lazy_t;")]
 VT128_SMEM = 16 * (1152 - 1040)  # per stage
 # per-item costs: the epilogue's stores skipped (NOEPI), the query's quantization skipped (NOQUANT: q8 keeps
 # the previous item's codes), consumer warpgroup 1 starting N microseconds after warpgroup 0 (STAGGER: does a
@@ -100,15 +108,14 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
             "nopp_nosoftmax": (wgmma.STAGES, False, [NOSOFT], {}), "nopp_notrans": (wgmma.STAGES, False, NOTRANS, {}),
             "qmul": (wgmma.STAGES, False, [QMUL], {}), "fdiv": (wgmma.STAGES, False, [FDIV], {}),
             "f64div": (wgmma.STAGES, False, [F64DIV], {}),
-            "epidiv": (wgmma.STAGES, False, EPIDIV, {}),
+            "epidiv": (wgmma.STAGES, False, EPIDIV, {}), "lazymax": (wgmma.STAGES, False, LAZYMAX, {}),
             "grid": (wgmma.STAGES, False, [], {}), "grid_pp": (wgmma.STAGES, True, [], {}),
             "nooverlap": (wgmma.STAGES, False, [], {"overlap": False}),
             "nooverlap_pp": (wgmma.STAGES, True, [], {"overlap": False}),
             "noepi": (wgmma.STAGES, False, [NOEPI], {}), "noquant": (wgmma.STAGES, False, NOQUANT, {}),
             "stagger1": (wgmma.STAGES, False, [stagger(1)], {}), "stagger3": (wgmma.STAGES, False, [stagger(3)], {}),
             "stagger10": (wgmma.STAGES, False, [stagger(10)], {}),
-            "nomask": (wgmma.STAGES, False, NOMASK, {}), "nosplit": (wgmma.STAGES, False, [], {"split_s": False}),
-            "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
+            "nomask": (wgmma.STAGES, False, NOMASK, {}), "qprefetch": (wgmma.STAGES, False, [QPREFETCH], {})}
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 

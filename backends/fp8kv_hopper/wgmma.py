@@ -81,15 +81,14 @@ def source() -> str:
 
 
 def options(query_dtype: torch.dtype, pingpong: bool = False, stages: int = STAGES, tma: bool = True,
-            lazy: bool = True, overlap: bool = True, split_s: bool = True) -> tuple[str, ...]:
+            lazy: bool = True, overlap: bool = True) -> tuple[str, ...]:
     """NVRTC options of a variant: the query type, whether the consumer warpgroups take turns issuing
     their products (``FP8KV_PINGPONG``), the pipeline depth, TMA loads (else cp.async), the conditional
     rescaling (``FP8KV_LAZY``), a tile's softmax overlapping the previous tile's ``p8 @ v8``
-    (``FP8KV_OVERLAP``), S in two wgmma groups of 64 keys with the softmax starting on the first
-    (``FP8KV_SPLIT_S``, with the overlap)."""
+    (``FP8KV_OVERLAP``)."""
     return (*OPTIONS, f"-DFP8KV_QT={QUERY_TYPES[query_dtype]}", f"-DFP8KV_PINGPONG={int(pingpong)}",
             f"-DFP8KV_STAGES={stages}", f"-DFP8KV_TMA={int(tma)}", f"-DFP8KV_LAZY={int(lazy)}",
-            f"-DFP8KV_OVERLAP={int(overlap)}", f"-DFP8KV_SPLIT_S={int(split_s)}")
+            f"-DFP8KV_OVERLAP={int(overlap)}")
 
 
 def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = False, tma: bool = True):

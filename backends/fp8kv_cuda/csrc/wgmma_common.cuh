@@ -172,20 +172,11 @@ __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_grou
 __device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
 // (all but the last committed group done: groups complete in order)
 __device__ __forceinline__ void wgmma_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait2() { asm volatile("wgmma.wait_group.sync.aligned 2;" ::: "memory"); }
 // keeps the compiler from touching accumulators across an asynchronous wgmma
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
     for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// the same for the accumulators d[LO .. LO + N - 1] alone (the others may still be a wgmma's)
-template <int LO, int N, int M>
-__device__ __forceinline__ void fence_acc_part(float (&d)[M]) {
-    static_assert(LO + N <= M, "fence_acc_part: range");
-#pragma unroll
-    for (int i = LO; i < LO + N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
 // d (+)= A B^T, A [64 x 32] and B [128 x 32] e4m3 from shared memory (descriptors); accumulate unless first
@@ -194,19 +185,6 @@ __device__ __forceinline__ void wgmma_e4m3_ss(float (&d)[64], u64 da, u64 db, bo
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " FP8KV_ACC64_REGS ", %64, %65, p, 1, 1;\n}\n"
         : FP8KV_ACC64_OPS(d)
-        : "l"(da), "l"(db), "r"((int)accumulate));
-}
-// d[OFF .. OFF + 31] (+)= A B^T with A [64 x 32] and B [64 x 32] e4m3 from shared memory: an m64n64 product into
-// the first (OFF = 0) or last (OFF = 32) 64 columns of an m64n128 accumulator (the layouts agree: column 8 j + 2 c
-// + b of rows r, r + 8 in d[4 j + 2 h + b])
-template <int OFF>
-__device__ __forceinline__ void wgmma_e4m3_ss_n64(float (&d)[64], u64 da, u64 db, bool accumulate) {
-    static_assert(OFF == 0 || OFF == 32, "wgmma_e4m3_ss_n64: a half of an m64n128 accumulator");
-    float* h = d + OFF;
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " FP8KV_ACC32_REGS ", %32, %33, p, 1, 1;\n}\n"
-        : FP8KV_ACC32_OPS(h)
         : "l"(da), "l"(db), "r"((int)accumulate));
 }
 // d += A B^T with A [64 x k] from registers (4 words per thread) and B [128 x k] from shared memory:
@@ -352,14 +330,10 @@ __device__ __forceinline__ void consumer_pipeline_waits(Wait&& wait, u64* empty,
 // alone and runs early(t) (tile t's softmax, while the second product runs: it must touch neither O nor the
 // second product's A registers), then waits for the second, releases tile t - 1's stage and runs late(t)
 // (what needs O += P(t-1) V(t-1) done: O's rescaling, the A registers of P(t); t = ntiles too). early and
-// late start with fence_acc on the accumulators they read. SPLIT: first(t) commits a group of its own
-// inside (the first product in two halves); phase t waits for the first half alone and runs mid(t) (on that
-// half's accumulators), then for the second and runs early(t).
-template <int STAGES, bool PINGPONG, bool SPLIT, class Wait, class First, class Second, class Mid, class Early,
-          class Late>
+// late start with fence_acc on the accumulators they read.
+template <int STAGES, bool PINGPONG, class Wait, class First, class Second, class Early, class Late>
 __device__ __forceinline__ void consumer_pipeline_overlap(Wait&& wait, u64* empty, int ntiles, int cw, First&& first,
-                                                          Second&& second, Mid&& mid, Early&& early, Late&& late,
-                                                          int base = 0) {
+                                                          Second&& second, Early&& early, Late&& late, int base = 0) {
     // (the first and last phases peeled: ptxas serializes the wgmma where the groups' count is conditional)
     if (PINGPONG && cw == 1) named_arrive(4, 256);  // warpgroup 0 issues first
     auto turn = [&] { if (PINGPONG) named_sync(4 + cw, 256); };
@@ -384,10 +358,6 @@ __device__ __forceinline__ void consumer_pipeline_overlap(Wait&& wait, u64* empt
         second(t - 1);
         wgmma_commit();
         pass();
-        if constexpr (SPLIT) {
-            wgmma_wait2();
-            mid(t);
-        }
         wgmma_wait1();
         early(t);
         wgmma_wait0();

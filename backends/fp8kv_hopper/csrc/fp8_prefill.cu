@@ -62,10 +62,6 @@ constexpr bool LAZY = FP8KV_LAZY != 0;          // lazy_softmax on the interior 
 #define FP8KV_OVERLAP 1
 #endif
 constexpr bool OVERLAP = FP8KV_OVERLAP != 0;    // a tile's softmax overlaps the previous tile's O += p8 v8
-#ifndef FP8KV_SPLIT_S
-#define FP8KV_SPLIT_S 1
-#endif
-constexpr bool SPLIT_S = OVERLAP && FP8KV_SPLIT_S != 0;  // S in two halves of 64 keys: lazy_softmax starts on the first
 constexpr int TILE_BYTES = BLOCK_N * D;         // a K (or V) tile: 128 keys x 128 e4m3 codes
 constexpr int VT_SBO = 1040;      // bytes between 8-dim groups of V^T (1024 + 16: conflict-free stores)
 constexpr float E4M3_MAX = 448.0f;
@@ -90,16 +86,6 @@ constexpr int SMEM_BYTES = (int)sizeof(Smem);
 __device__ __forceinline__ void issue_qk(float (&s)[64], u64 dq, u64 dk) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_ss(s, dq + 16 * ks, dk + 2 * ks, ks > 0);
-}
-// The same in two wgmma groups of 64 keys (SPLIT_S; K's rows 64.. at +8192 bytes, its sw128 atoms aligned):
-// the first committed here, the second left to the caller
-__device__ __forceinline__ void issue_qk_split(float (&s)[64], u64 dq, u32 k_addr) {
-    const u64 lo = desc_sw128(k_addr), hi = desc_sw128(k_addr + 64 * D);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_ss_n64<0>(s, dq + 16 * ks, lo + 2 * ks, ks > 0);
-    wgmma_commit();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma_e4m3_ss_n64<32>(s, dq + 16 * ks, hi + 2 * ks, ks > 0);
 }
 // O += p8 v8: 4 k32 steps over the tile's 128 keys
 __device__ __forceinline__ void issue_pv(float (&o)[64], const u32 (&pa)[4][4], u64 dv) {
@@ -448,15 +434,13 @@ constexpr int LOGIT_FMA = 2;        // every f in (2^-96, 2^-5]: one FMA, q8 . k
 // path, which recomputes everything from sa. So m stays where a tile's maximum is up to about m + lazy_t - 3
 // (8 keys of p <= 2^(lazy_t - 3)), never beyond m + lazy_t (the rule of fp8kv's tolerance argument); the
 // row maxima this no longer finds were 64 FMNMX a tile and thread. SCALE_P: P.scale_p.
-// lazy_softmax's exponentials for the 32-key slices KK0 .. KK0 + KK - 1 of S: p into pa, summed into lsum's chains
-template <bool SCALE_P, int KK0, int KK>
-__device__ __forceinline__ void lazy_slices(const Params& P, const Softmax& sm, const float (&sa)[64], u32 (&pa)[4][4],
-                                            float (&lsum)[2][4]) {
-    float msafe[2];
+template <bool SCALE_P>
+__device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const float (&sa)[64], u32 (&pa)[4][4]) {
+    float lsum[2][4] = {}, msafe[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) msafe[h] = sm.m[h] == NEG_INF ? 0.0f : sm.m[h];
 #pragma unroll
-    for (int kk = KK0; kk < KK0 + KK; ++kk)  // (pack_p8's order: each A word from its four accumulator values)
+    for (int kk = 0; kk < 4; ++kk)  // (pack_p8's order: each A word from its four accumulator values)
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
             const int j = 4 * kk + 2 * (w >> 1), e = 2 * (w & 1);
@@ -471,9 +455,6 @@ __device__ __forceinline__ void lazy_slices(const Params& P, const Softmax& sm, 
             }
             pa[kk][w] = e4m3x4(x[0], x[1], x[2], x[3]);
         }
-}
-// lazy_softmax's test on the chain sums of all 128 keys; if it passes, l adds them
-__device__ __forceinline__ bool lazy_accept(const Params& P, Softmax& sm, const float (&lsum)[2][4]) {
     const float bound = __int_as_float((127 + (int)P.lazy_t) << 23);  // 2^lazy_t (lazy_t in [0, 8])
     bool jump = false;
 #pragma unroll
@@ -485,12 +466,6 @@ __device__ __forceinline__ bool lazy_accept(const Params& P, Softmax& sm, const 
 #pragma unroll
     for (int h = 0; h < 2; ++h) sm.l[h] += (lsum[h][0] + lsum[h][1]) + (lsum[h][2] + lsum[h][3]);
     return true;
-}
-template <bool SCALE_P>
-__device__ __forceinline__ bool lazy_softmax(const Params& P, Softmax& sm, const float (&sa)[64], u32 (&pa)[4][4]) {
-    float lsum[2][4] = {};  // (four chains a row)
-    lazy_slices<SCALE_P, 0, 4>(P, sm, sa, pa, lsum);
-    return lazy_accept(P, sm, lsum);
 }
 
 // Tile at n0 in stage s (all_valid: every key's flag set): mask edge tiles, logits, the integer running
@@ -505,7 +480,7 @@ __device__ __forceinline__ bool softmax_tile(const Smem& sh, const Params& P, So
     const bool interior = all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi;  // (uniform)
     const bool started = sm.started;
     sm.started = true;
-    if constexpr (LAZY && MODE == LOGIT_FMA && !SPLIT_S) {  // (SPLIT_S: consume_item tries it, half by half)
+    if constexpr (LAZY && MODE == LOGIT_FMA) {
         if (interior && started && (P.scale_p ? lazy_softmax<true>(P, sm, sa, pb) : lazy_softmax<false>(P, sm, sa, pb)))
             return false;
     }
@@ -649,7 +624,6 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     const float v_scale = __ldg(P.vs + cta.kvh * P.stride_vsh);  // (in flight through the tiles: read in the
     // epilogue, its latency stalled the stores there, 1.4% of the profile's samples)
     const int mode = quantize_q(sh, P, cta, cw, ct, qw, k_scale);
-    const Work next = next_work(P, work.k + 1);  // (its reads of the lengths in flight through the tiles)
 
     // the rows this thread holds in the accumulators: 64 cw + 16 warp + r + 8 h
     int pos[2];
@@ -688,39 +662,12 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
     const u64 dq = desc(smem_addr(sh.q + 8192 * cw), 1024);
     bool all_valid = false;  // tile t's keys all flagged valid (read in wait(t), used by early(t))
     auto stage = [&](int t) { return (int)((unsigned)(g0 + t) % STAGES); };  // (g0 + t >= 0)
-    auto issue_s = [&](int t) {
-        if constexpr (SPLIT_S) issue_qk_split(sa, dq, smem_addr(sh.k[stage(t)]));
-        else issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[stage(t)])));
-    };
+    auto issue_s = [&](int t) { issue_qk(sa, dq, desc_sw128(smem_addr(sh.k[stage(t)]))); };
     auto issue_o = [&](int t) { issue_pv(o, pa, desc(smem_addr(sh.vt[stage(t)]), VT_SBO)); };
     const int path = __shfl_sync(0xFFFFFFFFu, mode, 0);  // (uniform: ptxas then branches without votes)
     bool rescale = false;  // the tile's softmax moved some row maximum (early(t) to late(t))
-    // SPLIT_S: lazy_softmax on S's first 64 keys once they are done (mid), the rest in early
-    bool lazy_go = false;
-    float lsum[2][4];
-    auto mid = [&](int t) {
-        fence_acc_part<0, 32>(sa);
-        const int n0 = cta.lo + t * BLOCK_N;
-        lazy_go = LAZY && path == LOGIT_FMA && sm.started && all_valid && n0 >= cta.all_lo && n0 + BLOCK_N <= cta.all_hi;
-        if (lazy_go) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-#pragma unroll
-                for (int k = 0; k < 4; ++k) lsum[h][k] = 0.0f;
-            if (P.scale_p) lazy_slices<true, 0, 2>(P, sm, sa, pb, lsum);
-            else lazy_slices<false, 0, 2>(P, sm, sa, pb, lsum);
-        }
-    };
     auto early = [&](int t) {  // tile t's softmax: p8 into pb, O's factor
         fence_acc(sa);
-        if (SPLIT_S && lazy_go) {
-            if (P.scale_p) lazy_slices<true, 2, 2>(P, sm, sa, pb, lsum);
-            else lazy_slices<false, 2, 2>(P, sm, sa, pb, lsum);
-            if (lazy_accept(P, sm, lsum)) {
-                rescale = false;
-                return;
-            }
-        }
         const int s = stage(t), n0 = cta.lo + t * BLOCK_N;
         if (path == LOGIT_FMA) rescale = softmax_tile<LOGIT_FMA>(sh, P, sm, s, n0, all_valid, cta, c, sa, pb, alpha);
         else if (path == LOGIT_PRODUCT)
@@ -747,8 +694,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
         if constexpr (!TMA) fence_async_shared();  // (K written by cp.async, read by wgmma)
     };
     if constexpr (OVERLAP) {  // tile t's softmax while O += p8(t-1) v(t-1) runs
-        consumer_pipeline_overlap<STAGES, PINGPONG, SPLIT_S>(wait, sh.empty, cta.ntiles, cw, issue_s, issue_o, mid, early,
-                                                             late, g0);
+        consumer_pipeline_overlap<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue_s, issue_o, early, late, g0);
     } else {  // both products, then the softmax
         auto issue = [&](int t) {
             if (t >= 1) issue_o(t - 1);
@@ -760,6 +706,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
         };
         consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done, g0);
     }
+    const Work next = next_work(P, work.k + 1);
     // the next item's query, in flight during the epilogue; float32 queries (64 registers of words) after it:
     // fetched here, with O live, they spilled
     if constexpr (QT != 0) fetch_q(P, next, cw, ct, qw);
