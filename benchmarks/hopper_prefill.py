@@ -28,6 +28,7 @@ from fp8kv_bench.kernels import (  # noqa: E402
     _backend,
     _fill_cache,
     _paged_tables,
+    causal_prefill_flops,
     causal_sdpa_bf16,
     environment,
     time_graph,
@@ -85,8 +86,7 @@ def workload(device, seqs, new, cached, gen):
     query = torch.randn(T, HQ, D, generator=gen).to(device=device, dtype=torch.bfloat16)
     seq_lens = torch.full((seqs,), L, dtype=torch.int32, device=device)
     qsl = torch.arange(0, T + 1, new, dtype=torch.int32, device=device)
-    visible = seqs * HQ * sum(cached + j + 1 for j in range(new))
-    return cache, tables, query, seq_lens, qsl, 4 * visible * D
+    return cache, tables, query, seq_lens, qsl, causal_prefill_flops(seqs, new, cached, HQ, D)
 
 
 def recorder(rows: list[dict], seqs: int, new: int, cached: int, flops: float):

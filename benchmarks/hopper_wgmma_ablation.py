@@ -39,7 +39,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/tests")
-from fp8kv_bench.kernels import environment, time_graph  # noqa: E402
+from fp8kv_bench.kernels import causal_prefill_flops, environment, time_graph  # noqa: E402
 from fp8kv_cuda import runtime  # noqa: E402
 from fp8kv_hopper import attention, wgmma  # noqa: E402
 from test_hopper_gpu import _case  # noqa: E402
@@ -119,11 +119,6 @@ VARIANTS = {"base": (wgmma.STAGES, False, [], {}), "nolazy": (wgmma.STAGES, Fals
 CONFIG = {"grid": {"wgmma_ctas": 0}, "grid_pp": {"wgmma_ctas": 0}}  # Fp8AttnConfig fields a variant sets
 
 
-def useful_flops(seqs: int, new: int, cached: int, q_heads: int = 32, head_size: int = 128) -> float:
-    """QK^T and PV FLOPs of the causal keys a query sees (as benchmarks/hopper_prefill.py counts them)."""
-    return 4.0 * head_size * q_heads * seqs * (new * cached + new * (new + 1) / 2)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("variants", nargs="*", default=[], help=f"any of {', '.join(VARIANTS)} (default: all)")
@@ -138,7 +133,7 @@ def main(argv=None) -> int:
     seqs, rest = args.shape.split("x")
     seqs, new_len, cached = int(seqs), *map(int, rest.split("+"))
     cache, q, tables, lens, qsl, new = _case(seqs, new_len, cached)
-    useful = useful_flops(seqs, new_len, cached)
+    useful = causal_prefill_flops(seqs, new_len, cached)
     source, smem_bytes, rows = wgmma.source(), wgmma.smem_bytes, []
     variants = dict(VARIANTS, baseline=(wgmma.STAGES, False, [], {}))
     for name in args.variants or list(VARIANTS):

@@ -147,7 +147,6 @@ def _bench_rows() -> list[str]:
                 impl, shape, base = key
                 rs = [r for r in rec["results"] if r["shape"] == shape]
                 mine = next((r["ms"] for r in rs if r["impl"] == impl), None)  # (the exact row: names share prefixes)
-                mine = mine or next((r["ms"] for r in rs if r["impl"].startswith(impl)), None)
                 theirs = next((r["ms"] for r in rs if r["impl"].startswith(base)), None)
                 value = theirs / mine if mine and theirs else None
         shown = "-" if value is None else (f"{value:.3f}{unit}" if unit else f"{100 * value:.1f}%")

@@ -278,6 +278,13 @@ def causal_sdpa_bf16(q, k, v, gqa: bool = True):
     return _sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def causal_prefill_flops(seqs: int, new: int, cached: int, q_heads: int = HQ, head_size: int = HEAD) -> int:
+    """Useful FLOPs of a causal prefill of ``new`` queries a sequence over ``cached`` keys: ``Q K^T`` and ``P V``
+    over the visible (query, key) pairs only, ``4 head_size`` each."""
+    visible = seqs * q_heads * (new * cached + new * (new + 1) // 2)
+    return 4 * visible * head_size
+
+
 def bench_prefill(name: str, kv_dtype: str, device, reps: int, seqs: int = 4, new: int = 2048,
                   cached: int = 2048) -> dict:
     import fp8kv
@@ -317,8 +324,7 @@ def bench_prefill(name: str, kv_dtype: str, device, reps: int, seqs: int = 4, ne
         group = HQ // HKV
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         ms_sdpa = time_graph(lambda: causal_sdpa_bf16(q, k, v), calls=3, reps=reps)
-    visible = seqs * HQ * sum(cached + j + 1 for j in range(new))
-    flops = 4 * visible * HEAD
+    flops = causal_prefill_flops(seqs, new, cached)
     return {"part": "prefill", "backend": backend.name, "seqs": seqs, "new": new, "cached": cached,
             "kernel_ms": ms, "api_ms": ms_api, "sdpa_bf16_ms": ms_sdpa, "sdpa_variant": variant,
             "speedup_vs_sdpa": ms_sdpa / ms, "tflops": flops / (ms * 1e-3) / 1e12,
