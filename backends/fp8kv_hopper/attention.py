@@ -358,6 +358,7 @@ def paged_attention_fp8(
     config: Fp8AttnConfig | None = None,
     interpret: bool = False,
     decode_plan: AttnPlan | None = None,
+    schedule: torch.Tensor | None = None,
 ) -> None:
     """FP8-mode paged attention of ``query [T, Hq, D]`` (float16/bfloat16/float32) over an e4m3fn
     ``cache`` with per-tensor or per-head scales, into ``out [T, Hq, D]`` (and ``lse [T, Hq]``).
@@ -365,8 +366,9 @@ def paged_attention_fp8(
     ``q_scale``: float32 ``[]``, ``[H_kv]`` or ``[Hq]``, or None for the dynamic per-(token, head)
     scale; ``prob_scale`` a finite positive float. ``interpret``: Triton's CPU interpreter (FP8 roundings
     through the integer-bit encoder). ``decode_plan``: fp8kv_cuda's ``plan_mma`` plan for a decode step
-    (made once per step by the plugin's ``fp8kv_plan_attention``; None: planned here). Other arguments
-    as the Triton backend's launcher.
+    (made once per step by the plugin's ``fp8kv_plan_attention``; None: planned here). ``schedule``: the
+    persistent wgmma kernel's item lists (:func:`fp8kv_hopper.schedule.for_step`, made by the plan from
+    host lengths; None: its snake deal). Other arguments as the Triton backend's launcher.
     """
     from fp8kv_triton.kernels import cache_strides, scale_strides
 
@@ -412,7 +414,7 @@ def paged_attention_fp8(
     if use_wgmma:
         wgmma.launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len, sm_mant, sm_exp, causal,
                      min(int(sliding_window or NO_WINDOW), NO_WINDOW), out, lse, q_scale, (qs_kv, qs_q),
-                     float(prob_scale), pingpong=config.wgmma_pingpong, ctas=config.wgmma_ctas)
+                     float(prob_scale), pingpong=config.wgmma_pingpong, ctas=config.wgmma_ctas, schedule=schedule)
         return
     k_strides, v_strides = cache_strides(cache, "key"), cache_strides(cache, "value")
     split = config.num_splits > 1

@@ -54,7 +54,8 @@ _TensorMap = ctypes.c_uint8 * 128  # CUtensorMap (64-byte aligned in the kernel'
 class _ParamFields(ctypes.Structure):
     _fields_ = [
         ("tmap_k", _TensorMap), ("tmap_v", _TensorMap),
-        *[(n, ctypes.c_void_p) for n in ("q", "qs", "ks", "vs", "kc", "vc", "bt", "seq_lens", "qsl", "out", "lse")],
+        *[(n, ctypes.c_void_p) for n in ("q", "qs", "ks", "vs", "kc", "vc", "bt", "seq_lens", "qsl", "out", "lse",
+                                         "sched")],
         *[(n, ctypes.c_float) for n in ("sm_mant", "prob_scale", "inv_prob_scale", "lazy_t")],
         *[(n, ctypes.c_int) for n in ("sm_exp", "window", "causal")],
         *[(n, ctypes.c_int64) for n in ("stride_bt", "stride_kb", "stride_kt", "stride_kh", "stride_vb",
@@ -142,12 +143,14 @@ def tma_maps(cache) -> tuple[bytes, bytes, int, int] | None:
 
 def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len: int, sm_mant: float, sm_exp: int,
            causal: bool, window: int, out, lse, q_scale, qs_strides: tuple[int, int], prob_scale: float,
-           pingpong: bool = False, ctas: int = 0) -> None:
+           pingpong: bool = False, ctas: int = 0, schedule: torch.Tensor | None = None) -> None:
     """Enqueue the kernel for ``query [T, Hq, 128]`` into ``out`` (and ``lse [T, Hq]``); arguments as
     :func:`fp8kv_hopper.attention.paged_attention_fp8` prepares them (no host sync). The work items are
     ``num_seqs * ceil(max_query_len / block_q) * H_kv`` (query block, KV head) pairs; ``ctas``: 0 launches
     a CTA per item, ``n > 0`` a persistent grid of ``min(n, items)`` CTAs that take the items in turn
-    (the launcher's choice: :attr:`fp8kv_hopper.attention.Fp8AttnConfig.wgmma_ctas`)."""
+    (the launcher's choice: :attr:`fp8kv_hopper.attention.Fp8AttnConfig.wgmma_ctas`). ``schedule``: with
+    ``ctas > 0``, which items each CTA takes (:func:`fp8kv_hopper.schedule.balanced`, int32 ``[grid + 1 +
+    items]`` on the query's device); None: the snake deal (``csrc/fp8_prefill.cu``'s ``cta_item``)."""
     from fp8kv_cuda import runtime
     from fp8kv_triton.kernels import cache_strides, scale_strides
 
@@ -162,6 +165,11 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
     if items + grid >= 2**31:  # (the kernel's item indices, int32, run up to items + grid)
         raise InvalidArgument(f"max_query_len: got {max_query_len} ({S} sequences x {q_blocks} query blocks x {H} KV "
                               f"heads = {items} work items), expected fewer than 2^31 - {grid} work items")
+    if schedule is not None and not (ctas > 0 and schedule.dtype == torch.int32 and schedule.is_contiguous()
+                                     and schedule.device == query.device and schedule.shape == (grid + 1 + items,)):
+        raise InvalidArgument(f"schedule: got {schedule.dtype} {tuple(schedule.shape)} on {schedule.device} with "
+                              f"ctas={ctas}, expected a persistent grid (ctas > 0) and int32 [{grid + 1 + items}] "
+                              f"contiguous on {query.device} (fp8kv_hopper.schedule.balanced)")
     page = cache.block_size
     kb, kt, kh = cache_strides(cache, "key")
     vb, vt, vh = cache_strides(cache, "value")
@@ -170,6 +178,7 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         ks=cache.k_scale.data_ptr(), vs=cache.v_scale.data_ptr(), kc=cache.key_cache.data_ptr(),
         vc=cache.value_cache.data_ptr(), bt=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(),
         qsl=query_start_loc.data_ptr(), out=out.data_ptr(), lse=(out if lse is None else lse).data_ptr(),
+        sched=None if schedule is None else schedule.data_ptr(),
         sm_mant=sm_mant, prob_scale=prob_scale, inv_prob_scale=1.0 / prob_scale,
         lazy_t=float(lazy_threshold(prob_scale)),  # (the conditional rescaling's threshold)
         sm_exp=sm_exp, window=window,

@@ -242,6 +242,7 @@ struct Params {
     const int *bt, *seq_lens, *qsl;
     void* out;
     float* lse;
+    const int* sched;  // persistent only, or null: the plan's item lists (cta_item)
     float sm_mant, prob_scale, inv_prob_scale;
     float lazy_t;  // lazy_softmax's threshold: an integer in [0, 8] with 2^lazy_t <= 448 prob_scale (else 0)
     int sm_exp, window, causal;
@@ -254,20 +255,26 @@ struct Params {
     int persistent;            // 1: a grid of fewer CTAs than items, each taking items in turn (cta_item)
 };
 
-// The k-th work item of this CTA, as cta_of reads it. One CTA per item (persistent = 0, gridDim.x =
-// num_items): the item is the CTA's index, KV-head major and the longest rows of a sequence first, the
-// order of the grid of separate CTAs this kernel had before. Persistent: items are ordered by query
-// block from the longest rows down (then sequence, then KV head), and CTA b takes item b of every round of
-// gridDim.x items, in a snake: rounds 1, 3, ... from the other end, so that a CTA's long items of one
-// round meet short ones of the next (causal items shrink with the query block; every round runs on all SMs).
+// The k-th work item of this CTA, as cta_of reads it (num_items: none left). One CTA per item (persistent
+// = 0, gridDim.x = num_items): the item is the CTA's index, KV-head major and the longest rows of a sequence
+// first, the order of the grid of separate CTAs this kernel had before. Persistent: items are ordered by
+// query block from the longest rows down (then sequence, then KV head). With a schedule (fp8kv_hopper.
+// schedule, from the step's host lengths), CTA b takes items sched[G + 1 + sched[b] ...] up to sched[b + 1]
+// (every item once, in lists of about equal cost). Without, CTA b takes item b of every round of gridDim.x
+// items, in a snake: rounds 1, 3, ... from the other end, so that a CTA's long items of one round meet short
+// ones of the next (causal items shrink with the query block; every round runs on all SMs).
 __device__ __forceinline__ int cta_item(const Params& P, int k) {
     const int G = gridDim.x, b = blockIdx.x;
+    if (P.sched != nullptr) {
+        const int i = __ldg(P.sched + b) + k;
+        return i < __ldg(P.sched + b + 1) ? __ldg(P.sched + G + 1 + i) : P.num_items;
+    }
     return G * k + (P.persistent && (k & 1) ? G - 1 - b : b);
 }
 
 // Item `item`'s geometry (false: it has no rows, or it is past the last item).
 __device__ __forceinline__ bool cta_of(const Params& P, int item, Cta& cta) {
-    if (item >= P.num_items) return false;
+    if (static_cast<unsigned>(item) >= static_cast<unsigned>(P.num_items)) return false;
     const int H = P.HQ / P.group, pairs = P.num_seqs * P.q_blocks;
     int qb_rev;
     if (P.persistent) {

@@ -1,0 +1,147 @@
+"""The persistent wgmma prefill with the plan's balanced schedule against its snake deal (A/B in one
+process, alternated): ``fp8kv_hopper.schedule`` deals the work items by cost from the step's host
+lengths. The outputs must be bit-identical (each item's arithmetic does not depend on which CTA runs it).
+
+    python benchmarks/hopper_schedule.py [--rounds 3] [--json FILE] [SHAPE ...]
+
+A shape is ``NEW+CACHED`` sequences joined by ``,`` with an optional ``Kx`` repeat, e.g. ``4x2048+2048``
+or ``3x1000+500,3000+7000`` (causal, GQA 32/8, D=128, page 16, bf16 queries, dynamic q scale). Times are
+medians of CUDA-graph replays, as ``hopper_prefill.py`` times them; the table gives each arm's range
+over the rounds, the cost model's busiest-CTA load of each deal, and the schedule's host time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import numpy as np
+import torch
+from fp8kv_bench.kernels import causal_prefill_flops, environment, time_graph
+
+import fp8kv
+
+SHAPES = ("4x2048+2048", "1x16384+0", "3x1000+500,3000+7000", "2x100+3000,5x700+20")
+H, HQ, D, PAGE = 8, 32, 128, 16
+
+
+def parse(shape: str) -> list[tuple[int, int]]:
+    """``[(new, cached), ...]`` of a shape string."""
+    pairs = []
+    for part in shape.split(","):
+        count, _, rest = part.rpartition("x")
+        new, cached = map(int, rest.split("+"))
+        pairs += [(new, cached)] * (int(count) if count else 1)
+    return pairs
+
+
+def workload(pairs: list[tuple[int, int]], device, seed: int = 0):
+    """An e4m3 cache (per-head scales) and bf16 queries for sequences of ``(new, cached)`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [n + c for n, c in pairs]
+    nblk = -(-max(lens) // PAGE)
+    S = len(pairs)
+    tables = torch.randperm(S * nblk, generator=g).to(torch.int32).view(S, nblk).to(device)
+    scales = (0.02 + 0.05 * torch.rand(H, generator=g)).to(device)
+    cache = fp8kv.KVCache.allocate(S * nblk, PAGE, H, D, kv_dtype="fp8_e4m3", scale_granularity="head",
+                                   k_scale=scales, v_scale=scales, device=device)
+    n = S * nblk * PAGE
+    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).to(device, torch.bfloat16),
+                   torch.randn(n, H, D, generator=g).to(device, torch.bfloat16), torch.arange(n, device=device))
+    qsl = [0]
+    for new, _ in pairs:
+        qsl.append(qsl[-1] + new)
+    q = (torch.randn(qsl[-1], HQ, D, generator=g) * 2).to(device, torch.bfloat16)
+    return cache, q, tables, lens, qsl
+
+
+def busiest(tiles: np.ndarray, lists: list[np.ndarray]) -> float:
+    """The cost model's load of the busiest CTA (in tiles)."""
+    from fp8kv_hopper.schedule import ITEM_TILES
+
+    cost = np.where(tiles >= 0, tiles + ITEM_TILES, 0.0)
+    return max(float(cost[x].sum()) for x in lists)
+
+
+def bench(shape: str, rounds: int, reps: int, device) -> dict:
+    from fp8kv_hopper import attention, schedule, wgmma
+
+    pairs = parse(shape)
+    cache, q, tables, lens, qsl = workload(pairs, device)
+    lens_t = torch.tensor(lens, dtype=torch.int32, device=device)
+    qsl_t = torch.tensor(qsl, dtype=torch.int32, device=device)
+    max_q = max(n for n, _ in pairs)
+    max_keys = tables.shape[1] * PAGE
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    cfg = dataclasses.replace(attention.choose_config(group=HQ // H, num_seqs=len(pairs), num_kv_heads=H,
+                                                      max_query_len=max_q, max_keys=max_keys, num_sms=sms),
+                              kernel="wgmma")
+    t0 = time.perf_counter()
+    sched = schedule.for_step(lens, qsl, ctas=cfg.wgmma_ctas, num_kv_heads=H, group=HQ // H, num_tokens=qsl[-1],
+                              max_query_len=max_q, max_keys=max_keys, causal=True, sliding_window=None,
+                              device=device)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+    # the cost model's view of both deals
+    block_q = wgmma.BLOCK_M // (HQ // H)
+    q_blocks = -(-max_q // block_q)
+    tiles = schedule.item_tiles(lens, qsl, num_kv_heads=H, block_q=block_q, q_blocks=q_blocks, block_n=wgmma.BLOCK_N,
+                                num_tokens=qsl[-1], max_keys=max_keys, causal=True, window=1 << 30)
+    items, grid = tiles.shape[0], min(cfg.wgmma_ctas, tiles.shape[0])
+    snake = [np.array([grid * k + (grid - 1 - b if k & 1 else b) for k in range(-(-items // grid))
+                       if grid * k + (grid - 1 - b if k & 1 else b) < items], dtype=np.int64) for b in range(grid)]
+    host = sched.cpu().numpy()
+    planned = [host[grid + 1 + host[b]:grid + 1 + host[b + 1]] for b in range(grid)]
+    outs = {}
+
+    def run(arm: str) -> None:
+        attention.paged_attention_fp8(q, cache, tables, lens_t, qsl_t, max_q, D**-0.5, True, None, None, outs[arm],
+                                      q_scale=None, prob_scale=1.0, config=cfg,
+                                      schedule=sched if arm == "balanced" else None)
+
+    times: dict[str, list[float]] = {"snake": [], "balanced": []}
+    for arm in times:
+        outs[arm] = torch.empty_like(q)
+        run(arm)
+    torch.cuda.synchronize()
+    identical = torch.equal(outs["snake"], outs["balanced"])
+    for r in range(rounds):
+        for arm in (("snake", "balanced") if r % 2 == 0 else ("balanced", "snake")):
+            times[arm].append(time_graph(lambda arm=arm: run(arm), calls=3, reps=reps) * 1e3)
+        print(f"  {shape} round {r + 1}/{rounds}: snake {times['snake'][-1]:.1f} us, "
+              f"balanced {times['balanced'][-1]:.1f} us", flush=True)
+    flops = sum(causal_prefill_flops(1, n, c) for n, c in pairs)
+    return {"shape": shape, "items": items, "ctas": grid, "identical_outputs": identical,
+            "snake_us": [round(t, 1) for t in times["snake"]], "balanced_us": [round(t, 1) for t in times["balanced"]],
+            "model_busiest_snake": round(busiest(tiles, snake), 1),
+            "model_busiest_balanced": round(busiest(tiles, planned), 1),
+            "model_mean": round(float(np.where(tiles >= 0, tiles + schedule.ITEM_TILES, 0).sum()) / grid, 1),
+            "schedule_host_ms": round(plan_ms, 2), "useful_tflop": round(flops / 1e12, 4)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shapes", nargs="*", default=list(SHAPES))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda")
+    rows = [bench(s, args.rounds, args.reps, device) for s in args.shapes]
+    print("| shape | items / CTAs | snake us | balanced us | ratio (median) | model busiest: snake / balanced / mean "
+          "(tiles) | host ms | identical |\n|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = float(np.median(r["snake_us"])) / float(np.median(r["balanced_us"]))
+        print(f"| {r['shape']} | {r['items']} / {r['ctas']} | {min(r['snake_us'])}-{max(r['snake_us'])} | "
+              f"{min(r['balanced_us'])}-{max(r['balanced_us'])} | {ratio:.3f}x | {r['model_busiest_snake']} / "
+              f"{r['model_busiest_balanced']} / {r['model_mean']} | {r['schedule_host_ms']} | "
+              f"{r['identical_outputs']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": environment(torch.device("cuda")), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
