@@ -105,6 +105,7 @@ def recorder(rows: list[dict], seqs: int, new: int, cached: int, flops: float):
 
 def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]) -> None:
     """Time every implementation on one shape (appends rows)."""
+    from fp8kv_hopper import schedule
     from fp8kv_hopper.attention import choose_config, paged_attention_fp8
 
     import fp8kv
@@ -161,15 +162,23 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
                               (128, 64, 4, 3), (256, 64, 8, 2)):
             grid.append((dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st), True))
     grid += [(dataclasses.replace(c, v_mode=2 - c.v_mode), dyn) for c, dyn in grid]
-    if new > 1:  # the warp-specialized CUDA kernel (fp8kv_hopper.wgmma; prefill only)
-        grid += [(dataclasses.replace(base, kernel="wgmma", wgmma_pingpong=pp, wgmma_ctas=ctas), dyn)
-                 for ctas in (shipped.wgmma_ctas, 0) for pp in (True, False) for dyn in (True, False)]
-    for cfg, dyn in grid:
+    grid = [(c, dyn, False) for c, dyn in grid]
+    if new > 1:  # the warp-specialized CUDA kernel (fp8kv_hopper.wgmma; prefill only); its persistent grid
+        # deals the plan's schedule (from the host lengths, as plan_attention makes it), or its snake
+        grid += [(dataclasses.replace(base, kernel="wgmma", wgmma_pingpong=pp, wgmma_ctas=ctas), dyn, snake)
+                 for ctas, snake in ((shipped.wgmma_ctas, False), (shipped.wgmma_ctas, True), (0, False))
+                 for pp in (True, False) for dyn in (True, False)]
+    host_lens, host_qsl = seq_lens.tolist(), qsl.tolist()
+    for cfg, dyn, snake in grid:
         qs = None if dyn else torch.full((HKV,), 0.02, device=device)
+        sched = None if snake or cfg.kernel != "wgmma" else schedule.for_step(
+            host_lens, host_qsl, ctas=cfg.wgmma_ctas, num_kv_heads=HKV, group=HQ // HKV, num_tokens=query.shape[0],
+            max_query_len=new, max_keys=tables.shape[1] * cache.block_size, causal=True, sliding_window=None,
+            device=device)
 
-        def run(cfg=cfg, qs=qs):
+        def run(cfg=cfg, qs=qs, sched=sched):
             paged_attention_fp8(query, cache, tables, seq_lens, qsl, new, scale, True, None, None, out,
-                                q_scale=qs, prob_scale=1.0, config=cfg)
+                                q_scale=qs, prob_scale=1.0, config=cfg, schedule=sched)
         try:
             run()
             torch.cuda.synchronize()
@@ -179,11 +188,11 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
             print(f"  {cfg} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
             continue
         name = (f"hopper fp8 {'dyn-q' if dyn else 'head-q'} wgmma (CUDA){' ping-pong' if cfg.wgmma_pingpong else ''}"
-                f"{' a CTA per item' if cfg.wgmma_ctas == 0 else ''}"
+                f"{' a CTA per item' if cfg.wgmma_ctas == 0 else ''}{' snake deal' if snake else ''}"
                 if cfg.kernel == "wgmma"
                 else f"hopper fp8 {'dyn-q' if dyn else 'head-q'} m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} "
                 f"s{cfg.num_stages} v{cfg.v_mode}")
-        default = cfg == dataclasses.replace(shipped, kernel="wgmma" if new > 1 else "triton")
+        default = cfg == dataclasses.replace(shipped, kernel="wgmma" if new > 1 else "triton") and not snake
         record(name, ms, config=dataclasses.asdict(cfg), dynamic_q=dyn, default=default, **extra)
     if args.flashinfer:
         bench_flashinfer(device, cache, tables, query, qsl, seqs, args, record)

@@ -75,7 +75,7 @@ STORE = "            store_out2(P.out, orow[h] + 8 * j + 2 * c,"
 NOEPI = (STORE, "            if (P.T < 0)" + STORE[11:])
 NOQUANT = [("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, qs, rs); });", ""),
            ("        store_q8(qdst, x, ql, half, [&](float v) { return div_by_scale(v, rq); });", "")]
-CONSUME = "    Work work = next_work(P, 0);\n"
+CONSUME = "    Work work = first_work(P);\n"
 # the edge tiles' masking skipped (timing only: what masking the diagonal tile of every item costs)
 NOMASK = [("    if (!interior) {  // an edge tile: mask", "    if (P.T < 0) {")]
 # the producer prefetching each item's query rows into L2 as it starts the item's tiles (ahead of the consumers)

@@ -25,6 +25,8 @@ within the planned maxima).
 from __future__ import annotations
 
 import math
+import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -282,18 +284,23 @@ class AttentionMetadata:
         return cache
 
     def update(self, *, block_tables=None, seq_lens=None, query_start_loc=None, slot_mapping=None,
-               kv_indptr=None, kv_indices=None, kv_last_page_len=None, validate: bool | None = None) -> None:
+               kv_indptr=None, kv_indices=None, kv_last_page_len=None, validate: bool | None = None,
+               host_seq_lens: Sequence[int] | None = None, host_query_start_loc: Sequence[int] | None = None) -> None:
         """Refill the metadata's buffers in place (CUDA-graph replay), checked like :func:`plan_attention`.
 
         Shapes must equal the planned ones; lengths must stay within the planned
-        ``max_query_len`` / ``max_seq_len`` (the backend's plan relies on them).
+        ``max_query_len`` / ``max_seq_len`` (the backend's plan relies on them). The backend's plan
+        is kept as planned (its buffers are the ones a graph captured): what it derived from the
+        planned host lengths, such as the Hopper prefill's work schedule, stays complete for any
+        lengths but is balanced for the planned ones.
         """
         new = plan_attention(
             self.spec, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
             slot_mapping=slot_mapping, num_q_heads=self.num_q_heads, query_dtype=self.query_dtype,
             num_tokens=self.num_tokens, max_query_len=self.max_query_len, max_seq_len=self.max_seq_len,
-            max_blocks=self.block_tables.shape[1], validate=validate, _options=self.options,
+            max_blocks=self.block_tables.shape[1], validate=validate, host_seq_lens=host_seq_lens,
+            host_query_start_loc=host_query_start_loc, _options=self.options,
             _selections=(self.attention, self.write),
         )
         if new.is_decode != self.is_decode:
@@ -338,6 +345,8 @@ def plan_attention(
     prob_scale: float | None = None,
     validate: bool | None = None,
     backend: str = "auto",
+    host_seq_lens: Sequence[int] | None = None,
+    host_query_start_loc: Sequence[int] | None = None,
     _options: AttentionOptions | None = None,
     _selections: tuple | None = None,
 ) -> AttentionMetadata:
@@ -378,6 +387,12 @@ def plan_attention(
         validate: check index values (one host sync); default: ``FP8KV_CHECK`` (``full``),
             never during CUDA-graph capture.
         backend: ``"auto"`` or a backend name (``FP8KV_BACKEND`` forces one for ``auto``).
+        host_seq_lens / host_query_start_loc: the same lengths and offsets as host integers (vLLM's
+            ``seq_lens_cpu`` / ``query_start_loc_cpu``, FlashInfer's host ``qo_indptr``), if the
+            caller has them: backends plan the step's work by them without a host sync (the Hopper
+            prefill balances its CTAs' work items). They steer only how work is dealt, never what is
+            computed. Checked against the tensors when ``validate`` is on, which also reads them
+            from the GPU for free (in its one transfer) when they are not given.
     """
     from .registry import select_backend
 
@@ -476,12 +491,31 @@ def plan_attention(
                 need += [("max_slot", hi), ("dup_slot", dup)]
         elif csr:
             need += [("max_pages", amax(pages))]
-        host = dict(zip([n for n, _ in need], torch.stack([v for _, v in need]).tolist(), strict=True))
+        values = torch.stack([v for _, v in need])
+        if check:  # the lengths ride along (backends plan by them; the reference reads them)
+            values = torch.cat([values, lens.to(torch.int64), qsl.to(torch.int64)])
+        flat = values.tolist()
+        host = dict(zip([n for n, _ in need], flat[:len(need)], strict=True))
     else:
-        host = {}
+        host, flat = {}, []
     host_lens = host_qsl = None
-    if check and dev.type != "cuda":  # free on the CPU: the reference reads these
-        host_lens, host_qsl = lens.tolist(), qsl.tolist()
+    if check:
+        host_lens, host_qsl = flat[len(need):len(need) + S], flat[len(need) + S:]
+    for name, given, want, read in (("host_seq_lens", host_seq_lens, S, host_lens),
+                                    ("host_query_start_loc", host_query_start_loc, S + 1, host_qsl)):
+        if given is None:
+            continue
+        try:
+            given = [operator.index(x) for x in given]
+        except TypeError:
+            raise bad_argument(name, type(given).__name__, "a sequence of Python ints") from None
+        if len(given) != want or (read is not None and given != read):
+            raise bad_argument(name, f"{len(given)} values" if len(given) != want else "other values than the tensor's",
+                               f"{want} host ints equal to the tensor's")
+    if host_seq_lens is not None:
+        host_lens = [int(x) for x in host_seq_lens]
+    if host_query_start_loc is not None:
+        host_qsl = [int(x) for x in host_query_start_loc]
 
     if check:
         _check_values(spec, host, S, decode, num_tokens, max_query_len, max_seq_len, csr, lens, qsl,

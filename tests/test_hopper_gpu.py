@@ -364,6 +364,44 @@ def test_wgmma_prefill_persistent_grids_give_the_same_bits(pingpong):
         assert torch.equal(lse, outs[0][1]), ctas
 
 
+def test_wgmma_prefill_schedules_give_the_same_bits():
+    """The plan's balanced schedule (``HopperPlan.schedule``, from host lengths) gives the bits of a CTA per
+    item, and so does any complete schedule: one made from other lengths than the step's (a stale plan),
+    and schedules over grids of 1 and 5 CTAs; lse alike."""
+    import dataclasses
+
+    from fp8kv_hopper import attention, schedule
+
+    cache, q, tables, lens, _, _ = _case(4, 225, 775, seed=5)
+    qsl = torch.tensor([0, 300, 300, 310, 900], dtype=torch.int32, device=DEV)
+    new = 590
+    meta = fp8kv.plan_attention(cache, num_q_heads=32, query_dtype=q.dtype, block_tables=tables, seq_lens=lens,
+                                query_start_loc=qsl, fp8_attention=True, backend="hopper",
+                                host_seq_lens=lens.tolist(), host_query_start_loc=qsl.tolist())
+    assert meta.backend_plan.schedule is not None and meta.backend_plan.schedule.shape[1] == 132
+    planned_out, planned_lse = fp8kv.paged_attention(q, cache, meta, return_lse=True)
+    cfg = dataclasses.replace(meta.backend_plan.config, kernel="wgmma")
+
+    def run(ctas, sched):
+        out, lse = torch.empty_like(q), torch.empty(q.shape[:2], dtype=torch.float32, device=DEV)
+        attention.paged_attention_fp8(q, cache, tables, lens, qsl, new, 128**-0.5, True, None, None, out,
+                                      q_scale=None, prob_scale=1.0, lse=lse,
+                                      config=dataclasses.replace(cfg, wgmma_ctas=ctas), schedule=sched)
+        return out, lse
+
+    def make(ctas, host_lens, host_qsl):
+        return schedule.for_step(host_lens, host_qsl, ctas=ctas, num_kv_heads=8, group=4, num_tokens=q.shape[0],
+                                 max_query_len=new, max_keys=tables.shape[1] * 16, causal=True, sliding_window=None,
+                                 device=DEV)
+
+    want, want_lse = run(0, None)
+    outs = [(planned_out, planned_lse), run(132, make(132, [1000, 1, 5000, 0], [0, 1, 2, 800, 900])),
+            run(1, make(1, lens.tolist(), qsl.tolist())), run(5, make(5, lens.tolist(), qsl.tolist()))]
+    for i, (out, lse) in enumerate(outs):
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), i
+        assert torch.equal(lse, want_lse), i
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
 def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
     """fp8kv.testing.safety's hostile metadata at head size 128 (its own check runs at 16, which this kernel

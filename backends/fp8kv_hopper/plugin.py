@@ -78,13 +78,16 @@ def _arch(device: torch.device) -> str | None:
 
 @dataclass(frozen=True)
 class HopperPlan:
-    """Per-step choices: the launch configuration, the interpreter flag, and for a decode step the
-    tensor-core decode's plan (fp8kv_cuda's ``plan_mma``: head chunks, KV split, warps), made once here
-    rather than at every layer's call (None: not a decode step, or no CuPy; the call then decides)."""
+    """Per-step choices: the launch configuration, the interpreter flag, for a decode step the
+    tensor-core decode's plan (fp8kv_cuda's ``plan_mma``: head chunks, KV split, warps), and for a
+    prefill step the persistent wgmma kernel's work schedule (:func:`fp8kv_hopper.schedule.for_step`,
+    from the step's host lengths), made once here rather than at every layer's call (None: not that
+    kind of step, no CuPy, or no host lengths; the call then decides, or deals the snake)."""
 
     config: Fp8AttnConfig
     interpret: bool
     decode: AttnPlan | None = None
+    schedule: torch.Tensor | None = None
 
 
 def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> AttnPlan | None:
@@ -99,6 +102,24 @@ def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: 
     return cuda_attention.plan_mma(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
                                    group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
                                    max_keys=metadata.block_tables.shape[1] * spec.block_size)
+
+
+def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> torch.Tensor | None:
+    """The persistent wgmma prefill's balanced work schedule for a prefill step whose host lengths are
+    known (``metadata.host_seq_lens``), where that kernel may serve it."""
+    from . import schedule, wgmma
+
+    spec = metadata.spec
+    if (interpret or metadata.max_query_len <= 1 or config.kernel not in ("auto", "wgmma") or config.wgmma_ctas <= 0
+            or metadata.host_seq_lens is None or metadata.host_query_start_loc is None or spec.device.type != "cuda"
+            or spec.head_size != wgmma.HEAD_SIZE):
+        return None
+    opts = metadata.options
+    return schedule.for_step(metadata.host_seq_lens, metadata.host_query_start_loc, ctas=config.wgmma_ctas,
+                             num_kv_heads=spec.num_kv_heads, group=metadata.num_q_heads // spec.num_kv_heads,
+                             num_tokens=metadata.num_tokens, max_query_len=metadata.max_query_len,
+                             max_keys=metadata.block_tables.shape[1] * spec.block_size, causal=opts.causal,
+                             sliding_window=opts.sliding_window, device=spec.device)
 
 
 class HopperBackend:
@@ -136,7 +157,8 @@ class HopperBackend:
                                num_kv_heads=spec.num_kv_heads, max_query_len=metadata.max_query_len,
                                max_keys=metadata.block_tables.shape[1] * spec.block_size, num_sms=sms,
                                interpret=interpret)
-        return HopperPlan(config, interpret, _decode_plan(metadata, config, interpret))
+        return HopperPlan(config, interpret, _decode_plan(metadata, config, interpret),
+                          _prefill_schedule(metadata, config, interpret))
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:
@@ -147,4 +169,5 @@ class HopperBackend:
         paged_attention_fp8(query, cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
                             metadata.max_query_len, opts.softmax_scale, opts.causal, opts.sliding_window,
                             opts.logits_soft_cap, out, q_scale=opts.q_scale, prob_scale=opts.prob_scale, lse=lse,
-                            config=plan.config, interpret=plan.interpret, decode_plan=plan.decode)
+                            config=plan.config, interpret=plan.interpret, decode_plan=plan.decode,
+                            schedule=plan.schedule)

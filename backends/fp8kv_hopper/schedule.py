@@ -32,7 +32,9 @@ SEARCH_ITEMS_PER_CTA = 32
 """The local search runs while no CTA has more items than this (beyond, the sorted snake is within a
 fraction of a percent of the mean and a search round costs more)."""
 SEARCH_ROUNDS = 160
-"""At most this many moves or swaps (4 x 2048 over 2048 takes about 90; a few ms in all)."""
+"""At most this many moves or swaps (4 x 2048 over 2048 takes about 90)."""
+SEARCH_PARTNERS = 8
+"""Swaps are sought with the items of this many least busy CTAs."""
 
 
 def item_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, num_kv_heads: int,
@@ -55,9 +57,8 @@ def item_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int]
 
 def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     """The schedule of items with ``tiles [num_items]`` (:func:`item_tiles`) over ``grid`` CTAs, as the
-    kernel reads it: int32 ``[grid + 1 + num_items]``, CTA ``b``'s items at ``grid + 1 + off[b] ..
-    grid + 1 + off[b + 1]`` with ``off = schedule[:grid + 1]``, each list from its most expensive item
-    down."""
+    kernel reads it: int32 ``[rows, grid]``, column ``b`` CTA ``b``'s items from its most expensive down,
+    padded with ``num_items`` (the end of a list)."""
     n = tiles.shape[0]
     cost = np.where(tiles >= 0, tiles + ITEM_TILES, 0.0)
     order = np.argsort(-cost, kind="stable")
@@ -67,40 +68,55 @@ def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     if -(-n // grid) <= SEARCH_ITEMS_PER_CTA:
         _lower_the_busiest(cost, cta, grid)
     lists = np.lexsort((-cost, cta))  # by CTA, then most expensive first
-    off = np.zeros(grid + 1, dtype=np.int64)
-    np.cumsum(np.bincount(cta, minlength=grid), out=off[1:])
-    return np.concatenate([off, lists]).astype(np.int32)
+    counts = np.bincount(cta, minlength=grid)
+    starts = np.cumsum(counts) - counts
+    row = np.arange(n) - np.repeat(starts, counts)  # each item's place in its CTA's list
+    out = np.full((max(int(counts.max()), 1), grid), n, dtype=np.int32)
+    out[row, cta[lists]] = lists
+    return out
 
 
 def _lower_the_busiest(cost: np.ndarray, cta: np.ndarray, grid: int) -> None:
     """Local search, in place on ``cta``: move an item of the busiest CTA to the least busy one, or swap
-    it for a cheaper item of another CTA, whichever leaves the pair's larger load the smallest, while
-    that is below the busiest load (at most :data:`SEARCH_ROUNDS` steps)."""
+    it for a cheaper item of one of the :data:`SEARCH_PARTNERS` least busy CTAs, whichever leaves the
+    pair's larger load the smallest, while that is below the busiest load (at most
+    :data:`SEARCH_ROUNDS` steps)."""
     load = np.bincount(cta, weights=cost, minlength=grid)
-    for _ in range(SEARCH_ROUNDS):
+    members = [[] for _ in range(grid)]
+    for i, b in enumerate(cta.tolist()):
+        members[b].append(i)
+    partners = min(SEARCH_PARTNERS, grid - 1)
+    for _ in range(SEARCH_ROUNDS if partners > 0 else 0):
         top = int(np.argmax(load))
-        mine = np.flatnonzero(cta == top)
-        others = load.copy()
-        others[top] = np.inf
-        least = int(np.argmin(others))
-        moved = np.maximum(load[top] - cost[mine], others[least] + cost[mine])  # [m]
-        d = cost[mine][:, None] - cost[None, :]  # [m, n]: what a swap with item j moves
-        swapped = np.maximum(load[top] - d, load[cta][None, :] + d)
-        swapped[(d <= 0) | (cta == top)[None, :]] = np.inf
-        best_move, best_swap = int(np.argmin(moved)), int(np.argmin(swapped))
-        if min(moved[best_move], swapped.flat[best_swap]) >= load[top]:
+        mine = np.array(members[top])
+        least = np.argpartition(load, partners)[:partners + 1]
+        least = least[least != top][:partners]
+        theirs = np.array([i for b in least.tolist() for i in members[b]], dtype=np.int64)
+        lowest = int(least[np.argmin(load[least])])
+        moved = np.maximum(load[top] - cost[mine], load[lowest] + cost[mine])  # [m]
+        d = cost[mine][:, None] - cost[theirs][None, :]  # [m, t]: what a swap moves
+        swapped = np.where(d > 0, np.maximum(load[top] - d, load[cta[theirs]][None, :] + d), np.inf)
+        best_move = int(np.argmin(moved))
+        best_swap = int(np.argmin(swapped)) if theirs.size else 0
+        swap_to = swapped.flat[best_swap] if theirs.size else np.inf
+        if min(moved[best_move], swap_to) >= load[top]:
             return
-        if moved[best_move] <= swapped.flat[best_swap]:
-            i = mine[best_move]
-            cta[i] = least
-            load[top] -= cost[i]
-            load[least] += cost[i]
+        if moved[best_move] <= swap_to:
+            i, j, other = int(mine[best_move]), None, lowest
         else:
-            i, j = mine[best_swap // cost.shape[0]], best_swap % cost.shape[0]
-            other = cta[j]
-            cta[i], cta[j] = other, top
-            load[top] += cost[j] - cost[i]
-            load[other] += cost[i] - cost[j]
+            i, j = int(mine[best_swap // theirs.size]), int(theirs[best_swap % theirs.size])
+            other = int(cta[j])
+        members[top].remove(i)
+        members[other].append(i)
+        cta[i] = other
+        load[top] -= cost[i]
+        load[other] += cost[i]
+        if j is not None:
+            members[other].remove(j)
+            members[top].append(j)
+            cta[j] = top
+            load[other] -= cost[j]
+            load[top] += cost[j]
 
 
 def for_step(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, ctas: int, num_kv_heads: int,

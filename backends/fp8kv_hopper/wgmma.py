@@ -63,7 +63,7 @@ class _ParamFields(ctypes.Structure):
         *[(n, ctypes.c_int) for n in ("stride_qs_kv", "stride_qs_q", "stride_ksh", "stride_vsh", "T", "HQ", "group",
                                       "block_q", "q_blocks", "page", "page_shift", "num_blocks", "max_keys",
                                       "q_dynamic", "write_lse", "scale_p", "head_inner", "box_rows",
-                                      "num_seqs", "num_items", "persistent")],
+                                      "num_seqs", "num_items", "persistent", "sched_rows")],
     ]
 
 
@@ -149,8 +149,8 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
     ``num_seqs * ceil(max_query_len / block_q) * H_kv`` (query block, KV head) pairs; ``ctas``: 0 launches
     a CTA per item, ``n > 0`` a persistent grid of ``min(n, items)`` CTAs that take the items in turn
     (the launcher's choice: :attr:`fp8kv_hopper.attention.Fp8AttnConfig.wgmma_ctas`). ``schedule``: with
-    ``ctas > 0``, which items each CTA takes (:func:`fp8kv_hopper.schedule.balanced`, int32 ``[grid + 1 +
-    items]`` on the query's device); None: the snake deal (``csrc/fp8_prefill.cu``'s ``cta_item``)."""
+    ``ctas > 0``, which items each CTA takes (:func:`fp8kv_hopper.schedule.balanced`, int32 ``[rows, grid]``
+    on the query's device); None: the snake deal (``csrc/fp8_prefill.cu``'s ``cta_item``)."""
     from fp8kv_cuda import runtime
     from fp8kv_triton.kernels import cache_strides, scale_strides
 
@@ -166,9 +166,10 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         raise InvalidArgument(f"max_query_len: got {max_query_len} ({S} sequences x {q_blocks} query blocks x {H} KV "
                               f"heads = {items} work items), expected fewer than 2^31 - {grid} work items")
     if schedule is not None and not (ctas > 0 and schedule.dtype == torch.int32 and schedule.is_contiguous()
-                                     and schedule.device == query.device and schedule.shape == (grid + 1 + items,)):
+                                     and schedule.device == query.device and schedule.dim() == 2
+                                     and schedule.shape[1] == grid):
         raise InvalidArgument(f"schedule: got {schedule.dtype} {tuple(schedule.shape)} on {schedule.device} with "
-                              f"ctas={ctas}, expected a persistent grid (ctas > 0) and int32 [{grid + 1 + items}] "
+                              f"ctas={ctas}, expected a persistent grid (ctas > 0) and int32 [rows, {grid}] "
                               f"contiguous on {query.device} (fp8kv_hopper.schedule.balanced)")
     page = cache.block_size
     kb, kt, kh = cache_strides(cache, "key")
@@ -179,6 +180,7 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         vc=cache.value_cache.data_ptr(), bt=block_tables.data_ptr(), seq_lens=seq_lens.data_ptr(),
         qsl=query_start_loc.data_ptr(), out=out.data_ptr(), lse=(out if lse is None else lse).data_ptr(),
         sched=None if schedule is None else schedule.data_ptr(),
+        sched_rows=0 if schedule is None else schedule.shape[0],
         sm_mant=sm_mant, prob_scale=prob_scale, inv_prob_scale=1.0 / prob_scale,
         lazy_t=float(lazy_threshold(prob_scale)),  # (the conditional rescaling's threshold)
         sm_exp=sm_exp, window=window,

@@ -242,7 +242,7 @@ struct Params {
     const int *bt, *seq_lens, *qsl;
     void* out;
     float* lse;
-    const int* sched;  // persistent only, or null: the plan's item lists (cta_item)
+    const int* sched;  // persistent only, or null: the plan's item lists, [sched_rows, gridDim.x] (cta_item)
     float sm_mant, prob_scale, inv_prob_scale;
     float lazy_t;  // lazy_softmax's threshold: an integer in [0, 8] with 2^lazy_t <= 448 prob_scale (else 0)
     int sm_exp, window, causal;
@@ -253,22 +253,20 @@ struct Params {
     int head_inner, box_rows;  // (FP8KV_TMA) box_rows = min(page, 128); 128 % page == 0 or page % 128 == 0
     int num_seqs, num_items;   // work items: num_seqs * q_blocks * (HQ / group) (query block, KV head) pairs
     int persistent;            // 1: a grid of fewer CTAs than items, each taking items in turn (cta_item)
+    int sched_rows;
 };
 
 // The k-th work item of this CTA, as cta_of reads it (num_items: none left). One CTA per item (persistent
 // = 0, gridDim.x = num_items): the item is the CTA's index, KV-head major and the longest rows of a sequence
 // first, the order of the grid of separate CTAs this kernel had before. Persistent: items are ordered by
 // query block from the longest rows down (then sequence, then KV head). With a schedule (fp8kv_hopper.
-// schedule, from the step's host lengths), CTA b takes items sched[G + 1 + sched[b] ...] up to sched[b + 1]
-// (every item once, in lists of about equal cost). Without, CTA b takes item b of every round of gridDim.x
-// items, in a snake: rounds 1, 3, ... from the other end, so that a CTA's long items of one round meet short
-// ones of the next (causal items shrink with the query block; every round runs on all SMs).
+// schedule, from the step's host lengths), CTA b takes items sched[k * G + b] (every item once, in lists of
+// about equal cost; num_items ends a list). Without, CTA b takes item b of every round of gridDim.x items,
+// in a snake: rounds 1, 3, ... from the other end, so that a CTA's long items of one round meet short ones
+// of the next (causal items shrink with the query block; every round runs on all SMs).
 __device__ __forceinline__ int cta_item(const Params& P, int k) {
     const int G = gridDim.x, b = blockIdx.x;
-    if (P.sched != nullptr) {
-        const int i = __ldg(P.sched + b) + k;
-        return i < __ldg(P.sched + b + 1) ? __ldg(P.sched + G + 1 + i) : P.num_items;
-    }
+    if (P.sched != nullptr) return k < P.sched_rows ? __ldg(P.sched + k * G + b) : P.num_items;
     return G * k + (P.persistent && (k & 1) ? G - 1 - b : b);
 }
 
@@ -303,20 +301,25 @@ __device__ __forceinline__ bool cta_of(const Params& P, int item, Cta& cta) {
 }
 
 // A CTA's walk over its items: k, the item's geometry, and whether there is one (the items without rows
-// skipped). Producer and consumers walk alike.
+// skipped). Producer and consumers walk alike. `then` is the CTA's item k + 1, read when item k is found: a
+// schedule's load then runs during item k rather than ahead of the next item's geometry.
 struct Work {
     int k;
     Cta cta;
     bool ok;
+    int then;
 };
-__device__ __forceinline__ Work next_work(const Params& P, int k) {
+__device__ __forceinline__ Work walk_from(const Params& P, int k, int item) {
     Work w;
-    for (w.k = k;; ++w.k) {
-        const int item = cta_item(P, w.k);
+    for (w.k = k;; item = cta_item(P, ++w.k)) {
         w.ok = cta_of(P, item, w.cta);
-        if (w.ok || item >= P.num_items) return w;
+        if (w.ok || item >= P.num_items) break;
     }
+    w.then = cta_item(P, w.k + 1);
+    return w;
 }
+__device__ __forceinline__ Work first_work(const Params& P) { return walk_from(P, 0, cta_item(P, 0)); }
+__device__ __forceinline__ Work next_work(const Params& P, const Work& w) { return walk_from(P, w.k + 1, w.then); }
 
 // The block id of key n of the CTA's sequence, or -1 past the CTA's keys (the table is not read there).
 __device__ __forceinline__ int block_id(const Params& P, const int* bt_row, const Cta& cta, int n) {
@@ -390,7 +393,7 @@ __device__ void produce(Smem& sh, const Params& P) {
     static_assert(STAGES == 4, "a producer warp per stage");
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g0 = 0;  // the ring's tiles before the item
-    for (Work w = next_work(P, 0); w.ok; w = next_work(P, w.k + 1)) {
+    for (Work w = first_work(P); w.ok; w = next_work(P, w)) {
         const Cta& cta = w.cta;
         const int* bt_row = P.bt + (i64)cta.seq * P.stride_bt;
         for (int t = (warp - g0) & 3; t < cta.ntiles; t += 4) {
@@ -713,7 +716,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
         };
         consumer_pipeline_waits<STAGES, PINGPONG>(wait, sh.empty, cta.ntiles, cw, issue, done, g0);
     }
-    const Work next = next_work(P, work.k + 1);
+    const Work next = next_work(P, work);
     // the next item's query, in flight during the epilogue; float32 queries (64 registers of words) after it:
     // fetched here, with O live, they spilled
     if constexpr (QT != 0) fetch_q(P, next, cw, ct, qw);
@@ -744,7 +747,7 @@ __device__ __forceinline__ Work consume_item(Smem& sh, const Params& P, const Wo
 // epilogue's stores, while the producer already loads the next item's tiles.
 __device__ void consume(Smem& sh, const Params& P, int cw) {
     const int ct = threadIdx.x - 128 * (cw + 1);
-    Work work = next_work(P, 0);
+    Work work = first_work(P);
     QWords qw;
     fetch_q(P, work, cw, ct, qw);
     for (int g0 = 0; work.ok;) {  // (g0: the ring's tiles before the item)

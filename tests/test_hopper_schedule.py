@@ -1,0 +1,183 @@
+"""The persistent wgmma prefill's work schedule (fp8kv_hopper.schedule), on the CPU: every item dealt
+exactly once whatever the lengths, the kernel's tile counts, the balance it buys, and how host lengths
+reach the plan."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from fp8kv_hopper import schedule, wgmma
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import fp8kv
+from fp8kv.errors import InvalidArgument
+
+NO_WINDOW = 1 << 30
+
+
+def cta_of_tiles(lens, qsl, item, *, H, block_q, q_blocks, block_n, T, max_keys, causal, window):
+    """csrc/fp8_prefill.cu's cta_of for a persistent grid, transcribed: the item's key tiles, or -1."""
+    S = len(lens)
+    seq, qb = item // H % S, q_blocks - 1 - item // H // S
+    qs0, qs1 = min(max(qsl[seq], 0), T), min(max(qsl[seq + 1], 0), T)
+    q_len = max(qs1 - qs0, 0)
+    if qb * block_q >= q_len:
+        return -1
+    seq_len = min(max(lens[seq], 0), max_keys)
+    first = seq_len - q_len + qb * block_q
+    last = seq_len - q_len + min(qb * block_q + block_q, q_len) - 1
+    hi = last + 1 if causal else seq_len
+    lo = max(first - window + 1, 0) // block_n * block_n
+    return (hi - lo + block_n - 1) // block_n if hi > lo else 0
+
+
+def step(pairs):
+    """Host lengths and offsets of sequences of (new, cached) tokens."""
+    qsl = [0]
+    for new, _ in pairs:
+        qsl.append(qsl[-1] + new)
+    return [n + c for n, c in pairs], qsl
+
+
+def snake_lists(items: int, grid: int) -> list[list[int]]:
+    """The kernel's deal without a schedule (cta_item's snake)."""
+    return [[grid * k + (grid - 1 - b if k & 1 else b) for k in range(-(-items // grid))
+             if grid * k + (grid - 1 - b if k & 1 else b) < items] for b in range(grid)]
+
+
+def busiest(tiles: np.ndarray, lists) -> float:
+    cost = np.where(tiles >= 0, tiles + schedule.ITEM_TILES, 0.0)
+    return max(float(cost[np.asarray(x, dtype=np.int64)].sum()) for x in lists)
+
+
+def lists_of(sched: np.ndarray, items: int) -> list[np.ndarray]:
+    return [col[col < items] for col in sched.T]
+
+
+pairs_st = st.lists(st.tuples(st.integers(0, 700), st.integers(0, 3000)), min_size=1, max_size=6)
+
+
+@given(pairs=pairs_st, heads=st.sampled_from([1, 2, 8]), grid=st.integers(1, 140), causal=st.booleans(),
+       window=st.sampled_from([NO_WINDOW, 1, 200]))
+@example(pairs=[(0, 0)], heads=1, grid=1, causal=True, window=NO_WINDOW)
+@example(pairs=[(2048, 2048)] * 4, heads=8, grid=132, causal=True, window=NO_WINDOW)
+def test_every_item_is_dealt_once_with_the_kernels_tiles(pairs, heads, grid, causal, window):
+    """item_tiles gives cta_of's tile count of every item (-1: no rows); balanced() deals each item to
+    exactly one CTA, as int32 [rows, grid] padded with num_items, each list from its costliest item down."""
+    lens, qsl = step(pairs)
+    block_q, block_n, T, max_keys = 32, 128, qsl[-1], max(lens) + 16
+    q_blocks = -(-max(1, max(n for n, _ in pairs)) // block_q)
+    kw = dict(block_q=block_q, q_blocks=q_blocks, block_n=block_n, max_keys=max_keys, causal=causal, window=window)
+    tiles = schedule.item_tiles(lens, qsl, num_kv_heads=heads, num_tokens=T, **kw)
+    items = len(pairs) * q_blocks * heads
+    assert tiles.tolist() == [cta_of_tiles(lens, qsl, i, H=heads, T=T, **kw) for i in range(items)]
+    grid = min(grid, items)
+    sched = schedule.balanced(tiles, grid)
+    assert sched.dtype == np.int32 and sched.ndim == 2 and sched.shape[1] == grid
+    lists = lists_of(sched, items)
+    assert sorted(np.concatenate(lists).tolist()) == list(range(items))
+    for col, mine in zip(sched.T, lists, strict=True):
+        assert (col[len(mine):] == items).all()  # a list ends at its first pad
+        cost = np.where(tiles[mine] >= 0, tiles[mine] + schedule.ITEM_TILES, 0.0)
+        assert (np.diff(cost) <= 0).all()
+
+
+@pytest.mark.parametrize("pairs,within", [([(2048, 2048)] * 4, 0.005), ([(16384, 0)], 0.002),
+                                          ([(1000, 500)] * 3 + [(3000, 7000)], 0.005),
+                                          ([(100, 3000)] * 2 + [(700, 20)] * 5, 0.02)])
+def test_the_schedule_balances_what_the_snake_does_not(pairs, within):
+    """By the cost model (tiles + ITEM_TILES an item), the busiest of 132 CTAs is within `within` of the
+    mean, where the snake's is 3% over it at 4 x 2048 over 2048 and 53% over it on a ragged batch."""
+    lens, qsl = step(pairs)
+    q_blocks = -(-max(n for n, _ in pairs) // 32)
+    tiles = schedule.item_tiles(lens, qsl, num_kv_heads=8, block_q=32, q_blocks=q_blocks, block_n=128,
+                                num_tokens=qsl[-1], max_keys=max(lens), causal=True, window=NO_WINDOW)
+    items = tiles.shape[0]
+    mean = float(np.where(tiles >= 0, tiles + schedule.ITEM_TILES, 0.0).sum()) / 132
+    planned = busiest(tiles, lists_of(schedule.balanced(tiles, 132), items))
+    snake = busiest(tiles, snake_lists(items, 132))
+    assert planned <= mean * (1 + within), (planned, mean)
+    assert planned <= snake
+    if pairs == [(2048, 2048)] * 4:
+        assert snake > mean * 1.03
+    if len(pairs) == 7:
+        assert snake > mean * 1.5
+
+
+def test_for_step_sizes_the_schedule_as_the_launch_does():
+    """for_step clamps max_query_len to [1, T] as the launcher does, makes nothing without a persistent
+    grid or work items, and deals min(ctas, items) columns."""
+    lens, qsl = step([(300, 10), (5, 0)])
+    kw = dict(num_kv_heads=8, group=4, num_tokens=qsl[-1], max_keys=320, causal=True, sliding_window=None,
+              device=torch.device("cpu"))
+    s = schedule.for_step(lens, qsl, ctas=132, max_query_len=10**6, **kw)  # clamped to T = 305: 10 blocks
+    items = 2 * 10 * 8
+    assert s.dtype == torch.int32 and s.shape[1] == 132
+    assert sorted(s[s < items].tolist()) == list(range(items))
+    assert schedule.for_step(lens, qsl, ctas=0, max_query_len=300, **kw) is None
+    assert schedule.for_step(lens, qsl, ctas=500, max_query_len=300, **kw).shape[1] == items
+
+
+def test_a_schedule_that_does_not_fit_the_grid_is_refused_before_any_launch():
+    """launch() refuses a schedule for another grid, of another dtype, or without a persistent grid,
+    naming `schedule`, before anything is launched, with the cache unchanged."""
+    cache = fp8kv.KVCache.allocate(4, 16, 8, 128, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    before = cache.key_cache.view(torch.uint8).clone()
+    q = torch.zeros(64, 32, 128, dtype=torch.bfloat16)
+    meta = (torch.zeros(2, 4, dtype=torch.int32), torch.full((2,), 64, dtype=torch.int32),
+            torch.tensor([0, 32, 64], dtype=torch.int32))
+    good = torch.zeros(1, 16, dtype=torch.int32)  # 2 sequences x 1 query block x 8 heads = 16 items
+    for ctas, s in ((132, good[:, :15]), (132, good.long()), (0, good), (132, good.view(-1))):
+        with pytest.raises(InvalidArgument, match=r"^schedule: got .* expected a persistent grid"):
+            wgmma.launch(q, cache, *meta, 32, 1.0, 0, True, NO_WINDOW, q, None, None, (0, 0), 1.0, ctas=ctas,
+                         schedule=s)
+    assert torch.equal(cache.key_cache.view(torch.uint8), before)
+
+
+def test_only_a_cuda_prefill_step_with_host_lengths_gets_a_schedule():
+    """HopperPlan.schedule is None where the persistent wgmma kernel would not deal by it: a CPU tensor,
+    a decode step, no host lengths, the Triton kernel or a grid of a CTA per item asked for, the
+    interpreter, another head size."""
+    from fp8kv_hopper.attention import choose_config
+    from fp8kv_hopper.plugin import _prefill_schedule
+
+    def meta(device="cuda", max_query_len=64, host=True, head_size=128):
+        spec = SimpleNamespace(device=torch.device(device), num_kv_heads=8, head_size=head_size, block_size=16)
+        return SimpleNamespace(spec=spec, max_query_len=max_query_len, num_tokens=64, num_q_heads=32,
+                               block_tables=torch.zeros(1, 8, dtype=torch.int32), options=SimpleNamespace(
+                                   causal=True, sliding_window=None),
+                               host_seq_lens=[128] if host else None, host_query_start_loc=[0, 64] if host else None)
+
+    cfg = choose_config(group=4, num_seqs=1, num_kv_heads=8, max_query_len=64, max_keys=128, num_sms=132)
+    assert cfg.kernel == "auto" and cfg.wgmma_ctas == 132
+    assert _prefill_schedule(meta("cpu"), cfg, interpret=False) is None
+    assert _prefill_schedule(meta(max_query_len=1), cfg, interpret=False) is None
+    assert _prefill_schedule(meta(host=False), cfg, interpret=False) is None
+    assert _prefill_schedule(meta(), dataclasses.replace(cfg, kernel="triton"), interpret=False) is None
+    assert _prefill_schedule(meta(), dataclasses.replace(cfg, wgmma_ctas=0), interpret=False) is None
+    assert _prefill_schedule(meta(), cfg, interpret=True) is None
+    assert _prefill_schedule(meta(head_size=64), cfg, interpret=False) is None
+
+
+def test_host_lengths_reach_the_metadata_and_are_checked():
+    """plan_attention keeps host_seq_lens / host_query_start_loc (read in its one transfer when validating,
+    else as given); given ones that disagree with the tensors, or of another length, are refused by name."""
+    cache = fp8kv.KVCache.allocate(8, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    args = dict(num_q_heads=4, query_dtype=torch.float32, block_tables=torch.arange(8, dtype=torch.int32).view(2, 4),
+                seq_lens=torch.tensor([40, 7], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 5, 12], dtype=torch.int32))
+    meta = fp8kv.plan_attention(cache, **args, validate=True)
+    assert (meta.host_seq_lens, meta.host_query_start_loc) == ([40, 7], [0, 5, 12])
+    meta = fp8kv.plan_attention(cache, **args, validate=False, max_query_len=7, num_tokens=12,
+                                host_seq_lens=(40, 7), host_query_start_loc=np.array([0, 5, 12]))
+    assert (meta.host_seq_lens, meta.host_query_start_loc) == ([40, 7], [0, 5, 12])
+    for kw, name in (({"host_seq_lens": [40, 8]}, "host_seq_lens"), ({"host_seq_lens": [40]}, "host_seq_lens"),
+                     ({"host_query_start_loc": [0, 5, 12, 12]}, "host_query_start_loc"),
+                     ({"host_seq_lens": [40.0, 7.0]}, "host_seq_lens")):
+        with pytest.raises(InvalidArgument, match=rf"^{name}: "):
+            fp8kv.plan_attention(cache, **args, validate=True, **kw)
