@@ -92,7 +92,7 @@ def bench(shape: str, rounds: int, reps: int, device) -> dict:
     snake = [np.array([grid * k + (grid - 1 - b if k & 1 else b) for k in range(-(-items // grid))
                        if grid * k + (grid - 1 - b if k & 1 else b) < items], dtype=np.int64) for b in range(grid)]
     host = sched.cpu().numpy()
-    planned = [host[grid + 1 + host[b]:grid + 1 + host[b + 1]] for b in range(grid)]
+    planned = [col[col < items] for col in host.T]
     outs = {}
 
     def run(arm: str) -> None:
