@@ -36,7 +36,7 @@ TARGETS = [  # (what, file, how to read the measured value, target, unit); ratio
     *[(f"decode B={B} L={L} (cuda): speed-up vs FlashInfer FP8", DECODE, ("cuda_mma", B, L, "vs:flashinfer_fp8_tc"),
        1.20, "x") for B, L in DECODE_SHAPES],
     *[("prefill 4x2048/2048, FP8 mode (hopper wgmma, per-head q_scale): speed-up vs FlashInfer bf16",
-       f"benchmarks/results/hopper_h100/session19/final/prefill_session19_run{r}.json",
+       f"benchmarks/results/hopper_h100/session20/final/prefill_session20_run{r}.json",
        ("hopper fp8 head-q wgmma (CUDA)", "4x2048 over 2048", "flashinfer"), 1.30, "x") for r in (1, 2, 3, 4)],
 ]
 
