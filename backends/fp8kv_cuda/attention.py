@@ -88,10 +88,6 @@ MMA_HEADS = 8
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
 MMA_QUERY_DTYPES = (torch.float16, torch.bfloat16)
-MMA_HEADS_FASTEST = False
-"""The tensor-core decode's grid puts a token's (KV head, head chunk) CTAs side by side (``(H * head_chunks,
-T, splits)``, where T fits the grid's y) rather than a head's tokens (``(T, H * head_chunks, splits)``)."""
-MAX_GRID_Y = 65535
 
 
 def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stages: int | None = None) -> int:
@@ -456,7 +452,6 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     mant, exp = math.frexp(float(softmax_scale) * (1.0 if logits_soft_cap is not None else LOG2E))
     mant, exp = 2.0 * mant, exp - 1
     volta = p.prefill and wmma_prefill(p.sm)
-    heads_fastest = p.mma and not p.prefill and MMA_HEADS_FASTEST and T <= MAX_GRID_Y
     if volta:
         variant = prefill_wmma_variant(cache.fmt.name, D)
         entry = "fp8kv_prefill_wmma"
@@ -465,8 +460,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         entry = "fp8kv_prefill_mma"
     elif p.mma:
         variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm,
-                                        fp8_mode=fp8 is not None, stages=p.stages or None,
-                                        heads_fastest=heads_fastest)
+                                        fp8_mode=fp8 is not None, stages=p.stages or None)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -492,7 +486,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(T), r.i32(HQ), r.i32(D), r.i32(group), r.i32(p.head_chunks), r.i32(S),
             r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
             r.i32(p.keys_per_split)]
-    grid = (H * p.head_chunks, T, p.num_splits) if heads_fastest else (T, H * p.head_chunks, p.num_splits)
+    grid = (T, H * p.head_chunks, p.num_splits)
     if p.prefill:
         # the fast kernel, then the exact one over the CTAs it handed back (redo[cta] = 1)
         grid = (p.row_tiles, H, S * p.num_splits)

@@ -121,14 +121,12 @@ def mma_stages(sm: int, head_size: int) -> int:
 
 def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4,
                           token_scales: bool = False, sm: int = BF16_MMA_MIN_SM, fp8_mode: bool = False,
-                          stages: int | None = None, heads_fastest: bool = False) -> Variant:
+                          stages: int | None = None) -> Variant:
     """The tensor-core attention kernels (decode + merge) for one format, float16/bfloat16 queries,
     a head size of 64, 128 or 256, ``warps`` warps per CTA, static or per-token-head scales, and
     the ring depth of architecture ``sm`` (:func:`mma_stages`; every sm80+ shares one variant).
     ``fp8_mode``: the FP8 attention mode's decode (``FP8KV_FP8_MODE``: an e4m3 cache with static
-    scales, sm89+; :data:`FP8_MODE_MIN_SM`). ``stages``: a ring depth other than :func:`mma_stages`'s.
-    ``heads_fastest``: the grid ``(H * head_chunks, T, splits)`` (``FP8KV_HEADS_FASTEST``) rather than
-    ``(T, H * head_chunks, splits)``."""
+    scales, sm89+; :data:`FP8_MODE_MIN_SM`). ``stages``: a ring depth other than :func:`mma_stages`'s."""
     _, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
     if sm < BF16_MMA_MIN_SM:  # Turing's 64 KiB of shared memory hold two 4-warp CTAs: a larger register budget
         sm_warps_native, sm_warps_bits = min(sm_warps_native, TURING_SM_WARPS), min(sm_warps_bits, TURING_SM_WARPS)
@@ -136,8 +134,7 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages or mma_stages(sm, head_size)),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
                                           ("FP8KV_SM_WARPS_BITS", sm_warps_bits), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS),
-                                          *((("FP8KV_FP8_MODE", 1),) if fp8_mode else ()),
-                                          *((("FP8KV_HEADS_FASTEST", 1),) if heads_fastest else ())))
+                                          *((("FP8KV_FP8_MODE", 1),) if fp8_mode else ())))
 
 
 FP8_MODE_MIN_SM = 89

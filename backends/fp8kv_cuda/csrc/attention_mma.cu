@@ -79,9 +79,6 @@ constexpr int TSC = TOKEN_SCALES ? 1 : 0;   // token_head: one slot per sub-tile
 constexpr int PER_SUB = 2 * KCH + 4 * VCH + TSC;    // ring slots per thread and sub-tile
 constexpr int CHUNKS = NSUB * PER_SUB;              // ring slots per thread and stage
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
-#ifndef FP8KV_HEADS_FASTEST
-#define FP8KV_HEADS_FASTEST 0
-#endif
 #ifndef FP8KV_FP8_MODE
 #define FP8KV_FP8_MODE 0
 #endif
@@ -605,13 +602,9 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     if (dyn_smem < (u32)SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
-#if FP8KV_HEADS_FASTEST  // grid (H * head_chunks, T, splits): a token's heads launch side by side
-    const int t = blockIdx.y, hc = blockIdx.x;
-#else  // grid (T, H * head_chunks, splits)
-    const int t = blockIdx.x, hc = blockIdx.y;
-#endif
-    const int h = hc / head_chunks;
-    const int g0 = (hc - h * head_chunks) * HEADS;
+    const int t = blockIdx.x;
+    const int h = blockIdx.y / head_chunks;
+    const int g0 = (blockIdx.y - h * head_chunks) * HEADS;
     const int z = blockIdx.z;
 
     int q_lo = 0, q_hi = 0;
