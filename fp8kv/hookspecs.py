@@ -26,6 +26,8 @@ Lifecycle:
 3. **Plan.** When a backend is chosen for a step's attention (:func:`fp8kv.plan_attention`),
    its optional :func:`fp8kv_plan_attention` may return anything it wants to keep per step
    (launch configuration, workspace buffers); it comes back as ``metadata.backend_plan``.
+   After :meth:`~fp8kv.AttentionMetadata.update` (CUDA-graph replays) its optional
+   :func:`fp8kv_update_plan` brings that plan up to date in place.
 4. **Dispatch.** :func:`fp8kv_write_kv` / :func:`fp8kv_paged_attention` run the op, once per
    layer, with no host sync expected (the metadata carries every host-side number).
 
@@ -209,6 +211,15 @@ class BackendSpec:
         ``metadata.backend_plan``. Decide from host-side numbers only (``metadata.max_query_len``,
         ``num_seqs``, ``block_tables.shape``...): never read tensor values (no host sync). A backend
         without this hook gets ``backend_plan = None``.
+        """
+
+    @hookspec(firstresult=True)
+    def fp8kv_update_plan(self, device: DeviceInfo, metadata: AttentionMetadata) -> None:
+        """Optional: :meth:`~fp8kv.AttentionMetadata.update` refilled the step's tensors in place
+        (and replaced ``metadata.host_seq_lens`` / ``host_query_start_loc``, where known); bring
+        ``metadata.backend_plan`` up to date with them. Write its tensors in place, never replace
+        them (CUDA graphs hold their addresses), and never read tensor values (no host sync). A
+        backend without this hook keeps its plan as planned.
         """
 
     @hookspec(firstresult=True)

@@ -289,10 +289,10 @@ class AttentionMetadata:
         """Refill the metadata's buffers in place (CUDA-graph replay), checked like :func:`plan_attention`.
 
         Shapes must equal the planned ones; lengths must stay within the planned
-        ``max_query_len`` / ``max_seq_len`` (the backend's plan relies on them). The backend's plan
-        is kept as planned (its buffers are the ones a graph captured): what it derived from the
-        planned host lengths, such as the Hopper prefill's work schedule, stays complete for any
-        lengths but is balanced for the planned ones.
+        ``max_query_len`` / ``max_seq_len`` (the backend's plan relies on them). The backend then
+        brings its plan up to date in place (``fp8kv_update_plan``: the Hopper prefill re-deals
+        its work schedule by the new host lengths, where known and where the new deal fits the
+        planned buffer; otherwise the planned one stays, complete for any lengths).
         """
         new = plan_attention(
             self.spec, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
@@ -317,6 +317,7 @@ class AttentionMetadata:
         if self.slot_mapping is not None:
             self.slot_mapping.copy_(new.slot_mapping)
         self.host_seq_lens, self.host_query_start_loc = new.host_seq_lens, new.host_query_start_loc
+        self.attention.backend.update_plan(self.attention.device, self)
 
 
 def plan_attention(

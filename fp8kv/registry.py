@@ -74,7 +74,7 @@ RESERVED_NAMES = frozenset({"reference", "triton", "cuda", "torch", "hopper"})
 
 _OP_HOOKS = {"write_kv": "fp8kv_write_kv", "paged_attention": "fp8kv_paged_attention"}
 _REQUIRED_HOOKS = ("fp8kv_backend_info", "fp8kv_supports")
-_OPTIONAL_HOOKS = ("fp8kv_plan_attention", "fp8kv_priority")
+_OPTIONAL_HOOKS = ("fp8kv_plan_attention", "fp8kv_update_plan", "fp8kv_priority")
 
 log = logging.getLogger("fp8kv")
 
@@ -214,6 +214,11 @@ class Backend:
         if "fp8kv_plan_attention" not in self.impls:
             return None
         return self._guarded("fp8kv_plan_attention", {"device": device, "metadata": metadata})
+
+    def update_plan(self, device: DeviceInfo, metadata: AttentionMetadata) -> None:
+        """Run the plugin's ``fp8kv_update_plan`` if it has one."""
+        if "fp8kv_update_plan" in self.impls:
+            self._guarded("fp8kv_update_plan", {"device": device, "metadata": metadata})
 
     def paged_attention(self, query: torch.Tensor, cache: KVCache, metadata: AttentionMetadata, out: torch.Tensor,
                         lse: torch.Tensor | None) -> None:

@@ -402,6 +402,36 @@ def test_wgmma_prefill_schedules_give_the_same_bits():
         assert torch.equal(lse, want_lse), i
 
 
+def test_wgmma_prefill_schedule_follows_update_under_graph_replay():
+    """A graph captured with the plan's schedule, replayed after metadata.update() with other lengths,
+    gives the bits of a fresh plan for those lengths: the schedule was re-dealt in place (the same tensor,
+    new contents) by the Hopper backend's fp8kv_update_plan."""
+    cache, q, tables, lens, _, _ = _case(4, 225, 775, seed=5)
+    qsl_a = torch.tensor([0, 300, 300, 310, 900], dtype=torch.int32, device=DEV)
+    qsl_b = torch.tensor([0, 10, 600, 700, 900], dtype=torch.int32, device=DEV)
+    kw = dict(num_q_heads=32, query_dtype=q.dtype, block_tables=tables, seq_lens=lens, max_query_len=600,
+              fp8_attention=True, backend="hopper")
+    meta = fp8kv.plan_attention(cache, query_start_loc=qsl_a, **kw)  # (validating: host lengths read)
+    sched = meta.backend_plan.schedule
+    ptr, planned = sched.data_ptr(), sched.clone()
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fp8kv.paged_attention(q, cache, meta, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8kv.paged_attention(q, cache, meta, out=out)
+    meta.update(block_tables=tables, seq_lens=lens, query_start_loc=qsl_b)
+    assert meta.backend_plan.schedule.data_ptr() == ptr and not torch.equal(meta.backend_plan.schedule, planned)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = fp8kv.paged_attention(q, cache, fp8kv.plan_attention(cache, query_start_loc=qsl_b, **kw))
+    assert torch.equal(out.view(torch.int16), fresh.view(torch.int16))
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
 def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
     """fp8kv.testing.safety's hostile metadata at head size 128 (its own check runs at 16, which this kernel

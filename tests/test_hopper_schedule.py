@@ -68,7 +68,7 @@ pairs_st = st.lists(st.tuples(st.integers(0, 700), st.integers(0, 3000)), min_si
 @example(pairs=[(2048, 2048)] * 4, heads=8, grid=132, causal=True, window=NO_WINDOW)
 def test_every_item_is_dealt_once_with_the_kernels_tiles(pairs, heads, grid, causal, window):
     """item_tiles gives cta_of's tile count of every item (-1: no rows); balanced() deals each item to
-    exactly one CTA, as int32 [rows, grid] padded with num_items, each list from its costliest item down."""
+    exactly one CTA, as int32 [rows, grid] padded with END, each list from its costliest item down."""
     lens, qsl = step(pairs)
     block_q, block_n, T, max_keys = 32, 128, qsl[-1], max(lens) + 16
     q_blocks = -(-max(1, max(n for n, _ in pairs)) // block_q)
@@ -82,7 +82,7 @@ def test_every_item_is_dealt_once_with_the_kernels_tiles(pairs, heads, grid, cau
     lists = lists_of(sched, items)
     assert sorted(np.concatenate(lists).tolist()) == list(range(items))
     for col, mine in zip(sched.T, lists, strict=True):
-        assert (col[len(mine):] == items).all()  # a list ends at its first pad
+        assert (col[len(mine):] == schedule.END).all()  # a list ends at its first pad
         cost = np.where(tiles[mine] >= 0, tiles[mine] + schedule.ITEM_TILES, 0.0)
         assert (np.diff(cost) <= 0).all()
 
@@ -181,3 +181,67 @@ def test_host_lengths_reach_the_metadata_and_are_checked():
                      ({"host_seq_lens": [40.0, 7.0]}, "host_seq_lens")):
         with pytest.raises(InvalidArgument, match=rf"^{name}: "):
             fp8kv.plan_attention(cache, **args, validate=True, **kw)
+
+
+def test_refill_rewrites_the_schedule_in_place_where_it_fits():
+    """refill() writes a new deal into the planned tensor (same storage: graphs hold its address), padded
+    with END; a deal with more rows or another grid, or none, leaves the tensor as it was."""
+    lens, qsl = step([(2048, 2048)] * 4)
+    kw = dict(ctas=132, num_kv_heads=8, group=4, num_tokens=qsl[-1], max_query_len=2048, max_keys=4096, causal=True,
+              sliding_window=None)
+    planned = schedule.for_step(lens, qsl, device=torch.device("cpu"), **kw)
+    ptr, before = planned.data_ptr(), planned.clone()
+    ragged = schedule.host_schedule([4096, 2100, 3000, 2048], [0, 2048, 2100, 3000, 8192], **kw)
+    assert ragged.shape[0] <= planned.shape[0]
+    assert schedule.refill(planned, ragged)
+    assert planned.data_ptr() == ptr and not torch.equal(planned, before)
+    assert torch.equal(planned[:ragged.shape[0]], torch.from_numpy(ragged))
+    assert (planned[ragged.shape[0]:] == schedule.END).all()
+    now = planned.clone()
+    for other in (None, np.zeros((planned.shape[0] + 1, 132), dtype=np.int32), np.zeros((1, 131), dtype=np.int32)):
+        assert not schedule.refill(planned, other)
+        assert torch.equal(planned, now)
+
+
+def test_update_asks_the_backend_to_bring_its_plan_up_to_date():
+    """metadata.update() calls the backend's optional fp8kv_update_plan once, after the tensors and the
+    host lengths were replaced; a backend without the hook keeps its plan."""
+    calls = []
+
+    class Probe:
+        @fp8kv.hookimpl
+        def fp8kv_backend_info(self):
+            return fp8kv.BackendInfo("schedule_probe", "0", priority=1, description="test", fast=False)
+
+        @fp8kv.hookimpl
+        def fp8kv_supports(self, device, request):
+            return None
+
+        @fp8kv.hookimpl
+        def fp8kv_plan_attention(self, metadata):
+            return {"planned_for": list(metadata.host_seq_lens)}
+
+        @fp8kv.hookimpl
+        def fp8kv_update_plan(self, metadata):
+            calls.append((metadata.backend_plan["planned_for"], list(metadata.host_seq_lens),
+                          metadata.seq_lens.tolist()))
+
+        @fp8kv.hookimpl
+        def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
+            raise NotImplementedError
+
+    cache = fp8kv.KVCache.allocate(8, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    args = dict(block_tables=torch.arange(8, dtype=torch.int32).view(2, 4), query_start_loc=torch.tensor(
+        [0, 5, 12], dtype=torch.int32))
+    fp8kv.register_backend(Probe())
+    try:
+        meta = fp8kv.plan_attention(cache, num_q_heads=4, query_dtype=torch.float32, backend="schedule_probe",
+                                    seq_lens=torch.tensor([40, 7], dtype=torch.int32), **args)
+        meta.update(seq_lens=torch.tensor([30, 9], dtype=torch.int32), **args)
+    finally:
+        fp8kv.unregister_backend("schedule_probe")
+    assert calls == [([40, 7], [30, 9], [30, 9])]
+    reference = fp8kv.plan_attention(cache, num_q_heads=4, query_dtype=torch.float32, backend="reference",
+                                     seq_lens=torch.tensor([40, 7], dtype=torch.int32), **args)
+    reference.update(seq_lens=torch.tensor([30, 9], dtype=torch.int32), **args)  # (no hook: nothing to call)
+    assert reference.host_seq_lens == [30, 9]

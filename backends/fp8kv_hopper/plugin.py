@@ -104,9 +104,9 @@ def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: 
                                    max_keys=metadata.block_tables.shape[1] * spec.block_size)
 
 
-def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> torch.Tensor | None:
-    """The persistent wgmma prefill's balanced work schedule for a prefill step whose host lengths are
-    known (``metadata.host_seq_lens``), where that kernel may serve it."""
+def _host_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool):
+    """The persistent wgmma prefill's balanced work schedule (numpy) for a prefill step whose host lengths
+    are known (``metadata.host_seq_lens``), where that kernel may serve it; else None."""
     from . import schedule, wgmma
 
     spec = metadata.spec
@@ -115,11 +115,17 @@ def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interp
             or spec.head_size != wgmma.HEAD_SIZE):
         return None
     opts = metadata.options
-    return schedule.for_step(metadata.host_seq_lens, metadata.host_query_start_loc, ctas=config.wgmma_ctas,
-                             num_kv_heads=spec.num_kv_heads, group=metadata.num_q_heads // spec.num_kv_heads,
-                             num_tokens=metadata.num_tokens, max_query_len=metadata.max_query_len,
-                             max_keys=metadata.block_tables.shape[1] * spec.block_size, causal=opts.causal,
-                             sliding_window=opts.sliding_window, device=spec.device)
+    return schedule.host_schedule(metadata.host_seq_lens, metadata.host_query_start_loc, ctas=config.wgmma_ctas,
+                                  num_kv_heads=spec.num_kv_heads, group=metadata.num_q_heads // spec.num_kv_heads,
+                                  num_tokens=metadata.num_tokens, max_query_len=metadata.max_query_len,
+                                  max_keys=metadata.block_tables.shape[1] * spec.block_size, causal=opts.causal,
+                                  sliding_window=opts.sliding_window)
+
+
+def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> torch.Tensor | None:
+    """:func:`_host_schedule` on the GPU (an asynchronous copy), or None."""
+    host = _host_schedule(metadata, config, interpret)
+    return None if host is None else torch.from_numpy(host).to(metadata.spec.device, non_blocking=True)
 
 
 class HopperBackend:
@@ -159,6 +165,16 @@ class HopperBackend:
                                interpret=interpret)
         return HopperPlan(config, interpret, _decode_plan(metadata, config, interpret),
                           _prefill_schedule(metadata, config, interpret))
+
+    @hookimpl
+    def fp8kv_update_plan(self, metadata: AttentionMetadata) -> None:
+        """Re-deal the prefill's work schedule by the updated host lengths, in place where the new deal fits
+        the planned buffer (else the planned one stays: complete for any lengths, balanced for the planned)."""
+        from . import schedule
+
+        plan: HopperPlan = metadata.backend_plan
+        if plan is not None and plan.schedule is not None:
+            schedule.refill(plan.schedule, _host_schedule(metadata, plan.config, plan.interpret))
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:

@@ -33,6 +33,8 @@ SEARCH_ITEMS_PER_CTA = 32
 fraction of a percent of the mean and a search round costs more)."""
 SEARCH_ROUNDS = 160
 """At most this many moves or swaps (4 x 2048 over 2048 takes about 90)."""
+END = 2**31 - 1
+"""What pads a CTA's list: the kernel ends a list at its first entry >= num_items."""
 SEARCH_PARTNERS = 8
 """Swaps are sought with the items of this many least busy CTAs."""
 
@@ -58,7 +60,7 @@ def item_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int]
 def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     """The schedule of items with ``tiles [num_items]`` (:func:`item_tiles`) over ``grid`` CTAs, as the
     kernel reads it: int32 ``[rows, grid]``, column ``b`` CTA ``b``'s items from its most expensive down,
-    padded with ``num_items`` (the end of a list)."""
+    padded with :data:`END`."""
     n = tiles.shape[0]
     cost = np.where(tiles >= 0, tiles + ITEM_TILES, 0.0)
     order = np.argsort(-cost, kind="stable")
@@ -71,7 +73,7 @@ def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     counts = np.bincount(cta, minlength=grid)
     starts = np.cumsum(counts) - counts
     row = np.arange(n) - np.repeat(starts, counts)  # each item's place in its CTA's list
-    out = np.full((max(int(counts.max()), 1), grid), n, dtype=np.int32)
+    out = np.full((max(int(counts.max()), 1), grid), END, dtype=np.int32)
     out[row, cta[lists]] = lists
     return out
 
@@ -126,6 +128,28 @@ def for_step(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], 
     ``device`` (an asynchronous copy; no host sync), or None where there is none to make (``ctas == 0``,
     no work items). Lengths and sizes as the launch gets them (``max_keys``: ``block_tables.shape[1] *
     block_size``)."""
+    host = host_schedule(host_seq_lens, host_query_start_loc, ctas=ctas, num_kv_heads=num_kv_heads, group=group,
+                         num_tokens=num_tokens, max_query_len=max_query_len, max_keys=max_keys, causal=causal,
+                         sliding_window=sliding_window)
+    return None if host is None else torch.from_numpy(host).to(device, non_blocking=True)
+
+
+def refill(schedule: torch.Tensor, host: np.ndarray | None) -> bool:
+    """Write the schedule ``host`` (:func:`host_schedule`, for the same grid and items) into ``schedule``
+    in place, its lists padded with :data:`END` to ``schedule``'s rows (an asynchronous copy). False, and
+    ``schedule`` unchanged, where there is none or it does not fit (more rows, or another grid)."""
+    if host is None or host.shape[1] != schedule.shape[1] or host.shape[0] > schedule.shape[0]:
+        return False
+    padded = np.full(tuple(schedule.shape), END, dtype=np.int32)
+    padded[:host.shape[0]] = host
+    schedule.copy_(torch.from_numpy(padded), non_blocking=True)
+    return True
+
+
+def host_schedule(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, ctas: int,
+                  num_kv_heads: int, group: int, num_tokens: int, max_query_len: int, max_keys: int, causal: bool,
+                  sliding_window: int | None) -> np.ndarray | None:
+    """:func:`for_step`'s schedule on the host (numpy int32 ``[rows, grid]``), or None."""
     from .attention import NO_WINDOW
     from .wgmma import BLOCK_M, BLOCK_N
 
@@ -137,4 +161,4 @@ def for_step(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], 
     tiles = item_tiles(host_seq_lens, host_query_start_loc, num_kv_heads=num_kv_heads, block_q=block_q,
                        q_blocks=q_blocks, block_n=BLOCK_N, num_tokens=num_tokens, max_keys=max_keys, causal=causal,
                        window=min(int(sliding_window or NO_WINDOW), NO_WINDOW))
-    return torch.from_numpy(balanced(tiles, min(ctas, items))).to(device, non_blocking=True)
+    return balanced(tiles, min(ctas, items))

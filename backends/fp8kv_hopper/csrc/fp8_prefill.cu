@@ -261,7 +261,7 @@ struct Params {
 // first, the order of the grid of separate CTAs this kernel had before. Persistent: items are ordered by
 // query block from the longest rows down (then sequence, then KV head). With a schedule (fp8kv_hopper.
 // schedule, from the step's host lengths), CTA b takes items sched[k * G + b] (every item once, in lists of
-// about equal cost; num_items ends a list). Without, CTA b takes item b of every round of gridDim.x items,
+// about equal cost; an entry >= num_items ends a list). Without, CTA b takes item b of every round of gridDim.x items,
 // in a snake: rounds 1, 3, ... from the other end, so that a CTA's long items of one round meet short ones
 // of the next (causal items shrink with the query block; every round runs on all SMs).
 __device__ __forceinline__ int cta_item(const Params& P, int k) {
