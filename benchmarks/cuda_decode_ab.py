@@ -1,0 +1,132 @@
+"""A/B of the tensor-core decode (``csrc/attention_mma.cu``) against an earlier source of it, in one process,
+alternated: the default mode and the FP8 attention mode (dynamic and per-KV-head q_scale) at the decode shapes
+(GQA 32/8, D=128, block 16, e4m3 per-tensor cache, bf16 queries), CUDA-graph replays as ``cuda_decode.py``
+times them. Each arm's outputs are compared with the other's (bit-identical unless the change alters them).
+
+    python benchmarks/cuda_decode_ab.py --baseline OLD.cu [--rounds 3] [--json FILE] [--shapes 64:2048,...]
+
+``OLD.cu``: e.g. ``git show REV:backends/fp8kv_cuda/csrc/attention_mma.cu``, compiled with the current headers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+import torch
+from fp8kv_bench import kernels as kb
+
+import fp8kv
+
+ARMS = ("baseline", "current")
+
+
+def use_baseline(text: str | None) -> None:
+    """Compile and launch the tensor-core decode from ``text`` (None: from the package's source)."""
+    from fp8kv_cuda import runtime, variants
+
+    if not hasattr(runtime, "_ab_function"):
+        runtime._ab_function = runtime.function
+    if text is None:
+        runtime.function = runtime._ab_function
+        return
+    source = variants.inline_headers(text)
+
+    def function(variant, entry, device):
+        if variant.kernel != "attention_mma":
+            return runtime._ab_function(variant, entry, device)
+        index = runtime.device_index(device)
+        sm = runtime.device_sm(index)
+        return runtime.module(("ab_baseline", variant, sm), lambda: runtime.compile_source(
+            source, "attention_mma.cu", variants.options(variant), variants.arch_target(variant.kernel, sm),
+            variant.label), variant.entry_points, index).get_function(entry)
+
+    runtime.function = function
+
+
+def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float) -> list[dict]:
+    from fp8kv_cuda import attention as CA
+    from fp8kv_hopper import attention as HA
+
+    gen = torch.Generator().manual_seed(1)
+    tables, nblocks = kb._paged_tables(B, L, device, gen)
+    cache = fp8kv.KVCache.allocate(nblocks, kb.PAGE, kb.HKV, kb.HEAD, kv_dtype="fp8_e4m3", k_scale=0.05,
+                                   v_scale=0.05, device=device)
+    kb._fill_cache(cache, kb._backend("cuda", "write_kv", cache, torch.bfloat16, device), nblocks * kb.PAGE,
+                   device, gen)
+    q = torch.randn(B, kb.HQ, kb.HEAD, generator=gen).to(device=device, dtype=torch.bfloat16)
+    lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    max_keys = tables.shape[1] * kb.PAGE
+    plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
+                       max_keys=max_keys)
+    cfg = dataclasses.replace(HA.choose_config(group=kb.HQ // kb.HKV, num_seqs=B, num_kv_heads=kb.HKV,
+                                               max_query_len=1, max_keys=max_keys,
+                                               num_sms=torch.cuda.get_device_properties(device).multi_processor_count),
+                              kernel="cuda")
+    head_qs = torch.full((kb.HKV,), 0.02, device=device)
+    roof_us = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e6
+
+    def fp8(qs):
+        return lambda o: HA.paged_attention_fp8(q, cache, tables, lens, qsl, 1, kb.HEAD**-0.5, True, None, None, o,
+                                                q_scale=qs, prob_scale=1.0, config=cfg, decode_plan=plan)
+
+    runs = {"default": lambda o: CA.paged_attention(q, cache, tables, lens, qsl, kb.HEAD**-0.5, True, None, None, o,
+                                                    None, plan_=plan),
+            "fp8_dynamic_q": fp8(None), "fp8_head_q": fp8(head_qs)}
+    rows = []
+    for mode, run in runs.items():
+        times = {a: [] for a in ARMS}
+        outs = {}
+        for arm in ARMS:
+            use_baseline(baseline if arm == "baseline" else None)
+            outs[arm] = torch.empty_like(q)
+            run(outs[arm])
+        torch.cuda.synchronize()
+        same = torch.equal(outs[ARMS[0]], outs[ARMS[1]])
+        for r in range(rounds):
+            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                use_baseline(baseline if arm == "baseline" else None)
+                o = outs[arm]
+                times[arm].append(kb.time_graph(lambda o=o, run=run: run(o), reps=reps) * 1e3)
+        use_baseline(None)
+        med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
+        print(f"  B={B} L={L} {mode}: " + ", ".join(f"{a} {min(t):.1f}-{max(t):.1f} us" for a, t in times.items())
+              + f" (roofline {roof_us:.1f} us), identical {same}", flush=True)
+        rows.append({"B": B, "L": L, "mode": mode, "splits": plan.num_splits, "identical_outputs": same,
+                     "roofline_us": round(roof_us, 2),
+                     **{f"{a}_us": [round(x, 2) for x in t] for a, t in times.items()},
+                     "median_ratio": round(med["baseline"] / med["current"], 4)})
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--baseline", required=True, help="the earlier attention_mma.cu")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    with open(args.baseline) as f:
+        baseline = f.read()
+    device = torch.device("cuda")
+    bw = kb.copy_bandwidth(device)["gbps"]
+    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+    rows = [r for B, L in shapes for r in bench(B, L, baseline, args.rounds, args.reps, device, bw)]
+    print("| B | L | mode | splits | baseline us | current us | ratio (medians) | roofline us | identical |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['B']} | {r['L']} | {r['mode']} | {r['splits']} | "
+              f"{min(r['baseline_us'])}-{max(r['baseline_us'])} | "
+              f"{min(r['current_us'])}-{max(r['current_us'])} | {r['median_ratio']:.3f}x | {r['roofline_us']} | "
+              f"{r['identical_outputs']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"environment": {**kb.environment(device), "copy_gbps": bw}, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
