@@ -514,17 +514,12 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
     float f1[2] = {1.0f, 1.0f}, f2[2] = {1.0f, 1.0f};  // static scales: the heads' logit factors (else per key)
 #if FP8KV_FP8_MODE
     static_assert(KE == 5 && NATIVE, "FP8 mode: float16 K, the native order");
-    const bool markstein = f8.qs >= 0x1p-80f && f8.qs <= 0x1p80f;  // (div_by_scale's range; else IEEE division)
-    const float rs = __frcp_rn(f8.qs);
 #pragma unroll
     for (int ks = 0; ks < KW; ++ks) {  // (k_native order: bytes 0, 1 | 2, 3)
         const i64 q0 = qrow + k_dim(c, ks);
         float x[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float q = load_q(query, q0 + i);
-            x[i] = head_live ? (markstein ? div_by_scale(q, f8.qs, rs) : __fdiv_rn(q, f8.qs)) : 0.0f;
-        }
+        for (int i = 0; i < 4; ++i) x[i] = head_live ? __fdiv_rn(load_q(query, q0 + i), f8.qs) : 0.0f;
         qb[ks][0] = e4m3x2_as_f16x2(x[0], x[1]);
         qb[ks][1] = e4m3x2_as_f16x2(x[2], x[3]);
     }

@@ -30,25 +30,6 @@ __device__ __forceinline__ float dynamic_scale(float amax, float fmt_max) {
     return fmaxf(__fdiv_rn(amax, fmt_max), 1.1754943508222875e-38f);
 }
 
-// x / qs rounded to float32 as the IEEE division (__fdiv_rn) rounds it, where e4m3 can tell (Markstein's
-// division in float32, all on the FMA pipe: three instructions and a range test where __fdiv_rn takes a
-// dozen), for qs in [2^-80, 2^80] and rs = 1 / qs rounded to nearest:
-// y0 = x rs is within 2 ulp of x / qs; one correction by the residual x - y0 qs (an FMA: rounded at most once
-// at 2^-24 of itself, which leaves y1 within 2^-46 of x / qs relative) makes it faithful, a second one
-// correctly rounded (Markstein: rs within half an ulp of 1 / qs, the residual of a faithful y1 exact). The
-// range keeps that residual a multiple of 2^-149 of at most 24 bits where the result is used,
-// 2^-12 <= |y0| < 1024. Outside it y0 stands: e4m3 saturates from 464, rounds below 2^-10 to a zero of the
-// sign y0 keeps, and NaN and infinities pass (tests/test_hopper_wgmma.py checks it against float32
-// division). The FP8 attention mode's query quantization takes it for qs in that range (fp8kv_hopper's
-// prefill; the tensor-core decode's FP8 mode).
-__device__ __forceinline__ float div_by_scale(float x, float qs, float rs) {
-    const float y0 = __fmul_rn(x, rs);
-    const float y1 = __fmaf_rn(__fmaf_rn(-y0, qs, x), rs, y0);
-    const float y2 = __fmaf_rn(__fmaf_rn(-y1, qs, x), rs, y1);
-    const float a = fabsf(y0);
-    return a >= 0x1p-12f && a < 1024.0f ? y2 : y0;
-}
-
 __device__ __forceinline__ float exp2_approx(float x) {  // 2^x (ex2.approx: <= 2 ulp; below 2^-126: 0)
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));

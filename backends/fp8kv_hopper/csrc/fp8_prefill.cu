@@ -118,6 +118,22 @@ __device__ __forceinline__ void pack_p8(const float (&p)[64], u32 (&pa)[4][4]) {
 // 0). Three float64-pipe instructions where __fdiv_rn takes a dozen and a range check.
 __device__ __forceinline__ float div_by_scale(float x, double rq) { return (float)((double)x * rq); }
 
+// The same quotient where e4m3 can tell (Markstein's division in float32, all on the FMA pipe; the float64
+// conversions above run at a sixteenth of its rate), for qs in [2^-80, 2^80] and rs = 1 / qs rounded to nearest:
+// y0 = x rs is within 2 ulp of x / qs; one correction by the residual x - y0 qs (an FMA: rounded at most once
+// at 2^-24 of itself, which leaves y1 within 2^-46 of x / qs relative) makes it faithful, a second one
+// correctly rounded (Markstein: rs within half an ulp of 1 / qs, the residual of a faithful y1 exact). The
+// range keeps that residual a multiple of 2^-149 of at most 24 bits where the result is used,
+// 2^-12 <= |y0| < 1024. Outside it y0 stands: e4m3 saturates from 464, rounds below 2^-10 to a zero of the
+// sign y0 keeps, and NaN and infinities pass (tests/test_hopper_wgmma.py checks it against float32 division).
+__device__ __forceinline__ float div_by_scale(float x, float qs, float rs) {
+    const float y0 = __fmul_rn(x, rs);
+    const float y1 = __fmaf_rn(__fmaf_rn(-y0, qs, x), rs, y0);
+    const float y2 = __fmaf_rn(__fmaf_rn(-y1, qs, x), rs, y1);
+    const float a = fabsf(y0);
+    return a >= 0x1p-12f && a < 1024.0f ? y2 : y0;
+}
+
 // 64 query values as loaded: 16-byte words (16 for float32 queries, 8 for 16-bit ones)
 struct QWords {
     uint4 w[QT == 0 ? 16 : 8];
