@@ -161,7 +161,9 @@ def test_vllm_flash_attn_recipe(cache_layout, storage, backend):
     before = raw.view(torch.uint8).clone()
     window = {} if storage == torch.uint8 else {"sliding_window": 7}  # vLLM's W: (W - 1, 0) in flash-attn
     _, out = _step(cache, twin, q[:n], k[:n], v[:n], backend, out=output[:n], block_tables=block_table,
-                   seq_lens=seq_lens, query_start_loc=query_start_loc, slot_mapping=slot_mapping, **window)
+                   seq_lens=seq_lens, query_start_loc=query_start_loc, slot_mapping=slot_mapping,
+                   host_seq_lens=seq_lens.tolist(), host_query_start_loc=query_start_loc.tolist(),  # vLLM's *_cpu
+                   **window)
     assert out.data_ptr() == output.data_ptr() and bool((output[n:] == 7.0).all())
 
     # where reshape_and_cache_flash puts token i: kv_cache[0|1][slot // bs, slot % bs] of the
