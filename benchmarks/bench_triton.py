@@ -31,20 +31,9 @@ import triton.language as tl
 
 
 def _decode_workload(B: int, L: int, device):
-    import torch
     from fp8kv_bench import kernels as cb
 
-    import fp8kv
-
-    gen = torch.Generator().manual_seed(1)
-    tables, nblocks = cb._paged_tables(B, L, device, gen)
-    cache = fp8kv.KVCache.allocate(nblocks, cb.PAGE, cb.HKV, cb.HEAD, kv_dtype="fp8_e4m3", k_scale=0.05,
-                                   v_scale=0.05, device=device)
-    cb._fill_cache(cache, cb._backend("triton", "write_kv", cache, torch.bfloat16, device), nblocks * cb.PAGE,
-                   device, gen)
-    q = torch.randn(B, cb.HQ, cb.HEAD, generator=gen).to(device=device, dtype=torch.bfloat16)
-    lens = torch.full((B,), L, dtype=torch.int32, device=device)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    cache, tables, lens, qsl, q = cb.decode_case(B, L, device, writer="triton")
     return cache, tables, lens, qsl, q, 1
 
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
 import torch
 from fp8kv_bench import kernels as kb
-
-import fp8kv
 
 ARMS = ("baseline", "current")
 
@@ -49,15 +46,7 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
     from fp8kv_cuda import attention as CA
     from fp8kv_hopper import attention as HA
 
-    gen = torch.Generator().manual_seed(1)
-    tables, nblocks = kb._paged_tables(B, L, device, gen)
-    cache = fp8kv.KVCache.allocate(nblocks, kb.PAGE, kb.HKV, kb.HEAD, kv_dtype="fp8_e4m3", k_scale=0.05,
-                                   v_scale=0.05, device=device)
-    kb._fill_cache(cache, kb._backend("cuda", "write_kv", cache, torch.bfloat16, device), nblocks * kb.PAGE,
-                   device, gen)
-    q = torch.randn(B, kb.HQ, kb.HEAD, generator=gen).to(device=device, dtype=torch.bfloat16)
-    lens = torch.full((B,), L, dtype=torch.int32, device=device)
-    qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
+    cache, tables, lens, qsl, q = kb.decode_case(B, L, device)
     max_keys = tables.shape[1] * kb.PAGE
     plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
                        max_keys=max_keys)
@@ -122,9 +111,7 @@ def main(argv=None) -> int:
               f"{min(r['baseline_us'])}-{max(r['baseline_us'])} | "
               f"{min(r['current_us'])}-{max(r['current_us'])} | {r['median_ratio']:.3f}x | {r['roofline_us']} | "
               f"{r['identical_outputs']} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": {**kb.environment(device), "copy_gbps": bw}, "rows": rows}, f, indent=1)
+    kb.save_rows(args.json, device, rows, copy_gbps=bw)
     return 0
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import numpy as np
 import torch
-from fp8kv_bench.kernels import causal_prefill_flops, environment, time_graph
+from fp8kv_bench.kernels import causal_prefill_flops, save_rows, time_graph
 
 import fp8kv
 
@@ -137,9 +136,7 @@ def main(argv=None) -> int:
               f"{min(r['balanced_us'])}-{max(r['balanced_us'])} | {ratio:.3f}x | {r['model_busiest_snake']} / "
               f"{r['model_busiest_balanced']} / {r['model_mean']} | {r['schedule_host_ms']} | "
               f"{r['identical_outputs']} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": environment(torch.device("cuda")), "rows": rows}, f, indent=1)
+    save_rows(args.json, device, rows)
     return 0
 
 

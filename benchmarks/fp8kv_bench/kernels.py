@@ -123,6 +123,22 @@ def _paged_tables(num_seqs: int, seq_len: int, device, gen) -> tuple[torch.Tenso
     return perm.view(num_seqs, blocks).to(device), num_seqs * blocks
 
 
+def decode_case(B: int, L: int, device, writer: str = "cuda", kv_dtype: str = "fp8_e4m3"):
+    """The decode benchmarks' step: a per-tensor-scaled cache (0.05) over a random permutation of blocks,
+    written with random bf16 K/V by backend ``writer``, B sequences of L tokens, bf16 queries ``[B, HQ, HEAD]``.
+    Returns ``(cache, block_tables, seq_lens, query_start_loc, query)``."""
+    import fp8kv
+
+    gen = torch.Generator().manual_seed(1)
+    tables, nblocks = _paged_tables(B, L, device, gen)
+    cache = fp8kv.KVCache.allocate(nblocks, PAGE, HKV, HEAD, kv_dtype=kv_dtype, k_scale=0.05, v_scale=0.05,
+                                   device=device)
+    _fill_cache(cache, _backend(writer, "write_kv", cache, torch.bfloat16, device), nblocks * PAGE, device, gen)
+    q = torch.randn(B, HQ, HEAD, generator=gen).to(device=device, dtype=torch.bfloat16)
+    lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    return cache, tables, lens, torch.arange(B + 1, dtype=torch.int32, device=device), q
+
+
 def _fill_cache(cache, backend, num_tokens: int, device, gen) -> None:
     """Write random bf16 K/V into the first ``num_tokens`` slots, in chunks."""
     chunk = 1 << 16
@@ -329,6 +345,16 @@ def bench_prefill(name: str, kv_dtype: str, device, reps: int, seqs: int = 4, ne
             "kernel_ms": ms, "api_ms": ms_api, "sdpa_bf16_ms": ms_sdpa, "sdpa_variant": variant,
             "speedup_vs_sdpa": ms_sdpa / ms, "tflops": flops / (ms * 1e-3) / 1e12,
             "sdpa_tflops": flops / (ms_sdpa * 1e-3) / 1e12}
+
+
+def save_rows(path: str | None, device, rows: list[dict], **extra) -> None:
+    """Write ``{"environment": environment(device) + extra, "rows": rows}`` to ``path`` as JSON (None:
+    nothing)."""
+    import json
+
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": {**environment(device), **extra}, "rows": rows}, f, indent=1)
 
 
 def environment(device) -> dict:
