@@ -119,6 +119,7 @@ def test_for_step_sizes_the_schedule_as_the_launch_does():
     items = 2 * 10 * 8
     assert s.dtype == torch.int32 and s.shape[1] == 132
     assert sorted(s[s < items].tolist()) == list(range(items))
+    assert (s[-schedule.SPARE_ROWS:] == schedule.END).all()  # room for update() to re-deal in place
     assert schedule.for_step(lens, qsl, ctas=0, max_query_len=300, **kw) is None
     assert schedule.for_step(lens, qsl, ctas=500, max_query_len=300, **kw).shape[1] == items
 

@@ -123,9 +123,10 @@ def _host_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret
 
 
 def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> torch.Tensor | None:
-    """:func:`_host_schedule` on the GPU (an asynchronous copy), or None."""
-    host = _host_schedule(metadata, config, interpret)
-    return None if host is None else torch.from_numpy(host).to(metadata.spec.device, non_blocking=True)
+    """:func:`_host_schedule` on the GPU (an asynchronous copy, with spare rows for updates), or None."""
+    from . import schedule
+
+    return schedule.on_device(_host_schedule(metadata, config, interpret), metadata.spec.device)
 
 
 class HopperBackend:

@@ -35,6 +35,9 @@ SEARCH_ROUNDS = 160
 """At most this many moves or swaps (4 x 2048 over 2048 takes about 90)."""
 END = 2**31 - 1
 """What pads a CTA's list: the kernel ends a list at its first entry >= num_items."""
+SPARE_ROWS = 2
+"""Padding rows a planned schedule keeps beyond its lists (at least; a quarter of its rows for longer
+lists): a CTA reads its list up to the first pad, so they cost nothing but the bytes."""
 SEARCH_PARTNERS = 8
 """Swaps are sought with the items of this many least busy CTAs."""
 
@@ -127,11 +130,21 @@ def for_step(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], 
     """The schedule of one step for :func:`fp8kv_hopper.wgmma.launch` with ``ctas`` persistent CTAs, on
     ``device`` (an asynchronous copy; no host sync), or None where there is none to make (``ctas == 0``,
     no work items). Lengths and sizes as the launch gets them (``max_keys``: ``block_tables.shape[1] *
-    block_size``)."""
+    block_size``), with spare rows of padding (:func:`on_device`), room for :func:`refill` to re-deal
+    other lengths in place."""
     host = host_schedule(host_seq_lens, host_query_start_loc, ctas=ctas, num_kv_heads=num_kv_heads, group=group,
                          num_tokens=num_tokens, max_query_len=max_query_len, max_keys=max_keys, causal=causal,
                          sliding_window=sliding_window)
-    return None if host is None else torch.from_numpy(host).to(device, non_blocking=True)
+    return on_device(host, device)
+
+
+def on_device(host: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
+    """A host schedule (:func:`host_schedule`) on ``device``, with :data:`SPARE_ROWS` (or a quarter of its
+    rows) more rows of padding, by an asynchronous copy; None for None."""
+    if host is None:
+        return None
+    spare = np.full((max(SPARE_ROWS, host.shape[0] // 4), host.shape[1]), END, dtype=np.int32)
+    return torch.from_numpy(np.concatenate([host, spare])).to(device, non_blocking=True)
 
 
 def refill(schedule: torch.Tensor, host: np.ndarray | None) -> bool:
