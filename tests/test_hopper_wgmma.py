@@ -168,6 +168,54 @@ def test_the_work_items_are_dealt_once_each(seqs, q_blocks, heads, persistent):
         assert max(tiles) - min(tiles) < 32, (min(tiles), max(tiles))
 
 
+def walk(b, grid, items, sched=None, has_rows=lambda item: True):
+    """fp8_prefill.cu's walk of CTA b over its items (first_work / next_work / walk_from, cta_item with a
+    schedule [rows, grid] or the snake): the items it runs, in order."""
+    def cta_item(k):
+        if sched is not None:
+            return int(sched[k, b]) if k < sched.shape[0] else items
+        return grid * k + (grid - 1 - b if k & 1 else b)
+
+    taken, k, item = [], 0, cta_item(0)
+    while True:
+        while True:  # walk_from(k, item): skip items without rows; stop at the first >= num_items
+            ok = 0 <= item < items and has_rows(item)
+            if ok or item >= items:
+                break
+            k += 1
+            item = cta_item(k)
+        if not ok:
+            return taken
+        taken.append(item)
+        k, item = k + 1, cta_item(k + 1)  # (then: CTA b's item k + 1, read while item k runs)
+
+
+@pytest.mark.parametrize("pairs", [[(2048, 2048)] * 4, [(100, 3000)] * 2 + [(700, 20)] * 5, [(0, 50), (300, 0)]])
+def test_the_kernels_walk_takes_each_scheduled_item_once(pairs):
+    """With the plan's schedule (spare padding rows included), the kernel's walk runs every item with rows
+    exactly once over the grid, each CTA its own list in order; items without rows are skipped."""
+    from fp8kv_hopper import schedule
+
+    qsl = [0]
+    for new, _ in pairs:
+        qsl.append(qsl[-1] + new)
+    lens = [n + c for n, c in pairs]
+    kw = dict(num_kv_heads=8, group=4, num_tokens=qsl[-1], max_query_len=max(n for n, _ in pairs),
+              max_keys=max(lens) + 16, causal=True, sliding_window=None)
+    sched = schedule.for_step(lens, qsl, ctas=132, device=torch.device("cpu"), **kw).numpy()
+    q_blocks = -(-max(1, kw["max_query_len"]) // 32)
+    tiles = schedule.item_tiles(lens, qsl, num_kv_heads=8, block_q=32, q_blocks=q_blocks, block_n=128,
+                                num_tokens=qsl[-1], max_keys=kw["max_keys"], causal=True, window=2**30)
+    items, grid = tiles.shape[0], sched.shape[1]
+    taken = [walk(b, grid, items, sched, lambda i: tiles[i] >= 0) for b in range(grid)]
+    assert sorted(i for t in taken for i in t) == [i for i in range(items) if tiles[i] >= 0]
+    for b, t in enumerate(taken):
+        col = sched[:, b]
+        assert t == [int(i) for i in col[col < items] if tiles[i] >= 0]
+    snake = [walk(b, grid, items) for b in range(grid)]
+    assert sorted(i for t in snake for i in t) == list(range(items))
+
+
 @pytest.mark.parametrize("tail", [128, 77, 0])
 def test_v_transpose_writes_every_byte_of_vt_once(tail):
     """transpose_v as the kernel addresses it: raw V in the 128-byte swizzle (as TMA writes it), V^T
