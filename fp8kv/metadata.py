@@ -510,6 +510,8 @@ def plan_attention(
             given = [operator.index(x) for x in given]
         except TypeError:
             raise bad_argument(name, type(given).__name__, "a sequence of Python ints") from None
+        if any(not -(2**63) <= x < 2**63 for x in given):
+            raise bad_argument(name, "a value outside int64", "int64 values, as the tensor's")
         if len(given) != want or (read is not None and given != read):
             raise bad_argument(name, f"{len(given)} values" if len(given) != want else "other values than the tensor's",
                                f"{want} host ints equal to the tensor's")

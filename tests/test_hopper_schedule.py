@@ -177,9 +177,12 @@ def test_host_lengths_reach_the_metadata_and_are_checked():
     meta = fp8kv.plan_attention(cache, **args, validate=False, max_query_len=7, num_tokens=12,
                                 host_seq_lens=(40, 7), host_query_start_loc=np.array([0, 5, 12]))
     assert (meta.host_seq_lens, meta.host_query_start_loc) == ([40, 7], [0, 5, 12])
+    with pytest.raises(InvalidArgument, match=r"^host_seq_lens: "):
+        fp8kv.plan_attention(cache, **args, validate=False, max_query_len=7, num_tokens=12, host_seq_lens=[2**63, 7])
     for kw, name in (({"host_seq_lens": [40, 8]}, "host_seq_lens"), ({"host_seq_lens": [40]}, "host_seq_lens"),
                      ({"host_query_start_loc": [0, 5, 12, 12]}, "host_query_start_loc"),
-                     ({"host_seq_lens": [40.0, 7.0]}, "host_seq_lens")):
+                     ({"host_seq_lens": [40.0, 7.0]}, "host_seq_lens"),
+                     ({"host_query_start_loc": [0, 5, 2**64]}, "host_query_start_loc")):
         with pytest.raises(InvalidArgument, match=rf"^{name}: "):
             fp8kv.plan_attention(cache, **args, validate=True, **kw)
 

@@ -33,13 +33,13 @@ SEARCH_ITEMS_PER_CTA = 32
 fraction of a percent of the mean and a search round costs more)."""
 SEARCH_ROUNDS = 160
 """At most this many moves or swaps (4 x 2048 over 2048 takes about 90)."""
+SEARCH_PARTNERS = 8
+"""Swaps are sought with the items of this many least busy CTAs."""
 END = 2**31 - 1
 """What pads a CTA's list: the kernel ends a list at its first entry >= num_items."""
 SPARE_ROWS = 2
 """Padding rows a planned schedule keeps beyond its lists (at least; a quarter of its rows for longer
 lists): a CTA reads its list up to the first pad, so they cost nothing but the bytes."""
-SEARCH_PARTNERS = 8
-"""Swaps are sought with the items of this many least busy CTAs."""
 
 
 def item_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, num_kv_heads: int,
