@@ -493,7 +493,7 @@ def plan_attention(
         elif csr:
             need += [("max_pages", amax(pages))]
         values = torch.stack([v for _, v in need])
-        if check:  # the lengths ride along (backends plan by them; the reference reads them)
+        if check:  # the lengths ride along (backends plan the step by them)
             values = torch.cat([values, lens.to(torch.int64), qsl.to(torch.int64)])
         flat = values.tolist()
         host = dict(zip([n for n, _ in need], flat[:len(need)], strict=True))

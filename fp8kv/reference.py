@@ -137,8 +137,10 @@ def paged_attention(query: torch.Tensor, cache: KVCache, metadata: AttentionMeta
     bs, nb = cache.block_size, cache.num_blocks
     tables = metadata.block_tables
     max_keys = tables.shape[1] * bs
-    starts = metadata.host_query_start_loc or metadata.query_start_loc.tolist()
-    lens = metadata.host_seq_lens or metadata.seq_lens.tolist()
+    # the tensors' values, as the kernels read them (the metadata's host copies may be the caller's, which
+    # only steer how backends deal work and are not checked when validation is off)
+    starts = metadata.query_start_loc.tolist()
+    lens = metadata.seq_lens.tolist()
     out_max = torch.finfo(out.dtype).max
     for i, seq_len in enumerate(lens):
         q_lo, q_hi = min(max(starts[i], 0), T), min(max(starts[i + 1], 0), T)

@@ -249,3 +249,21 @@ def test_update_asks_the_backend_to_bring_its_plan_up_to_date():
                                      seq_lens=torch.tensor([40, 7], dtype=torch.int32), **args)
     reference.update(seq_lens=torch.tensor([30, 9], dtype=torch.int32), **args)  # (no hook: nothing to call)
     assert reference.host_seq_lens == [30, 9]
+
+
+def test_wrong_host_lengths_never_change_what_is_computed():
+    """With validation off, host lengths that disagree with the tensors are kept (they only steer how work
+    is dealt) and the reference still computes from the tensors: the same bits as with the right ones."""
+    g = torch.Generator().manual_seed(3)
+    cache = fp8kv.KVCache.allocate(8, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="tensor")
+    fp8kv.write_kv(cache, torch.randn(128, 2, 64, generator=g), torch.randn(128, 2, 64, generator=g),
+                   torch.arange(128))
+    q = torch.randn(12, 4, 64, generator=g)
+    args = dict(num_q_heads=4, query_dtype=torch.float32, block_tables=torch.arange(8, dtype=torch.int32).view(2, 4),
+                seq_lens=torch.tensor([40, 7], dtype=torch.int32),
+                query_start_loc=torch.tensor([0, 5, 12], dtype=torch.int32), backend="reference")
+    right = fp8kv.paged_attention(q, cache, fp8kv.plan_attention(cache, **args))
+    meta = fp8kv.plan_attention(cache, **args, validate=False, max_query_len=7, num_tokens=12,
+                                host_seq_lens=[3, 64], host_query_start_loc=[0, 1, 2])
+    assert meta.host_seq_lens == [3, 64]
+    assert torch.equal(fp8kv.paged_attention(q, cache, meta), right)
