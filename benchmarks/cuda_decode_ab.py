@@ -4,6 +4,7 @@ alternated: the default mode and the FP8 attention mode (dynamic and per-KV-head
 times them. Each arm's outputs are compared with the other's (bit-identical unless the change alters them).
 
     python benchmarks/cuda_decode_ab.py --baseline OLD.cu [--rounds 3] [--json FILE] [--shapes 64:2048,...]
+    python benchmarks/cuda_decode_ab.py --profile fp8_dynamic_q --shapes 64:2048   # three untimed calls (ncu)
 
 ``OLD.cu``: e.g. ``git show REV:backends/fp8kv_cuda/csrc/attention_mma.cu``, compiled with the current headers.
 """
@@ -42,7 +43,9 @@ def use_baseline(text: str | None) -> None:
     runtime.function = function
 
 
-def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float) -> list[dict]:
+def decode_runs(B: int, L: int, device):
+    """``(runs, query, plan)``: the decode step of B sequences of L tokens in each mode, ``runs[mode](out)``
+    (``default``, ``fp8_dynamic_q``, ``fp8_head_q``), all on the same cache, planned once."""
     from fp8kv_cuda import attention as CA
     from fp8kv_hopper import attention as HA
 
@@ -55,7 +58,6 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
                                                num_sms=torch.cuda.get_device_properties(device).multi_processor_count),
                               kernel="cuda")
     head_qs = torch.full((kb.HKV,), 0.02, device=device)
-    roof_us = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e6
 
     def fp8(qs):
         return lambda o: HA.paged_attention_fp8(q, cache, tables, lens, qsl, 1, kb.HEAD**-0.5, True, None, None, o,
@@ -64,6 +66,12 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
     runs = {"default": lambda o: CA.paged_attention(q, cache, tables, lens, qsl, kb.HEAD**-0.5, True, None, None, o,
                                                     None, plan_=plan),
             "fp8_dynamic_q": fp8(None), "fp8_head_q": fp8(head_qs)}
+    return runs, q, plan
+
+
+def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float) -> list[dict]:
+    runs, q, plan = decode_runs(B, L, device)
+    roof_us = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e6
     rows = []
     for mode, run in runs.items():
         times = {a: [] for a in ARMS}
@@ -92,17 +100,29 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--baseline", required=True, help="the earlier attention_mma.cu")
+    ap.add_argument("--baseline", help="the earlier attention_mma.cu (required but with --profile)")
+    ap.add_argument("--profile", choices=("default", "fp8_dynamic_q", "fp8_head_q"),
+                    help="only run this mode's decode three times, untimed, at the first of --shapes (for ncu "
+                         "--launch-skip 1 --launch-count 1: benchmarks/profiles/decode_ncu.sh)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not (args.baseline or args.profile):
+        ap.error("--baseline FILE is required (the earlier attention_mma.cu), unless --profile")
+    device = torch.device("cuda")
+    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+    if args.profile:
+        runs, q, _ = decode_runs(*shapes[0], device)
+        out = torch.empty_like(q)
+        for _ in range(3):
+            runs[args.profile](out)
+        torch.cuda.synchronize()
+        return 0
     with open(args.baseline) as f:
         baseline = f.read()
-    device = torch.device("cuda")
     bw = kb.copy_bandwidth(device)["gbps"]
-    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
     rows = [r for B, L in shapes for r in bench(B, L, baseline, args.rounds, args.reps, device, bw)]
     print("| B | L | mode | splits | baseline us | current us | ratio (medians) | roofline us | identical |\n"
           "|---|---|---|---|---|---|---|---|---|")
