@@ -56,16 +56,8 @@ def workload(pairs: list[tuple[int, int]], device, seed: int = 0):
     return cache, q, tables, lens, qsl
 
 
-def busiest(tiles: np.ndarray, lists: list[np.ndarray]) -> float:
-    """The cost model's load of the busiest CTA (in tiles)."""
-    from fp8kv_hopper.schedule import ITEM_TILES
-
-    cost = np.where(tiles >= 0, tiles + ITEM_TILES, 0.0)
-    return max(float(cost[x].sum()) for x in lists)
-
-
 def bench(shape: str, rounds: int, reps: int, device) -> dict:
-    from fp8kv_hopper import attention, schedule, wgmma
+    from fp8kv_hopper import attention, schedule
 
     pairs = parse(shape)
     cache, q, tables, lens, qsl = workload(pairs, device)
@@ -83,15 +75,10 @@ def bench(shape: str, rounds: int, reps: int, device) -> dict:
                               device=device)
     plan_ms = (time.perf_counter() - t0) * 1e3
     # the cost model's view of both deals
-    block_q = wgmma.BLOCK_M // (HQ // H)
-    q_blocks = -(-max_q // block_q)
-    tiles = schedule.item_tiles(lens, qsl, num_kv_heads=H, block_q=block_q, q_blocks=q_blocks, block_n=wgmma.BLOCK_N,
-                                num_tokens=qsl[-1], max_keys=max_keys, causal=True, window=1 << 30)
-    items, grid = tiles.shape[0], min(cfg.wgmma_ctas, tiles.shape[0])
-    snake = [np.array([grid * k + (grid - 1 - b if k & 1 else b) for k in range(-(-items // grid))
-                       if grid * k + (grid - 1 - b if k & 1 else b) < items], dtype=np.int64) for b in range(grid)]
-    host = sched.cpu().numpy()
-    planned = [col[col < items] for col in host.T]
+    tiles = schedule.step_tiles(lens, qsl, num_kv_heads=H, group=HQ // H, num_tokens=qsl[-1], max_query_len=max_q,
+                                max_keys=max_keys, causal=True, sliding_window=None)
+    items, grid = tiles.shape[0], sched.shape[1]
+    snake, planned = schedule.snake_lists(items, grid), schedule.cta_lists(sched.cpu().numpy(), items)
     outs = {}
 
     def run(arm: str) -> None:
@@ -113,9 +100,9 @@ def bench(shape: str, rounds: int, reps: int, device) -> dict:
     flops = sum(causal_prefill_flops(1, n, c) for n, c in pairs)
     return {"shape": shape, "items": items, "ctas": grid, "identical_outputs": identical,
             "snake_us": [round(t, 1) for t in times["snake"]], "balanced_us": [round(t, 1) for t in times["balanced"]],
-            "model_busiest_snake": round(busiest(tiles, snake), 1),
-            "model_busiest_balanced": round(busiest(tiles, planned), 1),
-            "model_mean": round(float(np.where(tiles >= 0, tiles + schedule.ITEM_TILES, 0).sum()) / grid, 1),
+            "model_busiest_snake": round(schedule.busiest(tiles, snake), 1),
+            "model_busiest_balanced": round(schedule.busiest(tiles, planned), 1),
+            "model_mean": round(float(schedule.item_costs(tiles).sum()) / grid, 1),
             "schedule_host_ms": round(plan_ms, 2), "useful_tflop": round(flops / 1e12, 4)}
 
 

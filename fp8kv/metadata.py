@@ -499,26 +499,9 @@ def plan_attention(
         host = dict(zip([n for n, _ in need], flat[:len(need)], strict=True))
     else:
         host, flat = {}, []
-    host_lens = host_qsl = None
-    if check:
-        host_lens, host_qsl = flat[len(need):len(need) + S], flat[len(need) + S:]
-    for name, given, want, read in (("host_seq_lens", host_seq_lens, S, host_lens),
-                                    ("host_query_start_loc", host_query_start_loc, S + 1, host_qsl)):
-        if given is None:
-            continue
-        try:
-            given = [operator.index(x) for x in given]
-        except TypeError:
-            raise bad_argument(name, type(given).__name__, "a sequence of Python ints") from None
-        if any(not -(2**63) <= x < 2**63 for x in given):
-            raise bad_argument(name, "a value outside int64", "int64 values, as the tensor's")
-        if len(given) != want or (read is not None and given != read):
-            raise bad_argument(name, f"{len(given)} values" if len(given) != want else "other values than the tensor's",
-                               f"{want} host ints equal to the tensor's")
-    if host_seq_lens is not None:
-        host_lens = [int(x) for x in host_seq_lens]
-    if host_query_start_loc is not None:
-        host_qsl = [int(x) for x in host_query_start_loc]
+    read = (flat[len(need):len(need) + S], flat[len(need) + S:]) if check else (None, None)
+    host_lens, host_qsl = (_host_ints(name, given, want, got) for name, given, want, got in (
+        ("host_seq_lens", host_seq_lens, S, read[0]), ("host_query_start_loc", host_query_start_loc, S + 1, read[1])))
 
     if check:
         _check_values(spec, host, S, decode, num_tokens, max_query_len, max_seq_len, csr, lens, qsl,
@@ -562,6 +545,23 @@ def plan_attention(
     if _selections is None:
         meta.backend_plan = attention.backend.plan_attention(attention.device, meta)
     return meta
+
+
+def _host_ints(name: str, given, want: int, read: list[int] | None) -> list[int] | None:
+    """The caller's host copy ``given`` of a length tensor as a list of ints, checked (``want`` values,
+    int64, equal to ``read``, the tensor's values where they were read); ``read`` where none was given."""
+    if given is None:
+        return read
+    try:
+        given = [operator.index(x) for x in given]
+    except TypeError:
+        raise bad_argument(name, type(given).__name__, "a sequence of Python ints") from None
+    if any(not -(2**63) <= x < 2**63 for x in given):
+        raise bad_argument(name, "a value outside int64", "int64 values, as the tensor's")
+    if len(given) != want or (read is not None and given != read):
+        raise bad_argument(name, f"{len(given)} values" if len(given) != want else "other values than the tensor's",
+                           f"{want} host ints equal to the tensor's")
+    return given
 
 
 def _check_values(spec, host, S, decode, num_tokens, max_query_len, max_seq_len, csr, lens, qsl, indices, tables,

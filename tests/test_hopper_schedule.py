@@ -44,19 +44,6 @@ def step(pairs):
     return [n + c for n, c in pairs], qsl
 
 
-def snake_lists(items: int, grid: int) -> list[list[int]]:
-    """The kernel's deal without a schedule (cta_item's snake)."""
-    return [[grid * k + (grid - 1 - b if k & 1 else b) for k in range(-(-items // grid))
-             if grid * k + (grid - 1 - b if k & 1 else b) < items] for b in range(grid)]
-
-
-def busiest(tiles: np.ndarray, lists) -> float:
-    cost = np.where(tiles >= 0, tiles + schedule.ITEM_TILES, 0.0)
-    return max(float(cost[np.asarray(x, dtype=np.int64)].sum()) for x in lists)
-
-
-def lists_of(sched: np.ndarray, items: int) -> list[np.ndarray]:
-    return [col[col < items] for col in sched.T]
 
 
 pairs_st = st.lists(st.tuples(st.integers(0, 700), st.integers(0, 3000)), min_size=1, max_size=6)
@@ -79,11 +66,11 @@ def test_every_item_is_dealt_once_with_the_kernels_tiles(pairs, heads, grid, cau
     grid = min(grid, items)
     sched = schedule.balanced(tiles, grid)
     assert sched.dtype == np.int32 and sched.ndim == 2 and sched.shape[1] == grid
-    lists = lists_of(sched, items)
+    lists = schedule.cta_lists(sched, items)
     assert sorted(np.concatenate(lists).tolist()) == list(range(items))
     for col, mine in zip(sched.T, lists, strict=True):
         assert (col[len(mine):] == schedule.END).all()  # a list ends at its first pad
-        cost = np.where(tiles[mine] >= 0, tiles[mine] + schedule.ITEM_TILES, 0.0)
+        cost = schedule.item_costs(tiles[mine])
         assert (np.diff(cost) <= 0).all()
 
 
@@ -98,9 +85,9 @@ def test_the_schedule_balances_what_the_snake_does_not(pairs, within):
     tiles = schedule.item_tiles(lens, qsl, num_kv_heads=8, block_q=32, q_blocks=q_blocks, block_n=128,
                                 num_tokens=qsl[-1], max_keys=max(lens), causal=True, window=NO_WINDOW)
     items = tiles.shape[0]
-    mean = float(np.where(tiles >= 0, tiles + schedule.ITEM_TILES, 0.0).sum()) / 132
-    planned = busiest(tiles, lists_of(schedule.balanced(tiles, 132), items))
-    snake = busiest(tiles, snake_lists(items, 132))
+    mean = float(schedule.item_costs(tiles).sum()) / 132
+    planned = schedule.busiest(tiles, schedule.cta_lists(schedule.balanced(tiles, 132), items))
+    snake = schedule.busiest(tiles, schedule.snake_lists(items, 132))
     assert planned <= mean * (1 + within), (planned, mean)
     assert planned <= snake
     if pairs == [(2048, 2048)] * 4:

@@ -214,6 +214,7 @@ def test_the_kernels_walk_takes_each_scheduled_item_once(pairs):
         assert t == [int(i) for i in col[col < items] if tiles[i] >= 0]
     snake = [walk(b, grid, items) for b in range(grid)]
     assert sorted(i for t in snake for i in t) == list(range(items))
+    assert snake == [x.tolist() for x in schedule.snake_lists(items, grid)]  # (the model the benchmark compares)
 
 
 @pytest.mark.parametrize("tail", [128, 77, 0])

@@ -62,12 +62,46 @@ def item_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int]
     return np.repeat(tiles.reshape(-1), num_kv_heads)
 
 
+def item_costs(tiles: np.ndarray) -> np.ndarray:
+    """The cost model's cost of items with ``tiles`` (:func:`item_tiles`): tiles + :data:`ITEM_TILES`, 0 for an
+    item with no rows (the kernel skips it)."""
+    return np.where(tiles >= 0, tiles + ITEM_TILES, 0.0)
+
+
+def snake_lists(num_items: int, grid: int) -> list[np.ndarray]:
+    """The kernel's deal without a schedule (``cta_item``'s snake): CTA ``b``'s items, for comparisons."""
+    rounds = np.arange(-(-num_items // grid))[:, None]
+    b = np.arange(grid)[None, :]
+    item = grid * rounds + np.where(rounds % 2 == 1, grid - 1 - b, b)  # [rounds, grid]
+    return [col[col < num_items] for col in item.T]
+
+
+def cta_lists(schedule: np.ndarray, num_items: int) -> list[np.ndarray]:
+    """Each CTA's items of a schedule (:func:`balanced`'s ``[rows, grid]``, padding dropped)."""
+    return [col[col < num_items] for col in schedule.T]
+
+
+def busiest(tiles: np.ndarray, lists: list[np.ndarray]) -> float:
+    """The cost model's load of the busiest CTA (in tiles) of a deal of items with ``tiles`` into ``lists``
+    (:func:`cta_lists`, :func:`snake_lists`)."""
+    cost = item_costs(tiles)
+    return max(float(cost[x].sum()) for x in lists)
+
+
+def _by_cta(cost: np.ndarray, cta: np.ndarray, grid: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(order, slot, counts)``: the items by CTA, each CTA's from its most expensive down; each of those
+    items' place in its CTA's list; the items per CTA."""
+    order = np.lexsort((-cost, cta))
+    counts = np.bincount(cta, minlength=grid)
+    return order, np.arange(cta.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts), counts
+
+
 def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     """The schedule of items with ``tiles [num_items]`` (:func:`item_tiles`) over ``grid`` CTAs, as the
     kernel reads it: int32 ``[rows, grid]``, column ``b`` CTA ``b``'s items from its most expensive down,
     padded with :data:`END`."""
     n = tiles.shape[0]
-    cost = np.where(tiles >= 0, tiles + ITEM_TILES, 0.0)
+    cost = item_costs(tiles)
     order = np.argsort(-cost, kind="stable")
     rank = np.arange(n)
     cta = np.empty(n, dtype=np.int64)
@@ -75,10 +109,7 @@ def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     load = np.bincount(cta, weights=cost, minlength=grid)
     if -(-n // grid) <= SEARCH_ITEMS_PER_CTA and load.max() > SETTLED * load.mean():
         _pair_off(cost, cta, grid)
-    lists = np.lexsort((-cost, cta))  # by CTA, then most expensive first
-    counts = np.bincount(cta, minlength=grid)
-    starts = np.cumsum(counts) - counts
-    row = np.arange(n) - np.repeat(starts, counts)  # each item's place in its CTA's list
+    lists, row, counts = _by_cta(cost, cta, grid)
     out = np.full((max(int(counts.max()), 1), grid), END, dtype=np.int32)
     out[row, cta[lists]] = lists
     return out
@@ -89,10 +120,8 @@ def _pair_off(cost: np.ndarray, cta: np.ndarray, grid: int) -> None:
     with the least busy half (the busiest with the least busy, and so on) and in every pair makes the one
     move or swap of items that leaves the pair's larger load the smallest, where that is below the busier
     one's load (at most :data:`SEARCH_ROUNDS` rounds; a round is one batch of array operations)."""
-    counts = np.bincount(cta, minlength=grid)
+    by_cta, slot, counts = _by_cta(cost, cta, grid)
     width = int(counts.max()) + SPARE_ROWS  # (empty slots: where a move puts an item)
-    by_cta = np.lexsort((-cost, cta))
-    slot = np.arange(cta.shape[0]) - np.repeat(np.cumsum(counts) - counts, counts)
     member = np.full((grid, width), -1, dtype=np.int64)  # [grid, width] item indices, -1: empty
     member[cta[by_cta], slot] = by_cta
     held = np.where(member >= 0, cost[np.maximum(member, 0)], 0.0)  # their costs
@@ -157,15 +186,24 @@ def host_schedule(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[i
                   num_kv_heads: int, group: int, num_tokens: int, max_query_len: int, max_keys: int, causal: bool,
                   sliding_window: int | None) -> np.ndarray | None:
     """:func:`for_step`'s schedule on the host (numpy int32 ``[rows, grid]``), or None."""
+    tiles = step_tiles(host_seq_lens, host_query_start_loc, num_kv_heads=num_kv_heads, group=group,
+                       num_tokens=num_tokens, max_query_len=max_query_len, max_keys=max_keys, causal=causal,
+                       sliding_window=sliding_window)
+    if ctas <= 0 or tiles.shape[0] == 0:
+        return None
+    return balanced(tiles, min(ctas, tiles.shape[0]))
+
+
+def step_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, num_kv_heads: int, group: int,
+               num_tokens: int, max_query_len: int, max_keys: int, causal: bool,
+               sliding_window: int | None) -> np.ndarray:
+    """:func:`item_tiles` of a step's items as :func:`fp8kv_hopper.wgmma.launch` makes them (query blocks of
+    ``BLOCK_M // group`` tokens, ``max_query_len`` clamped to ``[1, num_tokens]``, keys in ``BLOCK_N`` tiles)."""
     from .attention import NO_WINDOW
     from .wgmma import BLOCK_M, BLOCK_N
 
     block_q = max(1, BLOCK_M // group)
     q_blocks = -(-min(max(max_query_len, 1), max(num_tokens, 1)) // block_q)
-    items = len(host_seq_lens) * q_blocks * num_kv_heads
-    if ctas <= 0 or items == 0:
-        return None
-    tiles = item_tiles(host_seq_lens, host_query_start_loc, num_kv_heads=num_kv_heads, block_q=block_q,
-                       q_blocks=q_blocks, block_n=BLOCK_N, num_tokens=num_tokens, max_keys=max_keys, causal=causal,
-                       window=min(int(sliding_window or NO_WINDOW), NO_WINDOW))
-    return balanced(tiles, min(ctas, items))
+    return item_tiles(host_seq_lens, host_query_start_loc, num_kv_heads=num_kv_heads, block_q=block_q,
+                      q_blocks=q_blocks, block_n=BLOCK_N, num_tokens=num_tokens, max_keys=max_keys, causal=causal,
+                      window=min(int(sliding_window or NO_WINDOW), NO_WINDOW))
