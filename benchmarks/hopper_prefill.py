@@ -168,13 +168,13 @@ def bench_shape(device, seqs: int, new: int, cached: int, args, rows: list[dict]
         grid += [(dataclasses.replace(base, kernel="wgmma", wgmma_pingpong=pp, wgmma_ctas=ctas), dyn, snake)
                  for ctas, snake in ((shipped.wgmma_ctas, False), (shipped.wgmma_ctas, True), (0, False))
                  for pp in (True, False) for dyn in (True, False)]
-    host_lens, host_qsl = seq_lens.tolist(), qsl.tolist()
+    planned = schedule.for_step(seq_lens.tolist(), qsl.tolist(), ctas=shipped.wgmma_ctas, num_kv_heads=HKV,
+                                group=HQ // HKV, num_tokens=query.shape[0], max_query_len=new,
+                                max_keys=tables.shape[1] * cache.block_size, causal=True, sliding_window=None,
+                                device=device)  # (as plan_attention makes it from the host lengths)
     for cfg, dyn, snake in grid:
         qs = None if dyn else torch.full((HKV,), 0.02, device=device)
-        sched = None if snake or cfg.kernel != "wgmma" else schedule.for_step(
-            host_lens, host_qsl, ctas=cfg.wgmma_ctas, num_kv_heads=HKV, group=HQ // HKV, num_tokens=query.shape[0],
-            max_query_len=new, max_keys=tables.shape[1] * cache.block_size, causal=True, sliding_window=None,
-            device=device)
+        sched = planned if cfg.kernel == "wgmma" and cfg.wgmma_ctas == shipped.wgmma_ctas > 0 and not snake else None
 
         def run(cfg=cfg, qs=qs, sched=sched):
             paged_attention_fp8(query, cache, tables, seq_lens, qsl, new, scale, True, None, None, out,

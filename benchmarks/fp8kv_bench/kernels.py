@@ -236,14 +236,7 @@ def flashinfer_decode(cache, block_tables: torch.Tensor, seq_len: int, query: to
 def bench_decode(name: str, kv_dtype: str, device, bw: float, reps: int, B: int, L: int) -> dict:
     import fp8kv
 
-    gen = torch.Generator().manual_seed(1)
-    tables, nblocks = _paged_tables(B, L, device, gen)
-    cache = fp8kv.KVCache.allocate(nblocks, PAGE, HKV, HEAD, kv_dtype=kv_dtype, k_scale=0.05, v_scale=0.05,
-                                   device=device)
-    wbackend = _backend(name, "write_kv", cache, torch.bfloat16, device)
-    _fill_cache(cache, wbackend, nblocks * PAGE, device, gen)
-    query = torch.randn(B, HQ, HEAD, generator=gen).to(device=device, dtype=torch.bfloat16)
-    seq_lens = torch.full((B,), L, dtype=torch.int32, device=device)
+    cache, tables, seq_lens, _, query = decode_case(B, L, device, writer=name, kv_dtype=kv_dtype)
     out = torch.empty_like(query)
     meta = fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=torch.bfloat16, block_tables=tables,
                                 seq_lens=seq_lens, max_seq_len=L, validate=False, backend=name)
