@@ -479,28 +479,6 @@ __device__ __forceinline__ Pipe start_pipe(const KeyRows& rows, uint4* ring_mem,
     return pp;
 }
 
-// The query fragment (B of S^T: head g, dims k_dim(c, ks) + 0..3) is the same in every warp of the CTA, so
-// the warps share its work: warp w loads, ranges and converts k steps ks = w + j KWARPS only, and the
-// warps exchange the range (a barrier) and the converted words (another) through shared memory. Its loads
-// are issued first thing, so that their latency overlaps the block table's and the first copies'.
-constexpr int QSTEPS = (KW + KWARPS - 1) / KWARPS;  // k steps a warp takes (fewer where KW % KWARPS != 0)
-
-struct QueryShare {
-    u16 v[QSTEPS][4];  // raw 16-bit query values (0 for a dead head or a k step past KW)
-    __device__ __forceinline__ static int step(int j) { return (int)(threadIdx.x >> 5) + j * KWARPS; }
-};
-
-__device__ __forceinline__ QueryShare load_query_share(const q_t* query, i64 qrow, bool head_live, int c) {
-    QueryShare qv;
-#pragma unroll
-    for (int j = 0; j < QSTEPS; ++j) {
-        const int ks = QueryShare::step(j);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) qv.v[j][i] = head_live && ks < KW ? query[qrow + k_dim(c, ks) + i] : (u16)0;
-    }
-    return qv;
-}
-
 // The FP8 mode's per-thread query facts: the scale of the thread's head g, and 1 / prob_scale.
 struct Fp8Query {
     float qs;
@@ -525,7 +503,7 @@ __device__ __forceinline__ void fp8_logit_factors(float qs, float k_scale, float
 // flight (the first issued by start_pipe). Queries enter scaled by 2^-qshift (exact, see the
 // kernel), so the logit factor carries 2^qshift; FP8_MODE: as q8 = e4m3(q / qs) (KE 5, qshift 0).
 template <int KE>
-__device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const QueryShare& qv, uint2 (&q_frag)[KW][32], i32 qshift,
+__device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query, i64 qrow, bool head_live, i32 qshift,
                                          const float* k_scale, Fp8Query f8,
                                          float g_mant, int g_exp, const KeyRows& rows, uint4* ring_mem,
                                          const u8* key_cache, const u8* value_cache, float soft_cap, int use_cap,
@@ -536,24 +514,34 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const QueryShare
     float f1[2] = {1.0f, 1.0f}, f2[2] = {1.0f, 1.0f};  // static scales: the heads' logit factors (else per key)
 #if FP8KV_FP8_MODE
     static_assert(KE == 5 && NATIVE, "FP8 mode: float16 K, the native order");
-#pragma unroll
-    for (int j = 0; j < QSTEPS; ++j) {  // this warp's k steps: q8 = e4m3(q / qs) (k_native order: bytes 0, 1 | 2, 3)
-        const int ks = QueryShare::step(j);
+    // Every warp of the CTA holds the same fragment: warp w quantizes k steps w, w + KWARPS, ... and the
+    // warps exchange them through shared memory (the IEEE divisions were most of the mode's extra time:
+    // 1.2-1.6% of a decode step on the H100, benchmarks/results/cuda_decode/h100_fp8_query_share/).
+    __shared__ uint2 q_frag[KW][32];
+    for (int ks = warp; ks < KW; ks += KWARPS) {  // (k_native order: bytes 0, 1 | 2, 3)
+        const i64 q0 = qrow + k_dim(c, ks);
         float x[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) x[i] = __fdiv_rn(load_q(&qv.v[j][i], 0), f8.qs);  // (a dead head's 0 stays 0)
-        if (ks < KW) q_frag[ks][lane] = make_uint2(e4m3x2_as_f16x2(x[0], x[1]), e4m3x2_as_f16x2(x[2], x[3]));
+        for (int i = 0; i < 4; ++i) x[i] = head_live ? __fdiv_rn(load_q(query, q0 + i), f8.qs) : 0.0f;
+        q_frag[ks][lane] = make_uint2(e4m3x2_as_f16x2(x[0], x[1]), e4m3x2_as_f16x2(x[2], x[3]));
+    }
+    __syncthreads();  // (uniform: every thread of the CTA runs key_loop<5> in the FP8 mode)
+#pragma unroll
+    for (int ks = 0; ks < KW; ++ks) {
+        const uint2 w = q_frag[ks][lane];
+        qb[ks][0] = w.x;
+        qb[ks][1] = w.y;
     }
     fp8_logit_factors(f8.qs, k_scale[0], g_mant, g_exp, c, f1, f2);
 #else
 #pragma unroll
-    for (int j = 0; j < QSTEPS; ++j) {  // this warp's k steps
-        const int ks = QueryShare::step(j);
-        const u32 e0 = query_bits<KE>(&qv.v[j][0], 0, true, qshift), e1 = query_bits<KE>(&qv.v[j][1], 0, true, qshift);
-        const u32 e2 = query_bits<KE>(&qv.v[j][2], 0, true, qshift), e3 = query_bits<KE>(&qv.v[j][3], 0, true, qshift);
+    for (int ks = 0; ks < KW; ++ks) {
+        const i64 q0 = qrow + k_dim(c, ks);
+        const u32 e0 = query_bits<KE>(query, q0, head_live, qshift), e1 = query_bits<KE>(query, q0 + 1, head_live, qshift);
+        const u32 e2 = query_bits<KE>(query, q0 + 2, head_live, qshift), e3 = query_bits<KE>(query, q0 + 3, head_live, qshift);
         constexpr bool k_native = NATIVE && KE == 5;  // k index 2c.. <-> bytes 0, 1 | 2, 3; else 0, 2 | 1, 3
-        if (ks < KW) q_frag[ks][lane] = make_uint2(k_native ? e0 | (e1 << 16) : e0 | (e2 << 16),
-                                                   k_native ? e2 | (e3 << 16) : e1 | (e3 << 16));
+        qb[ks][0] = k_native ? e0 | (e1 << 16) : e0 | (e2 << 16);
+        qb[ks][1] = k_native ? e2 | (e3 << 16) : e1 | (e3 << 16);
     }
     if constexpr (!TOKEN_SCALES) {
         scale_factors(k_scale[0], g_mant, g_exp + qshift, f1[0], f2[0]);
@@ -561,13 +549,6 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const QueryShare
         f2[1] = f2[0];
     }
 #endif
-    __syncthreads();  // every warp's words are in q_frag (uniform: k16 is the CTA's)
-#pragma unroll
-    for (int ks = 0; ks < KW; ++ks) {
-        const uint2 w = q_frag[ks][lane];
-        qb[ks][0] = w.x;
-        qb[ks][1] = w.y;
-    }
 
     const Ring ring{ring_mem, tid};
     const u32 ring_addr = shared_address(ring_mem + tid);
@@ -634,12 +615,6 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     const int h = blockIdx.y / head_chunks;
     const int g0 = (blockIdx.y - h * head_chunks) * HEADS;
     const int z = blockIdx.z;
-    // this warp's share of the query fragment (t < T: in bounds even for a token outside every sequence)
-    const bool head_live = g0 + g < group;
-    const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
-    const QueryShare qv = load_query_share(query, qrow, head_live, c);
-    __shared__ uint2 q_frag[KW][32];       // the converted fragment, [k step][lane]
-    __shared__ u32 q_range[KWARPS][HEADS];  // each warp's part of the range (FP8 mode: per head; else [0], [1])
 
     int q_lo = 0, q_hi = 0;
     const int len_guess = num_seqs > 0 ? seq_lens[decode_guess(num_seqs, t)] : 0;  // (loaded with find_seq's first
@@ -675,7 +650,9 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 
     const Pipe pipe = start_pipe(rows, ring_mem, key_cache, value_cache);  // (before the queries: overlaps them)
 
-    // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads; FP8 mode: per head)
+    // ---- the queries' range (max and smallest nonzero magnitude over the CTA's heads)
+    const bool head_live = g0 + g < group;
+    const i64 qrow = ((i64)t * HQ + (i64)h * group + g0 + g) * D;
     bool k16;  // float16 K (native conversion on sm89+) where exact, see key_type
     i32 qshift;  // queries enter as q * 2^-qshift
     Fp8Query f8{1.0f, 1.0f};
@@ -683,18 +660,12 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     {  // the head's q_scale: given, or max(amax|q| / 448, 2^-126) (NaN as 0, inf as the largest float)
         float a = 0.0f;
 #pragma unroll
-        for (int j = 0; j < QSTEPS; ++j)  // (the lanes of a head hold a quarter of the warp's dims each)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float v = fabsf(load_q(&qv.v[j][i], 0));
-                a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
-            }
+        for (int i = 0; i < D / 4; ++i) {  // (the lanes of a head hold a quarter of its dims each)
+            const float v = head_live ? fabsf(load_q(query, qrow + k_dim(c, i >> 2) + (i & 3))) : 0.0f;
+            a = fmaxf(a, v != v ? 0.0f : fminf(v, FLOAT32_MAX));
+        }
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 1));
         a = fmaxf(a, __shfl_xor_sync(0xFFFFFFFFu, a, 2));
-        if (c == 0) q_range[warp][g] = f2u(a);
-        __syncthreads();
-#pragma unroll
-        for (int w = 0; w < KWARPS; ++w) a = fmaxf(a, u2f(q_range[w][g]));
         const float given = head_live ? q_scale[(i64)h * qs_kv + (i64)(h * group + g0 + g) * qs_q] : 1.0f;
         f8.qs = q_dynamic ? dynamic_scale(a, 448.0f) : given;
         f8.inv_ps = inv_prob_scale;
@@ -704,28 +675,16 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #else
     u32 qmax = 0u, qmin = 0xFFFFFFFFu;
 #pragma unroll
-    for (int j = 0; j < QSTEPS; ++j)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const u32 a = f2u(load_q(&qv.v[j][i], 0)) & 0x7FFFFFFFu;
-            qmax = u32_max(qmax, a);
-            if (a != 0u && a < qmin) qmin = a;
-        }
+    for (int i = 0; i < D / 4; ++i) {  // (every load issued at once)
+        const u32 a = head_live ? f2u(load_q(query, qrow + k_dim(c, i >> 2) + (i & 3))) & 0x7FFFFFFFu : 0u;
+        qmax = u32_max(qmax, a);
+        if (a != 0u && a < qmin) qmin = a;
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         qmax = u32_max(qmax, __shfl_xor_sync(0xFFFFFFFFu, qmax, o));
         const u32 m = __shfl_xor_sync(0xFFFFFFFFu, qmin, o);
         qmin = m < qmin ? m : qmin;
-    }
-    if (lane == 0) {
-        q_range[warp][0] = qmax;
-        q_range[warp][1] = qmin;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int w = 0; w < KWARPS; ++w) {
-        qmax = u32_max(qmax, q_range[w][0]);
-        qmin = q_range[w][1] < qmin ? q_range[w][1] : qmin;
     }
     key_type(qmax, qmin, k16, qshift);
 #endif
@@ -737,11 +696,11 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #pragma unroll
     for (int i = 0; i < MT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     if (k16) {  // uniform over the CTA
-        key_loop<5>(pipe, split_p, qv, q_frag, qshift, k_scale + h * ks_sh, f8, g_mant, g_exp, rows, ring_mem, key_cache,
+        key_loop<5>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, f8, g_mant, g_exp, rows, ring_mem, key_cache,
                     value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
     } else {
         if constexpr (QT == 2 && !FP8_MODE) {
-            key_loop<8>(pipe, split_p, qv, q_frag, qshift, k_scale + h * ks_sh, f8, g_mant, g_exp, rows, ring_mem,
+            key_loop<8>(pipe, split_p, query, qrow, head_live, qshift, k_scale + h * ks_sh, f8, g_mant, g_exp, rows, ring_mem,
                         key_cache, value_cache, soft_cap, use_cap, m_run, l_run, r_run, o);
         }
     }
