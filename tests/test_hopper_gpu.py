@@ -432,6 +432,46 @@ def test_wgmma_prefill_schedule_follows_update_under_graph_replay():
     assert torch.equal(out.view(torch.int16), fresh.view(torch.int16))
 
 
+def test_wgmma_prefill_device_schedule_without_host_lengths():
+    """Planned without host lengths (validate=False, none given), the plan's schedule is the sorted snake
+    made on the GPU from the length tensors (schedule.device_schedule) and gives the bits of a plan with
+    host lengths; a graph captured with it, replayed after metadata.update() without host lengths, gives
+    the bits of a fresh plan for the new lengths: the update re-dealt it in place on the GPU."""
+    from fp8kv_hopper import schedule
+
+    cache, q, tables, lens, _, _ = _case(4, 225, 775, seed=5)
+    qsl_a = torch.tensor([0, 300, 300, 310, 900], dtype=torch.int32, device=DEV)
+    qsl_b = torch.tensor([0, 10, 600, 700, 900], dtype=torch.int32, device=DEV)
+    kw = dict(num_q_heads=32, query_dtype=q.dtype, block_tables=tables, seq_lens=lens, max_query_len=600,
+              fp8_attention=True, backend="hopper")
+    meta = fp8kv.plan_attention(cache, query_start_loc=qsl_a, validate=False, num_tokens=q.shape[0], **kw)
+    assert meta.host_seq_lens is None
+    sizes = dict(ctas=meta.backend_plan.config.wgmma_ctas, num_kv_heads=8, group=4, num_tokens=q.shape[0],
+                 max_query_len=600, max_keys=tables.shape[1] * 16, causal=True, sliding_window=None)
+    sched = meta.backend_plan.schedule
+    assert torch.equal(sched, schedule.device_schedule(lens, qsl_a, **sizes))
+    ptr = sched.data_ptr()
+    out = torch.empty_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fp8kv.paged_attention(q, cache, meta, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    hosted = fp8kv.paged_attention(q, cache, fp8kv.plan_attention(cache, query_start_loc=qsl_a, **kw))
+    assert torch.equal(out.view(torch.int16), hosted.view(torch.int16))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fp8kv.paged_attention(q, cache, meta, out=out)
+    meta.update(block_tables=tables, seq_lens=lens, query_start_loc=qsl_b, validate=False)
+    assert meta.backend_plan.schedule.data_ptr() == ptr
+    assert torch.equal(meta.backend_plan.schedule, schedule.device_schedule(lens, qsl_b, **sizes))
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh = fp8kv.paged_attention(q, cache, fp8kv.plan_attention(cache, query_start_loc=qsl_b, **kw))
+    assert torch.equal(out.view(torch.int16), fresh.view(torch.int16))
+
+
 @pytest.mark.parametrize("layout", ["NHD", "HND", "NHD-page12"])
 def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
     """fp8kv.testing.safety's hostile metadata at head size 128 (its own check runs at 16, which this kernel

@@ -1,5 +1,6 @@
 """Which work items each CTA of the persistent wgmma prefill takes, balanced by cost from the step's
-host-side lengths (the plan's, never read from the GPU).
+lengths: from the host-side lengths where the plan has them (never read from the GPU), else from the
+length tensors on the GPU (:func:`device_schedule`, torch operations, no host sync).
 
 The kernel's items are (query block, KV head) pairs, numbered as ``csrc/fp8_prefill.cu``'s ``cta_of``
 reads them in a persistent grid: ``item = (qb_rev * num_seqs + seq) * num_kv_heads + kvh`` with query
@@ -11,7 +12,10 @@ rounds mix long and short items, much worse.
 
 :func:`balanced` deals the items by cost instead: sorted from the most expensive down, dealt in a snake,
 then improved by moves and swaps between busy and idle CTAs while any lowers the busier one (a local
-search in rounds of array operations, bounded).
+search in rounds of array operations, bounded). Without host lengths the plan makes the first part, the
+sorted snake (:func:`sorted_snake`), on the GPU: the item count and the grid are host-known, only the
+costs are not (:func:`device_schedule`; by the cost model it keeps most of the search's gain on ragged
+batches and none of it on a batch of equal sequences).
 Every item is in exactly one CTA's list, whatever the lengths: a schedule made from stale lengths is
 still complete and correct, only less balanced.
 
@@ -49,17 +53,28 @@ def item_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int]
                window: int) -> np.ndarray:
     """Key tiles of every item ``[num_items]`` int64 (-1: an item with no rows), as the kernel's
     ``cta_of`` computes them from the lengths (clamped as it clamps them)."""
-    lens = np.clip(np.asarray(host_seq_lens, dtype=np.int64), 0, max_keys)
-    qsl = np.clip(np.asarray(host_query_start_loc, dtype=np.int64), 0, num_tokens)
-    q_len = np.maximum(qsl[1:] - qsl[:-1], 0)  # [S]
-    qb = (q_blocks - 1 - np.arange(q_blocks, dtype=np.int64))[:, None]  # [q_blocks (qb_rev), 1]
+    return tensor_tiles(torch.as_tensor(host_seq_lens, dtype=torch.int64).reshape(-1),
+                        torch.as_tensor(host_query_start_loc, dtype=torch.int64).reshape(-1),
+                        num_kv_heads=num_kv_heads, block_q=block_q, q_blocks=q_blocks, block_n=block_n,
+                        num_tokens=num_tokens, max_keys=max_keys, causal=causal, window=window).numpy()
+
+
+def tensor_tiles(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, num_kv_heads: int, block_q: int,
+                 q_blocks: int, block_n: int, num_tokens: int, max_keys: int, causal: bool,
+                 window: int) -> torch.Tensor:
+    """:func:`item_tiles` from length tensors ``seq_lens [S]`` and ``query_start_loc [S + 1]`` (any integer
+    dtype), on their device: int64 ``[q_blocks * S * num_kv_heads]``."""
+    lens = seq_lens.to(torch.int64).clamp(0, max_keys)
+    qsl = query_start_loc.to(torch.int64).clamp(0, num_tokens)
+    q_len = (qsl[1:] - qsl[:-1]).clamp(min=0)  # [S]
+    qb = (q_blocks - 1 - torch.arange(q_blocks, dtype=torch.int64, device=lens.device))[:, None]  # [q_blocks, 1]
     first = lens - q_len + qb * block_q
-    last = lens - q_len + np.minimum(qb * block_q + block_q, q_len) - 1
-    hi = last + 1 if causal else np.broadcast_to(lens, first.shape)
-    lo = np.maximum(first - window + 1, 0) // block_n * block_n
-    tiles = np.where(hi > lo, (hi - lo + block_n - 1) // block_n, 0)
-    tiles = np.where(qb * block_q < q_len, tiles, -1)  # [q_blocks, S]
-    return np.repeat(tiles.reshape(-1), num_kv_heads)
+    last = lens - q_len + torch.minimum(qb * block_q + block_q, q_len) - 1
+    hi = last + 1 if causal else lens.expand_as(first)
+    lo = torch.div((first - window + 1).clamp(min=0), block_n, rounding_mode="floor") * block_n
+    tiles = torch.where(hi > lo, torch.div(hi - lo + block_n - 1, block_n, rounding_mode="floor"), 0)
+    tiles = torch.where(qb * block_q < q_len, tiles, -1)  # [q_blocks, S]
+    return tiles.reshape(-1).repeat_interleave(num_kv_heads)
 
 
 def item_costs(tiles: np.ndarray) -> np.ndarray:
@@ -100,19 +115,26 @@ def balanced(tiles: np.ndarray, grid: int) -> np.ndarray:
     """The schedule of items with ``tiles [num_items]`` (:func:`item_tiles`) over ``grid`` CTAs, as the
     kernel reads it: int32 ``[rows, grid]``, column ``b`` CTA ``b``'s items from its most expensive down,
     padded with :data:`END`."""
-    n = tiles.shape[0]
     cost = item_costs(tiles)
-    order = np.argsort(-cost, kind="stable")
-    rank = np.arange(n)
-    cta = np.empty(n, dtype=np.int64)
-    cta[order] = np.where((rank // grid) % 2 == 1, grid - 1 - rank % grid, rank % grid)
+    cta = sorted_snake(tiles, grid)
     load = np.bincount(cta, weights=cost, minlength=grid)
-    if -(-n // grid) <= SEARCH_ITEMS_PER_CTA and load.max() > SETTLED * load.mean():
+    if -(-tiles.shape[0] // grid) <= SEARCH_ITEMS_PER_CTA and load.max() > SETTLED * load.mean():
         _pair_off(cost, cta, grid)
     lists, row, counts = _by_cta(cost, cta, grid)
     out = np.full((max(int(counts.max()), 1), grid), END, dtype=np.int32)
     out[row, cta[lists]] = lists
     return out
+
+
+def sorted_snake(tiles: np.ndarray, grid: int) -> np.ndarray:
+    """The CTA of every item ``[num_items]`` when the items, sorted from the most expensive down (among
+    equals by index), are dealt in a snake over ``grid`` CTAs: :func:`balanced`'s first deal."""
+    n = tiles.shape[0]
+    order = np.argsort(-item_costs(tiles), kind="stable")
+    rank = np.arange(n)
+    cta = np.empty(n, dtype=np.int64)
+    cta[order] = np.where((rank // grid) % 2 == 1, grid - 1 - rank % grid, rank % grid)
+    return cta
 
 
 def _pair_off(cost: np.ndarray, cta: np.ndarray, grid: int) -> None:
@@ -194,16 +216,56 @@ def host_schedule(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[i
     return balanced(tiles, min(ctas, tiles.shape[0]))
 
 
-def step_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, num_kv_heads: int, group: int,
-               num_tokens: int, max_query_len: int, max_keys: int, causal: bool,
-               sliding_window: int | None) -> np.ndarray:
-    """:func:`item_tiles` of a step's items as :func:`fp8kv_hopper.wgmma.launch` makes them (query blocks of
-    ``BLOCK_M // group`` tokens, ``max_query_len`` clamped to ``[1, num_tokens]``, keys in ``BLOCK_N`` tiles)."""
+def device_schedule(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, ctas: int, num_kv_heads: int,
+                    group: int, num_tokens: int, max_query_len: int, max_keys: int, causal: bool,
+                    sliding_window: int | None, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The sorted snake (:func:`sorted_snake`) of a step's items as :func:`balanced` lays a schedule out,
+    made from the length tensors on their device by torch operations (no host sync: the item count and
+    the grid follow from host-known sizes), with :func:`on_device`'s spare rows; None where there is none to
+    make (as :func:`host_schedule`). With ``out`` (a planned schedule of the same grid and at least the
+    rows): written into it in place and returned; None, ``out`` unchanged, where it does not fit."""
+    block_q, q_blocks, block_n, window = _step_geometry(group, num_tokens, max_query_len, sliding_window)
+    tiles = tensor_tiles(seq_lens, query_start_loc, num_kv_heads=num_kv_heads, block_q=block_q, q_blocks=q_blocks,
+                         block_n=block_n, num_tokens=num_tokens, max_keys=max_keys, causal=causal, window=window)
+    n = tiles.shape[0]
+    if ctas <= 0 or n == 0:
+        return None
+    grid = min(ctas, n)
+    rows = -(-n // grid)
+    total = rows + max(SPARE_ROWS, rows // 4) if out is None else out.shape[0]
+    if out is not None and (out.shape[1] != grid or total < rows):
+        return None
+    # tiles order the items as their costs do (cost = tiles + ITEM_TILES, 0 for -1): a stable sort alike
+    order = torch.argsort(-tiles, stable=True)
+    r = torch.arange(total, device=tiles.device)[:, None]
+    b = torch.arange(grid, device=tiles.device)[None, :]
+    rank = r * grid + torch.where(r % 2 == 1, grid - 1 - b, b)  # [total, grid]: the snake's deal by rank
+    sched = torch.where(rank < n, order[rank.clamp(max=n - 1)], END).to(torch.int32)
+    if out is None:
+        return sched
+    out.copy_(sched)
+    return out
+
+
+def _step_geometry(group: int, num_tokens: int, max_query_len: int,
+                   sliding_window: int | None) -> tuple[int, int, int, int]:
+    """``(block_q, q_blocks, block_n, window)`` of a step's items as :func:`fp8kv_hopper.wgmma.launch` makes
+    them (query blocks of ``BLOCK_M // group`` tokens, ``max_query_len`` clamped to ``[1, num_tokens]``, keys
+    in ``BLOCK_N`` tiles)."""
     from .attention import NO_WINDOW
     from .wgmma import BLOCK_M, BLOCK_N
 
     block_q = max(1, BLOCK_M // group)
     q_blocks = -(-min(max(max_query_len, 1), max(num_tokens, 1)) // block_q)
+    return block_q, q_blocks, BLOCK_N, min(int(sliding_window or NO_WINDOW), NO_WINDOW)
+
+
+def step_tiles(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], *, num_kv_heads: int, group: int,
+               num_tokens: int, max_query_len: int, max_keys: int, causal: bool,
+               sliding_window: int | None) -> np.ndarray:
+    """:func:`item_tiles` of a step's items as :func:`fp8kv_hopper.wgmma.launch` makes them
+    (:func:`_step_geometry`)."""
+    block_q, q_blocks, block_n, window = _step_geometry(group, num_tokens, max_query_len, sliding_window)
     return item_tiles(host_seq_lens, host_query_start_loc, num_kv_heads=num_kv_heads, block_q=block_q,
-                      q_blocks=q_blocks, block_n=BLOCK_N, num_tokens=num_tokens, max_keys=max_keys, causal=causal,
-                      window=min(int(sliding_window or NO_WINDOW), NO_WINDOW))
+                      q_blocks=q_blocks, block_n=block_n, num_tokens=num_tokens, max_keys=max_keys, causal=causal,
+                      window=window)
