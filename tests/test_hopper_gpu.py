@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fp8kv
-from fp8kv.testing.graphs import capture_and_replay
+from fp8kv.testing.graphs import capture, capture_and_replay
 from fp8kv.testing.tolerance import assert_fp8_attention_close, fp8_attention_tolerance
 
 pytestmark = [
@@ -415,14 +415,7 @@ def test_wgmma_prefill_schedule_follows_update_under_graph_replay():
     sched = meta.backend_plan.schedule
     ptr, planned = sched.data_ptr(), sched.clone()
     out = torch.empty_like(q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fp8kv.paged_attention(q, cache, meta, out=out)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8kv.paged_attention(q, cache, meta, out=out)
+    graph = capture(lambda: fp8kv.paged_attention(q, cache, meta, out=out))
     meta.update(block_tables=tables, seq_lens=lens, query_start_loc=qsl_b)
     assert meta.backend_plan.schedule.data_ptr() == ptr and not torch.equal(meta.backend_plan.schedule, planned)
     out.zero_()
@@ -452,16 +445,9 @@ def test_wgmma_prefill_device_schedule_without_host_lengths():
     assert torch.equal(sched, schedule.device_schedule(lens, qsl_a, **sizes))
     ptr = sched.data_ptr()
     out = torch.empty_like(q)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fp8kv.paged_attention(q, cache, meta, out=out)
-    torch.cuda.current_stream().wait_stream(side)
+    graph = capture(lambda: fp8kv.paged_attention(q, cache, meta, out=out))  # (its warm-up run fills out)
     hosted = fp8kv.paged_attention(q, cache, fp8kv.plan_attention(cache, query_start_loc=qsl_a, **kw))
     assert torch.equal(out.view(torch.int16), hosted.view(torch.int16))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fp8kv.paged_attention(q, cache, meta, out=out)
     meta.update(block_tables=tables, seq_lens=lens, query_start_loc=qsl_b, validate=False)
     assert meta.backend_plan.schedule.data_ptr() == ptr
     assert torch.equal(meta.backend_plan.schedule, schedule.device_schedule(lens, qsl_b, **sizes))
