@@ -1,13 +1,16 @@
-"""The persistent wgmma prefill with the plan's balanced schedule against its snake deal (A/B in one
-process, alternated): ``fp8kv_hopper.schedule`` deals the work items by cost from the step's host
-lengths. The outputs must be bit-identical (each item's arithmetic does not depend on which CTA runs it).
+"""The persistent wgmma prefill with the plan's balanced schedule, and with the sorted snake made on the
+GPU (a plan without host lengths), against its snake deal (A/B/C in one process, alternated):
+``fp8kv_hopper.schedule`` deals the work items by cost from the step's host lengths (``balanced``) or from
+the length tensors (``device``). The outputs must be bit-identical (each item's arithmetic does not
+depend on which CTA runs it).
 
     python benchmarks/hopper_schedule.py [--rounds 3] [--json FILE] [SHAPE ...]
 
 A shape is ``NEW+CACHED`` sequences joined by ``,`` with an optional ``Kx`` repeat, e.g. ``4x2048+2048``
 or ``3x1000+500,3000+7000`` (causal, GQA 32/8, D=128, page 16, bf16 queries, dynamic q scale). Times are
 medians of CUDA-graph replays, as ``hopper_prefill.py`` times them; the table gives each arm's range
-over the rounds, the cost model's busiest-CTA load of each deal, and the schedule's host time.
+over the rounds, the cost model's busiest-CTA load of each deal, and each schedule's host time (the
+device one's: enqueueing its torch operations).
 """
 
 from __future__ import annotations
@@ -74,36 +77,43 @@ def bench(shape: str, rounds: int, reps: int, device) -> dict:
                               max_query_len=max_q, max_keys=max_keys, causal=True, sliding_window=None,
                               device=device)
     plan_ms = (time.perf_counter() - t0) * 1e3
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    dsched = schedule.device_schedule(lens_t, qsl_t, ctas=cfg.wgmma_ctas, num_kv_heads=H, group=HQ // H,
+                                      num_tokens=qsl[-1], max_query_len=max_q, max_keys=max_keys, causal=True,
+                                      sliding_window=None)
+    device_ms = (time.perf_counter() - t0) * 1e3
     # the cost model's view of both deals
     tiles = schedule.step_tiles(lens, qsl, num_kv_heads=H, group=HQ // H, num_tokens=qsl[-1], max_query_len=max_q,
                                 max_keys=max_keys, causal=True, sliding_window=None)
     items, grid = tiles.shape[0], sched.shape[1]
-    snake, planned = schedule.snake_lists(items, grid), schedule.cta_lists(sched.cpu().numpy(), items)
+    deals = {"snake": None, "balanced": sched, "device": dsched}
+    lists = {"snake": schedule.snake_lists(items, grid), "balanced": schedule.cta_lists(sched.cpu().numpy(), items),
+             "device": schedule.cta_lists(dsched.cpu().numpy(), items)}
     outs = {}
 
     def run(arm: str) -> None:
         attention.paged_attention_fp8(q, cache, tables, lens_t, qsl_t, max_q, D**-0.5, True, None, None, outs[arm],
-                                      q_scale=None, prob_scale=1.0, config=cfg,
-                                      schedule=sched if arm == "balanced" else None)
+                                      q_scale=None, prob_scale=1.0, config=cfg, schedule=deals[arm])
 
-    times: dict[str, list[float]] = {"snake": [], "balanced": []}
+    times: dict[str, list[float]] = {arm: [] for arm in deals}
     for arm in times:
         outs[arm] = torch.empty_like(q)
         run(arm)
     torch.cuda.synchronize()
-    identical = torch.equal(outs["snake"], outs["balanced"])
+    identical = all(torch.equal(outs["snake"], outs[arm]) for arm in deals)
     for r in range(rounds):
-        for arm in (("snake", "balanced") if r % 2 == 0 else ("balanced", "snake")):
+        for arm in (list(deals) if r % 2 == 0 else list(deals)[::-1]):
             times[arm].append(time_graph(lambda arm=arm: run(arm), calls=3, reps=reps) * 1e3)
-        print(f"  {shape} round {r + 1}/{rounds}: snake {times['snake'][-1]:.1f} us, "
-              f"balanced {times['balanced'][-1]:.1f} us", flush=True)
+        print(f"  {shape} round {r + 1}/{rounds}: " + ", ".join(f"{arm} {times[arm][-1]:.1f} us" for arm in deals),
+              flush=True)
     flops = sum(causal_prefill_flops(1, n, c) for n, c in pairs)
     return {"shape": shape, "items": items, "ctas": grid, "identical_outputs": identical,
-            "snake_us": [round(t, 1) for t in times["snake"]], "balanced_us": [round(t, 1) for t in times["balanced"]],
-            "model_busiest_snake": round(schedule.busiest(tiles, snake), 1),
-            "model_busiest_balanced": round(schedule.busiest(tiles, planned), 1),
+            **{f"{arm}_us": [round(t, 1) for t in times[arm]] for arm in deals},
+            **{f"model_busiest_{arm}": round(schedule.busiest(tiles, lists[arm]), 1) for arm in deals},
             "model_mean": round(float(schedule.item_costs(tiles).sum()) / grid, 1),
-            "schedule_host_ms": round(plan_ms, 2), "useful_tflop": round(flops / 1e12, 4)}
+            "schedule_host_ms": round(plan_ms, 2), "device_schedule_host_ms": round(device_ms, 2),
+            "useful_tflop": round(flops / 1e12, 4)}
 
 
 def main(argv=None) -> int:
@@ -115,13 +125,17 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     device = torch.device("cuda")
     rows = [bench(s, args.rounds, args.reps, device) for s in args.shapes]
-    print("| shape | items / CTAs | snake us | balanced us | ratio (median) | model busiest: snake / balanced / mean "
-          "(tiles) | host ms | identical |\n|---|---|---|---|---|---|---|---|")
+    print("| shape | items / CTAs | snake us | balanced us | device us | vs snake: balanced / device (medians) | "
+          "model busiest: snake / balanced / device / mean (tiles) | host ms: balanced / device | identical |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ratio = float(np.median(r["snake_us"])) / float(np.median(r["balanced_us"]))
-        print(f"| {r['shape']} | {r['items']} / {r['ctas']} | {min(r['snake_us'])}-{max(r['snake_us'])} | "
-              f"{min(r['balanced_us'])}-{max(r['balanced_us'])} | {ratio:.3f}x | {r['model_busiest_snake']} / "
-              f"{r['model_busiest_balanced']} / {r['model_mean']} | {r['schedule_host_ms']} | "
+        snake = float(np.median(r["snake_us"]))
+        span = {arm: f"{min(r[arm + '_us'])}-{max(r[arm + '_us'])}" for arm in ("snake", "balanced", "device")}
+        print(f"| {r['shape']} | {r['items']} / {r['ctas']} | {span['snake']} | {span['balanced']} | "
+              f"{span['device']} | "
+              f"{snake / float(np.median(r['balanced_us'])):.3f}x / {snake / float(np.median(r['device_us'])):.3f}x | "
+              f"{r['model_busiest_snake']} / {r['model_busiest_balanced']} / {r['model_busiest_device']} / "
+              f"{r['model_mean']} | {r['schedule_host_ms']} / {r['device_schedule_host_ms']} | "
               f"{r['identical_outputs']} |")
     save_rows(args.json, device, rows)
     return 0
