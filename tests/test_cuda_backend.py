@@ -439,3 +439,20 @@ def test_the_fp8_mode_decode_refuses_what_it_cannot_run_before_any_launch():
                             plan_=plan_, fp8=fp8)
         assert torch.equal(cache.key_cache.view(torch.uint8), before[0])
         assert torch.equal(cache.value_cache.view(torch.uint8), before[1])
+
+
+@pytest.mark.parametrize("sm,head_size,default,fp8", [(90, 64, 6, 6), (90, 128, 6, 6), (90, 256, 4, 4),
+                                                      (89, 128, 6, 6), (89, 256, 4, None)])
+def test_the_fp8_modes_static_shared_memory_counts_when_planning_warps(monkeypatch, sm, head_size, default, fp8):
+    """mma_warps counts the FP8 mode's static query fragment (fp8_mode_static_smem: 16 bytes a dimension)
+    on top of the ring: on sm90 it changes no choice; with an sm89's 99 KiB a block, the FP8 mode's head
+    size 256 (96 KiB of ring and 4 KiB of fragment) does not fit (the Triton kernel would take it)."""
+    from fp8kv_cuda import attention, runtime
+
+    monkeypatch.setattr(runtime, "device_index", lambda device: 0)
+    monkeypatch.setattr(runtime, "device_sm", lambda index: sm)
+    monkeypatch.setattr(attention, "_smem_limits", lambda index: attention.ARCH_SMEM[sm])
+    dev = torch.device("cuda", 0)
+    assert attention.mma_warps(dev, head_size) == default
+    assert attention.mma_warps(dev, head_size, fp8_mode=True) == fp8
+    assert attention.fp8_mode_static_smem(head_size) == head_size // 16 * 32 * 8

@@ -104,14 +104,22 @@ def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stage
 
 
 def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
-               fmt: str) -> bool:
+               fmt: str, fp8_mode: bool = False) -> bool:
     """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
     bfloat16 queries, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU (bfloat16 from sm80,
-    float16 from sm75), and a CTA that fits its shared memory (:func:`mma_warps`)."""
+    float16 from sm75), and a CTA that fits its shared memory (:func:`mma_warps`; ``fp8_mode``: the FP8
+    mode's build)."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES:
         return False
     return (mma_arch_serves(_sm(device), fmt, head_size, _IO[query_dtype])
-            and mma_warps(device, head_size, token_scales) is not None)
+            and mma_warps(device, head_size, token_scales, fp8_mode) is not None)
+
+
+def fp8_mode_static_smem(head_size: int) -> int:
+    """Static shared memory of the FP8 mode's build of the tensor-core kernel: its query fragment, which
+    the CTA's warps quantize a share each and exchange (``q_frag``: ``head_size / 16`` k steps x 32 lanes
+    x 8 bytes)."""
+    return 16 * head_size
 
 
 ARCH_SMEM = {70: (96 << 10, 96 << 10), 75: (64 << 10, 64 << 10), 80: (163 << 10, 164 << 10),
@@ -137,16 +145,18 @@ def _smem_limits_for(index: int, sm: int) -> tuple[int, int]:
     return per_block, per_sm
 
 
-def mma_warps(device: torch.device, head_size: int, token_scales: bool = False) -> int | None:
+def mma_warps(device: torch.device, head_size: int, token_scales: bool = False, fp8_mode: bool = False) -> int | None:
     """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
     shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
-    CTA; None when none fits (the CUDA-core kernel serves)."""
+    CTA; None when none fits (the CUDA-core kernel serves). ``fp8_mode``: the FP8 mode's build, whose
+    static shared memory (:func:`fp8_mode_static_smem`) counts too."""
     index = runtime.device_index(device)
     per_block, per_sm = _smem_limits(index)
     stages = mma_stages(runtime.device_sm(index), head_size)
+    static = fp8_mode_static_smem(head_size) if fp8_mode else 0
     for need in (2, 1):
         for warps in (6, 4):
-            smem = mma_smem_bytes(head_size, warps, token_scales, stages)
+            smem = mma_smem_bytes(head_size, warps, token_scales, stages) + static
             if smem <= per_block and need * smem <= per_sm:
                 return warps
     return None
@@ -171,7 +181,7 @@ def mma_splits(units: int, sms: int, max_splits: int) -> int:
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None, warps: int | None = None,
-             token_scales: bool = False, stages: int | None = None) -> AttnPlan:
+             token_scales: bool = False, stages: int | None = None, fp8_mode: bool = False) -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Without ``num_splits``/
     ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`; 4- and
     8-warp CTAs were slower at every decode shape measured), and the keys split by
@@ -182,7 +192,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     units = max(1, num_tokens) * num_kv_heads * chunks
     sms = _num_sms(runtime.device_index(device))
     if warps is None:
-        warps = mma_warps(device, head_size, token_scales) or 4
+        warps = mma_warps(device, head_size, token_scales, fp8_mode) or 4
     if num_splits is None:
         num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
@@ -397,7 +407,7 @@ def fp8_decode_why_not(query: torch.Tensor, cache: KVCache, out: torch.Tensor, l
         (cache.fmt.name == "fp8_e4m3" and cache.scale_granularity in ("tensor", "head"),
          "an e4m3 cache with tensor or head scales"),
         (query.dtype in MMA_QUERY_DTYPES and out.dtype == query.dtype, "float16/bfloat16 queries, out alike"),
-        (on_gpu and mma_serves(query.device, query.dtype, D, False, cache.fmt.name),
+        (on_gpu and mma_serves(query.device, query.dtype, D, False, cache.fmt.name, fp8_mode=True),
          "a head size the tensor-core decode takes (64, 128, 256) in the shared memory"),
         (_vec(cache, D) == 16, "16-byte aligned K/V rows and strides"),
         (all(t.dtype == torch.int32 and t.is_contiguous() for t in (block_tables, seq_lens, query_start_loc)),
@@ -435,7 +445,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     fmt = cache.fmt.name
     # without a plan: T bounds every query's length; T == S is taken for decode
     if fp8 is not None:
-        p = plan_ or plan_mma(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
+        p = plan_ or plan_mma(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
+                              fp8_mode=True)
         if not p.mma or p.prefill:
             raise InvalidArgument(f"plan_: got {p!r}, expected a plan_mma plan (the FP8 mode's decode)")
     else:

@@ -101,7 +101,7 @@ def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: 
 
     return cuda_attention.plan_mma(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
                                    group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
-                                   max_keys=metadata.block_tables.shape[1] * spec.block_size)
+                                   max_keys=metadata.block_tables.shape[1] * spec.block_size, fp8_mode=True)
 
 
 def _schedule_sizes(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> dict | None:
