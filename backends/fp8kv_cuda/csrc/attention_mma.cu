@@ -516,7 +516,7 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
     static_assert(KE == 5 && NATIVE, "FP8 mode: float16 K, the native order");
     // Every warp of the CTA holds the same fragment: warp w quantizes k steps w, w + KWARPS, ... and the
     // warps exchange them through shared memory (the IEEE divisions were most of the mode's extra time:
-    // 1.2-1.6% of a decode step on the H100, benchmarks/results/cuda_decode/h100_fp8_query_share/).
+    // 0.6-1.6% of a decode step on the H100, benchmarks/results/cuda_decode/h100_fp8_query_share/).
     __shared__ uint2 q_frag[KW][32];
     for (int ks = warp; ks < KW; ks += KWARPS) {  // (k_native order: bytes 0, 1 | 2, 3)
         const i64 q0 = qrow + k_dim(c, ks);
