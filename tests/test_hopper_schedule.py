@@ -143,7 +143,7 @@ def test_only_a_cuda_prefill_step_gets_a_schedule_without_host_lengths_the_sorte
     a decode step, the Triton kernel or a grid of a CTA per item asked for, the interpreter, another head
     size. With host lengths it is the balanced deal; without, the sorted snake of the length tensors."""
     from fp8kv_hopper.attention import choose_config
-    from fp8kv_hopper.plugin import _host_schedule, _prefill_schedule
+    from fp8kv_hopper.plugin import _prefill_schedule
 
     meta = _fake_step
     cfg = choose_config(group=4, num_seqs=1, num_kv_heads=8, max_query_len=64, max_keys=128, num_sms=132)
@@ -153,7 +153,9 @@ def test_only_a_cuda_prefill_step_gets_a_schedule_without_host_lengths_the_sorte
     kw = dict(ctas=132, num_kv_heads=8, group=4, num_tokens=64, max_query_len=64, max_keys=128, causal=True,
               sliding_window=None)
     host = schedule.host_schedule([128], [0, 64], **kw)
-    assert np.array_equal(_host_schedule(meta(), cfg, interpret=False), host)  # (copied to the GPU as for_step does)
+    planned = _prefill_schedule(meta(), cfg, interpret=False)  # (on the length tensors' device: the CPU here)
+    assert torch.equal(planned[:host.shape[0]], torch.from_numpy(host))
+    assert (planned[host.shape[0]:] == schedule.END).all()
     assert torch.equal(_prefill_schedule(meta(host=False), cfg, interpret=False),
                        schedule.device_schedule(torch.tensor([128]), torch.tensor([0, 64]), **kw))
     assert _prefill_schedule(meta(), dataclasses.replace(cfg, kernel="triton"), interpret=False) is None
@@ -284,7 +286,7 @@ def test_the_device_schedule_is_the_sorted_snake_of_the_tensors(pairs, heads, ct
         grid = min(ctas, items)
         assert got.dtype == torch.int32 and got.shape[1] == grid
         rows = -(-items // grid)
-        assert got.shape[0] == rows + max(schedule.SPARE_ROWS, rows // 4) and (got[rows:] == schedule.END).all()
+        assert got.shape[0] == rows + schedule.spare_rows(rows) and (got[rows:] == schedule.END).all()
         lists = schedule.cta_lists(got.numpy(), items)
         assert sorted(np.concatenate(lists).tolist()) == list(range(items))
         cta = schedule.sorted_snake(tiles, grid)
@@ -329,7 +331,7 @@ def test_the_device_schedule_rewrites_a_planned_one_in_place_where_it_fits():
     ragged = (torch.tensor([4096, 2100, 3000, 2048]), torch.tensor([0, 2048, 2100, 3000, 8192]))
     fresh = schedule.device_schedule(*ragged, **kw)
     assert schedule.device_schedule(*ragged, **kw, out=planned) is planned and planned.data_ptr() == ptr
-    rows = fresh.shape[0] - max(schedule.SPARE_ROWS, (fresh.shape[0] - schedule.SPARE_ROWS) // 4)
+    rows = -(-(4 * (2048 // 32) * 8) // 132)  # the sorted snake's rows: 4 sequences x 64 query blocks x 8 KV heads
     assert torch.equal(planned[:rows], fresh[:rows]) and (planned[rows:] == schedule.END).all()
     now = planned.clone()
     for other in (torch.zeros(planned.shape[0], 131, dtype=torch.int32), torch.zeros(1, 132, dtype=torch.int32)):

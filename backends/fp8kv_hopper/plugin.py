@@ -104,46 +104,30 @@ def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: 
                                    max_keys=metadata.block_tables.shape[1] * spec.block_size, fp8_mode=True)
 
 
-def _schedule_sizes(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> dict | None:
-    """The persistent wgmma prefill's schedule arguments (:mod:`fp8kv_hopper.schedule`) for a prefill step
-    that kernel may serve; else None."""
-    from . import wgmma
+def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool,
+                      into: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The persistent wgmma prefill's work schedule for a prefill step that kernel may serve, on the length
+    tensors' device (None where it would not deal by one): with host lengths balanced on the host
+    (:func:`fp8kv_hopper.schedule.host_schedule`, an asynchronous copy with spare rows for updates);
+    without, the sorted snake made on the GPU from the length tensors (``device_schedule``). ``into``: a
+    planned schedule to re-deal in place instead (left as it was where the new deal does not fit)."""
+    from . import schedule, wgmma
 
     spec = metadata.spec
     if (interpret or metadata.max_query_len <= 1 or config.kernel not in ("auto", "wgmma") or config.wgmma_ctas <= 0
             or spec.device.type != "cuda" or spec.head_size != wgmma.HEAD_SIZE):
         return None
     opts = metadata.options
-    return dict(ctas=config.wgmma_ctas, num_kv_heads=spec.num_kv_heads,
-                group=metadata.num_q_heads // spec.num_kv_heads, num_tokens=metadata.num_tokens,
-                max_query_len=metadata.max_query_len, max_keys=metadata.block_tables.shape[1] * spec.block_size,
-                causal=opts.causal, sliding_window=opts.sliding_window)
-
-
-def _host_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool):
-    """The balanced work schedule (numpy) of a step :func:`_schedule_sizes` serves whose host lengths are
-    known (``metadata.host_seq_lens``); else None."""
-    from . import schedule
-
-    sizes = _schedule_sizes(metadata, config, interpret)
-    if sizes is None or metadata.host_seq_lens is None or metadata.host_query_start_loc is None:
-        return None
-    return schedule.host_schedule(metadata.host_seq_lens, metadata.host_query_start_loc, **sizes)
-
-
-def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool) -> torch.Tensor | None:
-    """The step's work schedule on the GPU, or None where the kernel would not deal by one: with host
-    lengths :func:`_host_schedule` (an asynchronous copy, with spare rows for updates); without, the
-    sorted snake made on the GPU from the length tensors (:func:`fp8kv_hopper.schedule.device_schedule`)."""
-    from . import schedule
-
-    host = _host_schedule(metadata, config, interpret)
-    if host is not None:
-        return schedule.on_device(host, metadata.spec.device)
-    sizes = _schedule_sizes(metadata, config, interpret)
-    if sizes is None:
-        return None
-    return schedule.device_schedule(metadata.seq_lens, metadata.query_start_loc, **sizes)
+    sizes = dict(ctas=config.wgmma_ctas, num_kv_heads=spec.num_kv_heads,
+                 group=metadata.num_q_heads // spec.num_kv_heads, num_tokens=metadata.num_tokens,
+                 max_query_len=metadata.max_query_len, max_keys=metadata.block_tables.shape[1] * spec.block_size,
+                 causal=opts.causal, sliding_window=opts.sliding_window)
+    if metadata.host_seq_lens is None or metadata.host_query_start_loc is None:
+        return schedule.device_schedule(metadata.seq_lens, metadata.query_start_loc, **sizes, out=into)
+    host = schedule.host_schedule(metadata.host_seq_lens, metadata.host_query_start_loc, **sizes)
+    if into is None:
+        return schedule.on_device(host, metadata.seq_lens.device)
+    return into if schedule.refill(into, host) else None
 
 
 class HopperBackend:
@@ -190,18 +174,9 @@ class HopperBackend:
         lengths where given, else the sorted snake from the length tensors on the GPU; only where the new
         deal fits the planned buffer (else the planned one stays: complete for any lengths, balanced for
         the planned)."""
-        from . import schedule
-
         plan: HopperPlan = metadata.backend_plan
-        if plan is None or plan.schedule is None:
-            return
-        host = _host_schedule(metadata, plan.config, plan.interpret)
-        if host is not None:
-            schedule.refill(plan.schedule, host)
-            return
-        sizes = _schedule_sizes(metadata, plan.config, plan.interpret)
-        if sizes is not None:
-            schedule.device_schedule(metadata.seq_lens, metadata.query_start_loc, **sizes, out=plan.schedule)
+        if plan is not None and plan.schedule is not None:
+            _prefill_schedule(metadata, plan.config, plan.interpret, into=plan.schedule)
 
     @hookimpl
     def fp8kv_paged_attention(self, query, cache, metadata: AttentionMetadata, out, lse) -> None:

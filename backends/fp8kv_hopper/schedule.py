@@ -183,12 +183,18 @@ def for_step(host_seq_lens: Sequence[int], host_query_start_loc: Sequence[int], 
     return on_device(host, device)
 
 
+def spare_rows(rows: int) -> int:
+    """Padding rows a planned schedule of ``rows`` rows of lists keeps (:data:`SPARE_ROWS`, or a quarter of
+    its rows for longer lists)."""
+    return max(SPARE_ROWS, rows // 4)
+
+
 def on_device(host: np.ndarray | None, device: torch.device) -> torch.Tensor | None:
     """A host schedule (:func:`host_schedule`) on ``device``, with :data:`SPARE_ROWS` (or a quarter of its
     rows) more rows of padding, by an asynchronous copy; None for None."""
     if host is None:
         return None
-    spare = np.full((max(SPARE_ROWS, host.shape[0] // 4), host.shape[1]), END, dtype=np.int32)
+    spare = np.full((spare_rows(host.shape[0]), host.shape[1]), END, dtype=np.int32)
     return torch.from_numpy(np.concatenate([host, spare])).to(device, non_blocking=True)
 
 
@@ -232,7 +238,7 @@ def device_schedule(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, *, ct
         return None
     grid = min(ctas, n)
     rows = -(-n // grid)
-    total = rows + max(SPARE_ROWS, rows // 4) if out is None else out.shape[0]
+    total = rows + spare_rows(rows) if out is None else out.shape[0]
     if out is not None and (out.shape[1] != grid or total < rows):
         return None
     # tiles order the items as their costs do (cost = tiles + ITEM_TILES, 0 for -1): a stable sort alike
