@@ -156,6 +156,23 @@ def test_the_fp8_mode_decode_rounds_query_and_probabilities_to_e4m3():
         cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 80, fp8_mode=True), "sm80")
 
 
+@pytest.mark.parametrize("head_size,warps,token_scales,sm", [(64, 4, False, 80), (128, 6, False, 90),
+                                                            (128, 6, True, 90), (256, 4, True, 80), (128, 4, False, 75)])
+def test_the_decode_kernels_shared_memory_is_the_hosts(head_size, warps, token_scales, sm):
+    """The tensor-core decode's ``SMEM_BYTES`` (its copy ring: each warp's K and V rows of a step and
+    its lanes' token_head scales, ``stages`` deep; or the epilogue's view, the larger) is what the host
+    launches it with (``mma_smem_bytes``; the kernel traps on less)."""
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.attention import mma_smem_bytes
+    from fp8kv_cuda.variants import attention_mma_variant, mma_stages, options, source
+
+    io = "float16" if sm < 80 else "bfloat16"
+    v = attention_mma_variant("fp8_e4m3", io, head_size, warps, token_scales, sm)
+    want = mma_smem_bytes(head_size, warps, token_scales, mma_stages(sm, head_size))
+    probe = f'static_assert(fp8kv::SMEM_BYTES == {want}, "SMEM_BYTES");\n'
+    cc.compile_text(source(v.kernel) + probe, "probe.cu", options(v), f"compute_{sm}", ptx=True)
+
+
 def test_volta_prefill_multiplies_on_tensor_cores_through_wmma():
     """Volta's prefill kernel (csrc/prefill_wmma.cu) reaches sm70's tensor cores through PTX wmma
     m16n16k16 (ptxas lowers it to mma.sync m8n8k4 there): its compute_70 PTX has both products (S = Q K^T

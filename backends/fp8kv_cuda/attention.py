@@ -95,10 +95,9 @@ def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stage
     launched with less): the larger of the copy ring (``stages`` deep, sm80+'s by default) and the
     epilogue's per-warp outputs."""
     stages = MMA_TILES[head_size][0] if stages is None else stages
-    nsub = 1 if head_size > 128 else 2
-    v_chunks = max(1, head_size // 8 // 16)
-    chunks = nsub * (2 * (head_size // 64) + 4 * v_chunks + int(token_scales))
-    ring = 16 * stages * chunks * 32 * warps
+    nsub = 1 if head_size > 128 else 2  # 16-key sub-tiles a warp step
+    warp_stage = nsub * (2 * head_size + 32 * int(token_scales))  # 16-byte slots: K and V rows, lanes' scales
+    ring = 16 * stages * warp_stage * warps
     epilogue = 4 * (warps * MMA_HEADS * head_size + 4 * warps * MMA_HEADS + 3 * MMA_HEADS)
     return max(ring, epilogue)
 

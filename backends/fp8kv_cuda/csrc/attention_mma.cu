@@ -5,14 +5,17 @@
 // owns one query token, one KV head, up to 8 of its query heads (GQA packing) and the keys of
 // split z. Each warp walks its own steps of 16 * NSUB keys (warp w takes steps w, w + KWARPS, ...)
 // with its own online softmax.
-// Each thread copies the bytes it will use into its own slots of a shared-memory ring with
-// cp.async (STAGES - 1 steps in flight; no barrier in the loop, a thread reads only what it
-// copied); the warps' states are merged once at the end.
+// Each warp copies its steps into its own part of a shared-memory ring with cp.async (STAGES - 1
+// steps in flight): 8 lanes a whole 128-byte line of K or V rows, so that every copy instruction
+// reads whole lines (a copy of the fragments' own chunks read half lines of K and ran 7-13% below
+// this at every decode shape on the H100, compute left out: benchmarks/results/hopper_h100/session22/);
+// the lanes then read their fragments back (swz: conflict-free both ways) after a __syncwarp, the
+// loop's only synchronization. The warps' states are merged once at the end.
 //
 // Per 16-key sub-tile, in the transposed orientation (keys and dims are rows, heads columns):
 //   S^T[16 keys x 8 heads] = K[16 x D] . Q^T[D x 8]:  A = K (converted FP8), B = Q (registers);
 //   O^T[D x 8 heads]     += V^T[D x 16 keys] . P^T:   A = V^T (converted FP8), B = P^T (movmatrix).
-// The k index of an mma may be permuted freely when both operands agree, so each thread copies
+// The k index of an mma may be permuted freely when both operands agree, so each thread reads
 // whole 16-byte chunks: for K, lane (g = lane / 4, c = lane % 4) those at 64 i + 16 c of keys g
 // and g + 8; for V, those at 128 i + 16 g of keys 2c, 2c + 1, 2c + 8, 2c + 9 of the sub-tile,
 // paired byte by byte with one PRMT (k_dim, v_dim).
@@ -75,9 +78,11 @@ constexpr int KCH = D / 64;                 // 16-byte K chunks per thread and k
 constexpr int VBYTES = D / 8;               // V bytes per thread and key
 constexpr int VCH = VBYTES >= 16 ? VBYTES / 16 : 1;  // V chunks per thread and key (8 bytes at D = 64)
 constexpr int VBYTES_PER_CHUNK = VBYTES >= 16 ? 16 : VBYTES;
-constexpr int TSC = TOKEN_SCALES ? 1 : 0;   // token_head: one slot per sub-tile for the keys' scales
-constexpr int PER_SUB = 2 * KCH + 4 * VCH + TSC;    // ring slots per thread and sub-tile
-constexpr int CHUNKS = NSUB * PER_SUB;              // ring slots per thread and stage
+constexpr int TSC = TOKEN_SCALES ? 1 : 0;   // token_head: one slot per lane and sub-tile for its keys' scales
+constexpr int CPR = D / 16;                 // 16-byte chunks of a key's K (V) row
+constexpr int TILE = 16 * CPR;              // ring slots (16 bytes) of a sub-tile's K (V) rows
+constexpr int CPS = TILE / 32;              // a lane's copies per sub-tile and tensor
+constexpr int WARP_STAGE = NSUB * (2 * TILE + 32 * TSC);  // ring slots of a warp and stage
 constexpr int LIVE_BITS = 2 * NSUB;         // visible-key bits per step
 #ifndef FP8KV_FP8_MODE
 #define FP8KV_FP8_MODE 0
@@ -114,15 +119,15 @@ struct MmaShared {  // the epilogue's view of the ring (the loop is over by then
     float coef[KWARPS][HEADS];  // each warp's weight in a head's output (the row's own maximum)
     float head_m[HEADS], head_l[HEADS], head_a[HEADS];  // per head: maximum, normaliser, A (token_head)
 };
-constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * CHUNKS * KNT > (int)sizeof(MmaShared)
-                               ? (int)sizeof(uint4) * STAGES * CHUNKS * KNT : (int)sizeof(MmaShared);
+constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * KWARPS * WARP_STAGE > (int)sizeof(MmaShared)
+                               ? (int)sizeof(uint4) * STAGES * KWARPS * WARP_STAGE : (int)sizeof(MmaShared);
 
 // Where keys' K and V rows start (byte offsets, this thread's part included), or -1 when masked.
 // Key positions are int32 (< seq_len <= INT32_MAX).
 struct KeyRows {
     const int* bt_row;
     int kbeg, kend, block_size, num_blocks, bs_shift;  // bs_shift: log2(block_size), or -1
-    i64 k_sb, k_st, v_sb, v_st, k0, v0;                 // k0/v0: head offset + this thread's bytes
+    i64 k_sb, k_st, v_sb, v_st, k0, v0;                 // k0/v0: head offset + this lane's chunk (copy_key)
     i64 ks_sb, ks_st, ks0, vs_sb, vs_st, vs0;           // token_head scales: strides, head offset
     const float* k_scale;
     const float* v_scale;
@@ -147,41 +152,55 @@ struct KeyRows {
     }
 };
 
+// The ring: a warp's part of a stage is WARP_STAGE 16-byte slots: per sub-tile u, its keys' K rows
+// (TILE slots), their V rows (TILE), then (token_head) a slot per lane for its keys' scales. Chunk q
+// (bytes 16q..16q+15) of key n's row sits at slot (n CPR + q) ^ swz(n) of the tile: the XOR stays in
+// the slot's 128-byte line and spreads the chunks that one quarter-warp reads over distinct banks, for
+// the copies (copy_key, copy_slot: 8 lanes a line) and for the fragment reads (StepView) alike.
+__device__ __forceinline__ int swz(int n) { return (n & 6) ^ (CPR >= 8 ? (n & 1) << 2 : 0); }
+
+// Copy m (0..CPS-1) of lane `lane` of a tile: chunk lane % CPR of key lane / CPR + m (32 / CPR) (ring
+// slot (lane + 32 m) ^ swz(key)).
+__device__ __forceinline__ int copy_key(int lane, int m) { return lane / CPR + m * (32 / CPR); }
+__device__ __forceinline__ int copy_slot(int lane, int m) { return (lane + 32 * m) ^ swz(copy_key(lane, m)); }
+
 // One warp step in the ring, read a 16-byte chunk at a time where it is used (the words of a
 // whole step never live in registers at once).
 struct StepView {
-    const uint4* base;  // ring slot (stage, 0) of this thread
+    const uint4* base;  // the warp's part of the stage
+    int kx, vx;         // this lane's first K / V slot in a tile (frag_slots)
     u32 bits;           // bit 2u + r: key g + 8r of sub-tile u visible
 
-    // (PER_SUB chunks per sub-tile, in issue_step's order: K rows, V rows, token_head scales)
-    // K of key g + 8r, words 4i..4i+3 (= k steps 4i..4i+3)
-    __device__ __forceinline__ uint4 k(int u, int r, int i) const { return base[(u * PER_SUB + r * KCH + i) * KNT]; }
-    // V of key 2c + (r & 1) + 8 (r >> 1), words 4i..4i+3 (2 words at D = 64)
+    // K of key g + 8r, chunk 4i + c: words 4i..4i+3 (= k steps 4i..4i+3)
+    __device__ __forceinline__ uint4 k(int u, int r, int i) const {
+        return base[u * 2 * TILE + 8 * r * CPR + 8 * (i >> 1) + (kx ^ (4 * (i & 1)))];
+    }
+    // V of key 2c + e + 8h (r = e + 2h), chunk 8i + g: words 4i..4i+3 (D = 64: 2 words, bytes 8g..8g+7)
     __device__ __forceinline__ uint4 v(int u, int r, int i) const {
-        return base[(u * PER_SUB + 2 * KCH + r * VCH + i) * KNT];
+        const int e = r & 1, h = r >> 1;
+        const int slot = u * 2 * TILE + TILE + (vx ^ (4 * e)) + (CPR >= 8 ? e * CPR : 0) + 8 * h * CPR + 8 * i;
+        if constexpr (CPR >= 8) {
+            return base[slot];
+        } else {
+            const uint2 x = reinterpret_cast<const uint2*>(base + slot)[(threadIdx.x >> 2) & 1];
+            return make_uint4(x.x, x.y, 0u, 0u);
+        }
     }
     __device__ __forceinline__ bool live(int u, int r) const { return (bits >> (2 * u + r)) & 1u; }
     // token_head: [k_scale, k_scale, v_scale, v_scale] of keys g and g + 8 (as float bits)
-    __device__ __forceinline__ uint4 scales(int u) const { return base[(u * PER_SUB + 2 * KCH + 4 * VCH) * KNT]; }
+    __device__ __forceinline__ uint4 scales(int u) const { return base[NSUB * 2 * TILE + 32 * u + (threadIdx.x & 31)]; }
 };
 
-// The ring: slot (stage, chunk) of thread tid is ring[(stage * CHUNKS + chunk) * KNT + tid] (16 bytes;
-// consecutive threads, consecutive slots: conflict-free). Each thread reads back only its own slots.
-struct Ring {
-    uint4* base;
-    int tid;
-    __device__ __forceinline__ uint4* slot(int stage, int chunk) const {
-        return base + (stage * CHUNKS + chunk) * KNT + tid;
-    }
-};
-
-// The key of sub-tile row r a thread copies: K rows g, g + 8 (r = 0, 1); V rows 2c + (r & 1) +
-// 8 ((r - 2) >> 1) (r = 2..5).
-__device__ __forceinline__ int copy_key(int r, int g, int c) { return r < 2 ? g + 8 * r : 2 * c + (r & 1) + 8 * ((r - 2) >> 1); }
+// StepView's kx and vx of lane (g, c): the slots of (key g, chunk c) and (key 2c, chunk g; D = 64:
+// the chunk holding bytes 8g..), from which its other chunks are constant offsets and XORs.
+__device__ __forceinline__ void frag_slots(int g, int c, int& kx, int& vx) {
+    kx = (g * CPR + c) ^ swz(g);
+    vx = 2 * c * CPR + ((CPR >= 8 ? g : g >> 1) ^ (2 * c & 6));
+}
 
 // cp.async of a K/V chunk; rows of at least 128 bytes ask L2 to fetch whole 128-byte lines at once
-// (the two halves of a K row line come from different copy instructions: measured 2-4% faster on
-// the H100; 256-byte prefetch, which also takes the neighbouring head's row, was slower).
+// (measured 2-4% faster on the H100 when the two halves of a K row came from different copy
+// instructions; 256-byte prefetch, which also takes the neighbouring head's row, was slower).
 template <int BYTES>
 __device__ __forceinline__ void copy_kv(u32 dst, const u8* src, bool live) {
     if constexpr (BYTES == 16 && D >= 128 && SM80) {
@@ -191,18 +210,20 @@ __device__ __forceinline__ void copy_kv(u32 dst, const u8* src, bool live) {
     }
 }
 
-// What a thread's copies of every step share when KeyRows::fast: its rows' byte offsets inside a
-// block (row slot j of the sub-tile, head offset and the thread's chunk included).
+// What a lane's copies of every step share when KeyRows::fast: the byte offsets inside a block of
+// its copy 0 (KeyRows k0 / v0 included) and from one copy to the next (32 / CPR rows).
 struct CopyPlan {
-    u32 off[6];  // K rows (r = 0, 1), V rows (r = 2..5), as copy_key
+    u32 k_off, v_off, k_step, v_step;
 };
 
-__device__ __forceinline__ CopyPlan copy_plan(const KeyRows& rows, int g, int c) {
-    CopyPlan cp;
-#pragma unroll
-    for (int r = 0; r < 6; ++r) {
-        const i64 j = copy_key(r, g, c);
-        cp.off[r] = rows.fast ? (u32)(r < 2 ? j * rows.k_st + rows.k0 : j * rows.v_st + rows.v0) : 0u;
+__device__ __forceinline__ CopyPlan copy_plan(const KeyRows& rows, int lane) {
+    CopyPlan cp{0u, 0u, 0u, 0u};
+    if (rows.fast) {
+        const i64 n = copy_key(lane, 0);
+        cp.k_off = (u32)(n * rows.k_st + rows.k0);
+        cp.v_off = (u32)(n * rows.v_st + rows.v0);
+        cp.k_step = (u32)((32 / CPR) * rows.k_st);
+        cp.v_step = (u32)((32 / CPR) * rows.v_st);
     }
     return cp;
 }
@@ -223,19 +244,19 @@ __device__ __forceinline__ StepBlocks lookup(const KeyRows& rows, int n0) {
     return sb;
 }
 
-// Start the copies of the warp step at n0 into `stage`; one commit group. Returns the step's
-// visible-key bits (bit 2u + r: key g + 8r of sub-tile u). KeyRows::fast: one 64-bit block offset
-// per sub-tile (block ids from `sb`) plus the thread's CopyPlan offsets; otherwise every key located
-// on its own.
+// Start the copies of the warp step at n0 into `stage` (ring_addr: the warp's part of stage 0); one
+// commit group. Returns the step's visible-key bits of this lane's fragments (bit 2u + r: key g + 8r
+// of sub-tile u). KeyRows::fast: one 64-bit block offset per sub-tile (block ids from `sb`) plus the
+// lane's CopyPlan offsets; otherwise every key located on its own.
 __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, const KeyRows& rows, const StepBlocks& sb,
                                           const CopyPlan& cp, const u8* key_cache, const u8* value_cache, int g,
-                                          int c) {
+                                          int lane) {
     u32 bits = 0u;
-    int ch = 0;
-    const u32 stage_addr = ring_addr + (u32)(stage * CHUNKS * KNT * 16);
+    const u32 stage_addr = ring_addr + (u32)(stage * KWARPS * WARP_STAGE * 16);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
         const int base = n0 + 16 * u;
+        const u32 k_addr = stage_addr + (u32)(u * 2 * TILE * 16), v_addr = k_addr + (u32)(TILE * 16);
         int kblk[2];
         i64 ktib[2];
         if (rows.fast) {  // (uniform) the sub-tile [base, base + 16) lies in one block
@@ -247,57 +268,49 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
             const i64 vb = blk_ok ? (i64)blk * rows.v_sb + (i64)tib0 * rows.v_st : 0;
             const int lo = rows.kbeg - base, hi = rows.kend - base;
 #pragma unroll
-            for (int r = 0; r < 6; ++r) {
-                const int j = copy_key(r, g, c);
+            for (int m = 0; m < CPS; ++m) {
+                const int j = copy_key(lane, m);
                 const bool live = blk_ok && j >= lo && j < hi;
-                if (r < 2) {
-                    kblk[r] = live ? blk : -1;
-                    ktib[r] = tib0 + j;
-                    bits |= (u32)live << (2 * u + r);
+                const u32 dst = (u32)(copy_slot(lane, m) * 16);
+                copy_kv<16>(k_addr + dst, key_cache + kb + (cp.k_off + m * cp.k_step), live);
+                copy_kv<16>(v_addr + dst, value_cache + vb + (cp.v_off + m * cp.v_step), live);
+            }
 #pragma unroll
-                    for (int i = 0; i < KCH; ++i, ++ch)
-                        copy_kv<16>(stage_addr + ch * KNT * 16, key_cache + kb + cp.off[r] + 64 * i, live);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < VCH; ++i, ++ch)
-                        copy_kv<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16,
-                                                            value_cache + vb + cp.off[r] + 128 * i, live);
-                }
+            for (int r = 0; r < 2; ++r) {
+                const int j = g + 8 * r;
+                const bool live = blk_ok && j >= lo && j < hi;
+                kblk[r] = live ? blk : -1;
+                ktib[r] = tib0 + j;
+                bits |= (u32)live << (2 * u + r);
             }
         } else {
 #pragma unroll
-            for (int r = 0; r < 6; ++r) {
-                const int n = base + copy_key(r, g, c);
+            for (int m = 0; m < CPS; ++m) {
                 i64 rk, rv, tib;
                 int b;
-                rows.locate(n, rk, rv, b, tib);
+                rows.locate(base + copy_key(lane, m), rk, rv, b, tib);
                 const bool live = rk >= 0;
-                if (r < 2) {
-                    kblk[r] = b;
-                    ktib[r] = tib;
-                    bits |= (u32)live << (2 * u + r);
+                const u32 dst = (u32)(copy_slot(lane, m) * 16);
+                copy_kv<16>(k_addr + dst, key_cache + (live ? rk : 0), live);
+                copy_kv<16>(v_addr + dst, value_cache + (live ? rv : 0), live);
+            }
 #pragma unroll
-                    for (int i = 0; i < KCH; ++i, ++ch)
-                        copy_kv<16>(stage_addr + ch * KNT * 16, key_cache + (live ? rk + 64 * i : 0), live);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < VCH; ++i, ++ch)
-                        copy_kv<(VBYTES >= 16 ? 16 : 8)>(stage_addr + ch * KNT * 16,
-                                                            value_cache + (live ? rv + 128 * i : 0), live);
-                }
+            for (int r = 0; r < 2; ++r) {
+                i64 rk, rv;
+                rows.locate(base + g + 8 * r, rk, rv, kblk[r], ktib[r]);
+                bits |= (u32)(rk >= 0) << (2 * u + r);
             }
         }
         if constexpr (TOKEN_SCALES) {  // [k_scale(g), k_scale(g + 8), v_scale(g), v_scale(g + 8)]
+            const u32 dst = stage_addr + (u32)((NSUB * 2 * TILE + 32 * u + lane) * 16);
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
                 const bool live = kblk[r] >= 0;
                 const i64 sk = (i64)kblk[r] * rows.ks_sb + ktib[r] * rows.ks_st + rows.ks0;
                 const i64 sv = (i64)kblk[r] * rows.vs_sb + ktib[r] * rows.vs_st + rows.vs0;
-                const u32 dst = stage_addr + ch * KNT * 16;
                 copy_async<4>(dst + 4 * r, reinterpret_cast<const u8*>(rows.k_scale + (live ? sk : 0)), live);
                 copy_async<4>(dst + 8 + 4 * r, reinterpret_cast<const u8*>(rows.v_scale + (live ? sv : 0)), live);
             }
-            ++ch;
         }
     }
     copy_commit();
@@ -456,20 +469,20 @@ struct Pipe {
 
 __device__ __forceinline__ Pipe start_pipe(const KeyRows& rows, uint4* ring_mem, const u8* key_cache,
                                            const u8* value_cache) {
-    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2;
     Pipe pp;
     pp.first = rows.kbeg & ~15;
     const int span = rows.kend > pp.first ? rows.kend - pp.first : 0;
     pp.my_steps = span > warp * STEP ? (span - warp * STEP + KWARPS * STEP - 1) / (KWARPS * STEP) : 0;
-    pp.cp = copy_plan(rows, g, c);
-    const u32 ring_addr = shared_address(ring_mem + tid);
+    pp.cp = copy_plan(rows, lane);
+    const u32 ring_addr = shared_address(ring_mem + warp * WARP_STAGE);
     pp.live_q = 0u;
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
         u32 b = 0u;
         if (i < pp.my_steps) {
             b = issue_step(ring_addr, i, pp.step_n0(i), rows, lookup(rows, pp.step_n0(i)), pp.cp, key_cache, value_cache,
-                           g, c);
+                           g, lane);
         } else {
             copy_commit();
         }
@@ -550,20 +563,24 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
     }
 #endif
 
-    const Ring ring{ring_mem, tid};
-    const u32 ring_addr = shared_address(ring_mem + tid);
+    const uint4* my_ring = ring_mem + warp * WARP_STAGE;  // (stage s: + s KWARPS WARP_STAGE)
+    const u32 ring_addr = shared_address(my_ring);
+    int kx, vx;
+    frag_slots(g, c, kx, vx);
     const int my_steps = pp.my_steps;
     u32 live_q = pp.live_q;
     int stage = 0, next = STAGES - 1;
     for (int i = 0; i < my_steps; ++i) {
         const int j = i + STAGES - 1;
         u32 b = 0u;
-        if (j < my_steps) b = issue_step(ring_addr, next, pp.step_n0(j), rows, pp.blocks, pp.cp, key_cache, value_cache, g, c);
+        __syncwarp();  // (every lane has read the stage it refills)
+        if (j < my_steps) b = issue_step(ring_addr, next, pp.step_n0(j), rows, pp.blocks, pp.cp, key_cache, value_cache, g, lane);
         else copy_commit();
         pp.blocks = lookup(rows, pp.step_n0(j + 1));
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         copy_wait<STAGES - 1>();
-        const StepView wds{ring.slot(stage, 0), live_q};
+        __syncwarp();  // (the other lanes' copies of the step are visible)
+        const StepView wds{my_ring + stage * KWARPS * WARP_STAGE, kx, vx, live_q};
         live_q >>= LIVE_BITS;
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         next = next + 1 == STAGES ? 0 : next + 1;
@@ -637,8 +654,8 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     rows.num_blocks = num_blocks;
     rows.bs_shift = (block_size & (block_size - 1)) == 0 ? __ffs(block_size) - 1 : -1;
     rows.k_sb = k_sb; rows.k_st = k_st; rows.v_sb = v_sb; rows.v_st = v_st;
-    rows.k0 = (i64)h * k_sh + k_dim(c, 0);
-    rows.v0 = (i64)h * v_sh + v_dim(g, 0);
+    rows.k0 = (i64)h * k_sh + 16 * (lane % CPR);  // (the lane's chunk of every row it copies: copy_key)
+    rows.v0 = (i64)h * v_sh + 16 * (lane % CPR);
     rows.ks_sb = ks_sb; rows.ks_st = ks_st; rows.ks0 = (i64)h * ks_sh;
     rows.vs_sb = vs_sb; rows.vs_st = vs_st; rows.vs0 = (i64)h * vs_sh;
     rows.k_scale = k_scale; rows.v_scale = v_scale;
