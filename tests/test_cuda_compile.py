@@ -156,8 +156,8 @@ def test_the_fp8_mode_decode_rounds_query_and_probabilities_to_e4m3():
         cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 80, fp8_mode=True), "sm80")
 
 
-@pytest.mark.parametrize("head_size,warps,token_scales,sm", [(64, 4, False, 80), (128, 6, False, 90),
-                                                            (128, 6, True, 90), (256, 4, True, 80), (128, 4, False, 75)])
+@pytest.mark.parametrize("head_size,warps,token_scales,sm", [
+    (64, 4, False, 80), (128, 6, False, 90), (128, 6, True, 90), (256, 4, True, 80), (128, 4, False, 75)])
 def test_the_decode_kernels_shared_memory_is_the_hosts(head_size, warps, token_scales, sm):
     """The tensor-core decode's ``SMEM_BYTES`` (its copy ring: each warp's K and V rows of a step and
     its lanes' token_head scales, ``stages`` deep; or the epilogue's view, the larger) is what the host
