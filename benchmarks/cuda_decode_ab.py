@@ -1,7 +1,8 @@
 """A/B of the tensor-core decode (``csrc/attention_mma.cu``) against an earlier source of it, in one process,
 alternated: the default mode and the FP8 attention mode (dynamic and per-KV-head q_scale) at the decode shapes
-(GQA 32/8, D=128, block 16, e4m3 per-tensor cache, bf16 queries), CUDA-graph replays as ``cuda_decode.py``
-times them. Each arm's outputs are compared with the other's (bit-identical unless the change alters them).
+(GQA 32/8, D=128 or ``--head-size``, block 16, e4m3 per-tensor cache, bf16 queries), CUDA-graph replays as
+``cuda_decode.py`` times them. Each arm's outputs are compared with the other's (bit-identical unless the change
+alters them).
 
     python benchmarks/cuda_decode_ab.py --baseline OLD.cu [--rounds 3] [--json FILE] [--shapes 64:2048,...]
     python benchmarks/cuda_decode_ab.py --profile fp8_dynamic_q --shapes 64:2048   # three untimed calls (ncu)
@@ -20,12 +21,29 @@ from fp8kv_bench import kernels as kb
 ARMS = ("baseline", "current")
 
 
-def use_baseline(text: str | None) -> None:
-    """Compile and launch the tensor-core decode from ``text`` (None: from the package's source)."""
+def legacy_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stages: int | None = None) -> int:
+    """``mma_smem_bytes`` of the sources before session 22 (each thread's own copy slots: K chunks, V rows
+    of 16 or 8 bytes, a token_head slot per sub-tile), for a baseline from then (``--legacy-ring``); it
+    differs from today's at head size 64 only, where the kernel would trap on the new, smaller ring."""
+    from fp8kv_cuda import attention as CA
+
+    stages = CA.MMA_TILES[head_size][0] if stages is None else stages
+    nsub = 1 if head_size > 128 else 2
+    chunks = nsub * (2 * (head_size // 64) + 4 * max(1, head_size // 128) + int(token_scales))
+    today = getattr(CA, "_ab_smem_bytes", CA.mma_smem_bytes)  # (use_baseline may have swapped the module's)
+    return max(16 * stages * chunks * 32 * warps, today(head_size, warps, token_scales, stages))
+
+
+def use_baseline(text: str | None, legacy_ring: bool = False) -> None:
+    """Compile and launch the tensor-core decode from ``text`` (None: from the package's source);
+    ``legacy_ring``: launch it with :func:`legacy_smem_bytes`."""
+    from fp8kv_cuda import attention as CA
     from fp8kv_cuda import runtime, variants
 
     if not hasattr(runtime, "_ab_function"):
         runtime._ab_function = runtime.function
+        CA._ab_smem_bytes = CA.mma_smem_bytes
+    CA.mma_smem_bytes = legacy_smem_bytes if text is not None and legacy_ring else CA._ab_smem_bytes
     if text is None:
         runtime.function = runtime._ab_function
         return
@@ -43,15 +61,15 @@ def use_baseline(text: str | None) -> None:
     runtime.function = function
 
 
-def decode_runs(B: int, L: int, device):
+def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD):
     """``(runs, query, plan)``: the decode step of B sequences of L tokens in each mode, ``runs[mode](out)``
     (``default``, ``fp8_dynamic_q``, ``fp8_head_q``), all on the same cache, planned once."""
     from fp8kv_cuda import attention as CA
     from fp8kv_hopper import attention as HA
 
-    cache, tables, lens, qsl, q = kb.decode_case(B, L, device)
+    cache, tables, lens, qsl, q = kb.decode_case(B, L, device, head_size=head_size)
     max_keys = tables.shape[1] * kb.PAGE
-    plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
+    plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=head_size,
                        max_keys=max_keys)
     cfg = dataclasses.replace(HA.choose_config(group=kb.HQ // kb.HKV, num_seqs=B, num_kv_heads=kb.HKV,
                                                max_query_len=1, max_keys=max_keys,
@@ -60,38 +78,42 @@ def decode_runs(B: int, L: int, device):
     head_qs = torch.full((kb.HKV,), 0.02, device=device)
 
     def fp8(qs):
-        return lambda o: HA.paged_attention_fp8(q, cache, tables, lens, qsl, 1, kb.HEAD**-0.5, True, None, None, o,
+        return lambda o: HA.paged_attention_fp8(q, cache, tables, lens, qsl, 1, head_size**-0.5, True, None, None, o,
                                                 q_scale=qs, prob_scale=1.0, config=cfg, decode_plan=plan)
 
-    runs = {"default": lambda o: CA.paged_attention(q, cache, tables, lens, qsl, kb.HEAD**-0.5, True, None, None, o,
+    runs = {"default": lambda o: CA.paged_attention(q, cache, tables, lens, qsl, head_size**-0.5, True, None, None, o,
                                                     None, plan_=plan),
             "fp8_dynamic_q": fp8(None), "fp8_head_q": fp8(head_qs)}
     return runs, q, plan
 
 
-def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float) -> list[dict]:
-    runs, q, plan = decode_runs(B, L, device)
-    roof_us = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e6
+def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float, head_size: int = kb.HEAD,
+          modes: tuple[str, ...] = (), legacy_ring: bool = False) -> list[dict]:
+    runs, q, plan = decode_runs(B, L, device, head_size)
+    roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
     rows = []
     for mode, run in runs.items():
+        if modes and mode not in modes:
+            continue
         times = {a: [] for a in ARMS}
         outs = {}
         for arm in ARMS:
-            use_baseline(baseline if arm == "baseline" else None)
+            use_baseline(baseline if arm == "baseline" else None, legacy_ring)
             outs[arm] = torch.empty_like(q)
             run(outs[arm])
         torch.cuda.synchronize()
         same = torch.equal(outs[ARMS[0]], outs[ARMS[1]])
         for r in range(rounds):
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-                use_baseline(baseline if arm == "baseline" else None)
+                use_baseline(baseline if arm == "baseline" else None, legacy_ring)
                 o = outs[arm]
                 times[arm].append(kb.time_graph(lambda o=o, run=run: run(o), reps=reps) * 1e3)
         use_baseline(None)
         med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
         print(f"  B={B} L={L} {mode}: " + ", ".join(f"{a} {min(t):.1f}-{max(t):.1f} us" for a, t in times.items())
               + f" (roofline {roof_us:.1f} us), identical {same}", flush=True)
-        rows.append({"B": B, "L": L, "mode": mode, "splits": plan.num_splits, "identical_outputs": same,
+        rows.append({"B": B, "L": L, "head_size": head_size, "mode": mode, "splits": plan.num_splits,
+                     "identical_outputs": same,
                      "roofline_us": round(roof_us, 2),
                      **{f"{a}_us": [round(x, 2) for x in t] for a, t in times.items()},
                      "median_ratio": round(med["baseline"] / med["current"], 4)})
@@ -107,6 +129,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
+    ap.add_argument("--head-size", type=int, default=kb.HEAD, help="64, 128 or 256 (default 128)")
+    ap.add_argument("--modes", default="", help="default,fp8_dynamic_q,fp8_head_q (default: all three)")
+    ap.add_argument("--legacy-ring", action="store_true", help="the baseline is from before session 22: launch it"
+                    " with that ring's shared memory (legacy_smem_bytes)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not (args.baseline or args.profile):
@@ -114,7 +140,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
     if args.profile:
-        runs, q, _ = decode_runs(*shapes[0], device)
+        runs, q, _ = decode_runs(*shapes[0], device, args.head_size)
         out = torch.empty_like(q)
         for _ in range(3):
             runs[args.profile](out)
@@ -123,7 +149,9 @@ def main(argv=None) -> int:
     with open(args.baseline) as f:
         baseline = f.read()
     bw = kb.copy_bandwidth(device)["gbps"]
-    rows = [r for B, L in shapes for r in bench(B, L, baseline, args.rounds, args.reps, device, bw)]
+    modes = tuple(m for m in args.modes.split(",") if m)
+    rows = [r for B, L in shapes
+            for r in bench(B, L, baseline, args.rounds, args.reps, device, bw, args.head_size, modes, args.legacy_ring)]
     print("| B | L | mode | splits | baseline us | current us | ratio (medians) | roofline us | identical |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for r in rows:
