@@ -199,8 +199,9 @@ __device__ __forceinline__ void frag_slots(int g, int c, int& kx, int& vx) {
 }
 
 // cp.async of a K/V chunk; rows of at least 128 bytes ask L2 to fetch whole 128-byte lines at once
-// (measured 2-4% faster on the H100 when the two halves of a K row came from different copy
-// instructions; 256-byte prefetch, which also takes the neighbouring head's row, was slower).
+// (2-4% faster on the H100 when the two halves of a K row came from different copy instructions;
+// with whole-line copies it is neutral, 0.998-1.002x; 256-byte prefetch, which also takes the
+// neighbouring head's row, was slower).
 template <int BYTES>
 __device__ __forceinline__ void copy_kv(u32 dst, const u8* src, bool live) {
     if constexpr (BYTES == 16 && D >= 128 && SM80) {
