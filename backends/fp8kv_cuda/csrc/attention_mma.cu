@@ -156,7 +156,9 @@ struct KeyRows {
 // (TILE slots), their V rows (TILE), then (token_head) a slot per lane for its keys' scales. Chunk q
 // (bytes 16q..16q+15) of key n's row sits at slot (n CPR + q) ^ swz(n) of the tile: the XOR stays in
 // the slot's 128-byte line and spreads the chunks that one quarter-warp reads over distinct banks, for
-// the copies (copy_key, copy_slot: 8 lanes a line) and for the fragment reads (StepView) alike.
+// the copies (copy_key, copy_slot: 8 lanes a line) and for the fragment reads (StepView) alike. Stage s
+// starts stage_slots(s) slots into the ring (every warp's part of stage 0 comes first).
+__device__ __forceinline__ int stage_slots(int stage) { return stage * KWARPS * WARP_STAGE; }
 __device__ __forceinline__ int swz(int n) { return (n & 6) ^ (CPR >= 8 ? (n & 1) << 2 : 0); }
 
 // Copy m (0..CPS-1) of lane `lane` of a tile: chunk lane % CPR of key lane / CPR + m (32 / CPR) (ring
@@ -198,16 +200,15 @@ __device__ __forceinline__ void frag_slots(int g, int c, int& kx, int& vx) {
     vx = 2 * c * CPR + ((CPR >= 8 ? g : g >> 1) ^ (2 * c & 6));
 }
 
-// cp.async of a K/V chunk; rows of at least 128 bytes ask L2 to fetch whole 128-byte lines at once
+// cp.async of a 16-byte K/V chunk; rows of at least 128 bytes ask L2 to fetch whole 128-byte lines at once
 // (2-4% faster on the H100 when the two halves of a K row came from different copy instructions;
 // with whole-line copies it is neutral, 0.998-1.002x; 256-byte prefetch, which also takes the
 // neighbouring head's row, was slower).
-template <int BYTES>
 __device__ __forceinline__ void copy_kv(u32 dst, const u8* src, bool live) {
-    if constexpr (BYTES == 16 && D >= 128 && SM80) {
+    if constexpr (D >= 128 && SM80) {
         asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(live ? 16 : 0));
     } else {
-        copy_async<BYTES>(dst, src, live);
+        copy_async<16>(dst, src, live);
     }
 }
 
@@ -253,7 +254,7 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                                           const CopyPlan& cp, const u8* key_cache, const u8* value_cache, int g,
                                           int lane) {
     u32 bits = 0u;
-    const u32 stage_addr = ring_addr + (u32)(stage * KWARPS * WARP_STAGE * 16);
+    const u32 stage_addr = ring_addr + (u32)(stage_slots(stage) * 16);
 #pragma unroll
     for (int u = 0; u < NSUB; ++u) {
         const int base = n0 + 16 * u;
@@ -273,8 +274,8 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                 const int j = copy_key(lane, m);
                 const bool live = blk_ok && j >= lo && j < hi;
                 const u32 dst = (u32)(copy_slot(lane, m) * 16);
-                copy_kv<16>(k_addr + dst, key_cache + kb + (cp.k_off + m * cp.k_step), live);
-                copy_kv<16>(v_addr + dst, value_cache + vb + (cp.v_off + m * cp.v_step), live);
+                copy_kv(k_addr + dst, key_cache + kb + (cp.k_off + m * cp.k_step), live);
+                copy_kv(v_addr + dst, value_cache + vb + (cp.v_off + m * cp.v_step), live);
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -292,8 +293,8 @@ __device__ __forceinline__ u32 issue_step(u32 ring_addr, int stage, int n0, cons
                 rows.locate(base + copy_key(lane, m), rk, rv, b, tib);
                 const bool live = rk >= 0;
                 const u32 dst = (u32)(copy_slot(lane, m) * 16);
-                copy_kv<16>(k_addr + dst, key_cache + (live ? rk : 0), live);
-                copy_kv<16>(v_addr + dst, value_cache + (live ? rv : 0), live);
+                copy_kv(k_addr + dst, key_cache + (live ? rk : 0), live);
+                copy_kv(v_addr + dst, value_cache + (live ? rv : 0), live);
             }
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
@@ -564,7 +565,7 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
     }
 #endif
 
-    const uint4* my_ring = ring_mem + warp * WARP_STAGE;  // (stage s: + s KWARPS WARP_STAGE)
+    const uint4* my_ring = ring_mem + warp * WARP_STAGE;  // (stage s: + stage_slots(s))
     const u32 ring_addr = shared_address(my_ring);
     int kx, vx;
     frag_slots(g, c, kx, vx);
@@ -581,7 +582,7 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
         live_q |= b << ((STAGES - 1) * LIVE_BITS);
         copy_wait<STAGES - 1>();
         __syncwarp();  // (the other lanes' copies of the step are visible)
-        const StepView wds{my_ring + stage * KWARPS * WARP_STAGE, kx, vx, live_q};
+        const StepView wds{my_ring + stage_slots(stage), kx, vx, live_q};
         live_q >>= LIVE_BITS;
         stage = stage + 1 == STAGES ? 0 : stage + 1;
         next = next + 1 == STAGES ? 0 : next + 1;
