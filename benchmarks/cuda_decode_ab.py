@@ -34,16 +34,24 @@ def legacy_smem_bytes(head_size: int, warps: int, token_scales: bool = False, st
     return max(16 * stages * chunks * 32 * warps, today(head_size, warps, token_scales, stages))
 
 
-def use_baseline(text: str | None, legacy_ring: bool = False) -> None:
+def legacy_grid(num_tokens: int, head_units: int, num_splits: int) -> tuple[int, int, int]:
+    """``decode_grid`` of the sources before session 23: ``(T, H * head_chunks, num_splits)``, the tokens
+    adjacent, for a baseline from then (``--legacy-grid``)."""
+    return num_tokens, head_units, num_splits
+
+
+def use_baseline(text: str | None, legacy_ring: bool = False, legacy_grid_: bool = False) -> None:
     """Compile and launch the tensor-core decode from ``text`` (None: from the package's source);
-    ``legacy_ring``: launch it with :func:`legacy_smem_bytes`."""
+    ``legacy_ring``: launch it with :func:`legacy_smem_bytes`; ``legacy_grid_``: with :func:`legacy_grid`."""
     from fp8kv_cuda import attention as CA
     from fp8kv_cuda import runtime, variants
 
     if not hasattr(runtime, "_ab_function"):
         runtime._ab_function = runtime.function
         CA._ab_smem_bytes = CA.mma_smem_bytes
+        CA._ab_decode_grid = CA.decode_grid
     CA.mma_smem_bytes = legacy_smem_bytes if text is not None and legacy_ring else CA._ab_smem_bytes
+    CA.decode_grid = legacy_grid if text is not None and legacy_grid_ else CA._ab_decode_grid
     if text is None:
         runtime.function = runtime._ab_function
         return
@@ -88,7 +96,7 @@ def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD):
 
 
 def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float, head_size: int = kb.HEAD,
-          modes: tuple[str, ...] = (), legacy_ring: bool = False) -> list[dict]:
+          modes: tuple[str, ...] = (), legacy_ring: bool = False, legacy_grid_: bool = False) -> list[dict]:
     runs, q, plan = decode_runs(B, L, device, head_size)
     roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
     rows = []
@@ -98,14 +106,14 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
         times = {a: [] for a in ARMS}
         outs = {}
         for arm in ARMS:
-            use_baseline(baseline if arm == "baseline" else None, legacy_ring)
+            use_baseline(baseline if arm == "baseline" else None, legacy_ring, legacy_grid_)
             outs[arm] = torch.empty_like(q)
             run(outs[arm])
         torch.cuda.synchronize()
         same = torch.equal(outs[ARMS[0]], outs[ARMS[1]])
         for r in range(rounds):
             for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-                use_baseline(baseline if arm == "baseline" else None, legacy_ring)
+                use_baseline(baseline if arm == "baseline" else None, legacy_ring, legacy_grid_)
                 o = outs[arm]
                 times[arm].append(kb.time_graph(lambda o=o, run=run: run(o), reps=reps) * 1e3)
         use_baseline(None)
@@ -133,6 +141,8 @@ def main(argv=None) -> int:
     ap.add_argument("--modes", default="", help="default,fp8_dynamic_q,fp8_head_q (default: all three)")
     ap.add_argument("--legacy-ring", action="store_true", help="the baseline is from before session 22: launch it"
                     " with that ring's shared memory (legacy_smem_bytes)")
+    ap.add_argument("--legacy-grid", action="store_true", help="the baseline is from before session 23: launch it"
+                    " on the grid (T, H * head_chunks, splits) (legacy_grid)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not (args.baseline or args.profile):
@@ -151,7 +161,8 @@ def main(argv=None) -> int:
     bw = kb.copy_bandwidth(device)["gbps"]
     modes = tuple(m for m in args.modes.split(",") if m)
     rows = [r for B, L in shapes
-            for r in bench(B, L, baseline, args.rounds, args.reps, device, bw, args.head_size, modes, args.legacy_ring)]
+            for r in bench(B, L, baseline, args.rounds, args.reps, device, bw, args.head_size, modes, args.legacy_ring,
+                           args.legacy_grid)]
     print("| B | L | mode | splits | baseline us | current us | ratio (medians) | roofline us | identical |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -193,6 +193,44 @@ def test_tensor_core_decode_splits_for_the_fewest_keys_per_sm(monkeypatch):
     assert (p.num_splits, p.keys_per_split) == (8, attention.MMA_SPLIT_KEYS)
 
 
+@pytest.mark.parametrize("num_tokens,expected", [(32, (4, 3)), (64, (2, 3)), (128, (4, 3)), (16, None), (8, None)])
+@pytest.mark.parametrize("token_scales,fp8_mode", [(False, False), (True, False), (False, True)])
+def test_decode_grids_of_more_ctas_than_sms_take_the_wave_tiles_on_sm90(monkeypatch, num_tokens, expected,
+                                                                         token_scales, fp8_mode):
+    """mma_wave_config (H100: 132 SMs, 228 KiB an SM), GQA 32/8 at head size 128, one split: 256 CTAs
+    (B=32) fit one wave of two 4 x 3 CTAs an SM; 512 (B=64) only at four 2 x 3 CTAs an SM; 1024 (B=128)
+    fit no wave, so the first tile that fits two an SM; at most one CTA an SM (B=16, B=8) keeps the
+    default (None). The plan takes it; other head sizes and architectures keep theirs."""
+    from fp8kv_cuda import attention, runtime
+
+    monkeypatch.setattr(runtime, "device_index", lambda device: 0)
+    monkeypatch.setattr(runtime, "device_sm", lambda index: 90)
+    monkeypatch.setattr(attention, "_num_sms", lambda index: 132)
+    monkeypatch.setattr(attention, "_sm", lambda device: 90)
+    monkeypatch.setattr(attention, "_smem_limits", lambda index: attention.ARCH_SMEM[90])
+    dev = torch.device("cuda", 0)
+    ctas = num_tokens * 8
+    assert attention.mma_wave_config(dev, 128, ctas, token_scales, fp8_mode) == expected
+    if expected is not None:
+        warps, stages = expected
+        smem = attention.mma_smem_bytes(128, warps, token_scales, stages)
+        smem += attention.fp8_mode_static_smem(128) if fp8_mode else 0
+        per_sm = attention.ARCH_SMEM[90][1] // (smem + attention.CTA_RESERVED_SMEM)
+        assert per_sm >= 2 and (per_sm * 132 >= ctas or expected == attention.MMA_WAVE_TILES[128][0])
+    p = attention.plan_mma(dev, num_tokens=num_tokens, num_kv_heads=8, group=4, head_size=128, max_keys=4096,
+                           num_splits=1, token_scales=token_scales, fp8_mode=fp8_mode)
+    if expected is not None:
+        assert (p.warps, p.stages) == expected
+    else:
+        assert (p.warps, p.stages) == (6, 0)  # (0: the architecture's ring depth, mma_stages)
+    # given warps or stages win; head size 64 and sm89 keep their tiles
+    assert attention.plan_mma(dev, num_tokens=num_tokens, num_kv_heads=8, group=4, head_size=128, max_keys=4096,
+                              num_splits=1, warps=6).warps == 6
+    assert attention.mma_wave_config(dev, 64, ctas) is None
+    monkeypatch.setattr(attention, "_sm", lambda device: 89)
+    assert attention.mma_wave_config(dev, 128, ctas) is None
+
+
 def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
     from fp8kv_cuda import attention
 

@@ -26,6 +26,7 @@ from .variants import (
     FP8_MODE_MIN_SM,
     MMA_MIN_SM,
     MMA_TILES,
+    MMA_WAVE_TILES,
     WGMMA_BLOCK_N,
     WGMMA_PREFILL_FORMATS,
     WGMMA_STAGES,
@@ -161,6 +162,35 @@ def mma_warps(device: torch.device, head_size: int, token_scales: bool = False, 
     return None
 
 
+CTA_RESERVED_SMEM = 1 << 10
+"""Shared memory the GPU reserves per resident CTA (sm80+), counted when CTAs per SM are worked out."""
+
+
+def mma_wave_config(device: torch.device, head_size: int, ctas: int, token_scales: bool = False,
+                    fp8_mode: bool = False) -> tuple[int, int] | None:
+    """``(warps, stages)`` of the tensor-core decode for a grid of ``ctas`` CTAs, where it has more CTAs
+    than SMs, on sm90 at the head sizes of :data:`MMA_WAVE_TILES`: the first of its tiles whose CTAs all
+    fit one wave (shared memory and the register budget of ``MMA_TILES`` decide CTAs per SM), else the
+    first that fits two CTAs an SM. None elsewhere (:func:`mma_warps` and ``mma_stages`` decide)."""
+    index = runtime.device_index(device)
+    sms = _num_sms(index)
+    if _sm(device) != 90 or head_size not in MMA_WAVE_TILES or ctas <= sms:
+        return None
+    per_block, per_sm = _smem_limits(index)
+    static = fp8_mode_static_smem(head_size) if fp8_mode else 0
+    fallback = None
+    for warps, stages in MMA_WAVE_TILES[head_size]:
+        smem = mma_smem_bytes(head_size, warps, token_scales, stages) + static
+        if smem > per_block:
+            continue
+        per = min(per_sm // (smem + CTA_RESERVED_SMEM), MMA_TILES[head_size][1] // warps)
+        if per * sms >= ctas:
+            return warps, stages
+        if per >= 2 and fallback is None:
+            fallback = warps, stages
+    return fallback
+
+
 def mma_splits(units: int, sms: int, max_splits: int) -> int:
     """KV splits of the tensor-core decode for ``units`` CTAs per split (tokens x KV heads x head
     chunks) on ``sms`` SMs: the split count with the fewest keys per SM, i.e. the least
@@ -186,15 +216,18 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     8-warp CTAs were slower at every decode shape measured), and the keys split by
     :func:`mma_splits`, each split at least ``MMA_SPLIT_KEYS`` keys (short contexts split finer: B=1
     x 8 heads at L=1024, 8 splits of 128 keys took 8.9/10.9/16.5 us at D=64/128/256 against
-    9.6/12.1/17.4 for 4 of 256, ``benchmarks/results/cuda_decode/h100_small/``)."""
+    9.6/12.1/17.4 for 4 of 256, ``benchmarks/results/cuda_decode/h100_small/``). Grids of more CTAs
+    than SMs on sm90 take :func:`mma_wave_config`'s warps and stages where it has them."""
     chunks = _cdiv(group, MMA_HEADS)
     units = max(1, num_tokens) * num_kv_heads * chunks
     sms = _num_sms(runtime.device_index(device))
-    if warps is None:
-        warps = mma_warps(device, head_size, token_scales, fp8_mode) or 4
     if num_splits is None:
         num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
+    if warps is None and stages is None:
+        warps, stages = mma_wave_config(device, head_size, units * splits, token_scales, fp8_mode) or (None, None)
+    if warps is None:
+        warps = mma_warps(device, head_size, token_scales, fp8_mode) or 4
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps, sm=_sm(device),
                     stages=stages or 0)
 
@@ -342,6 +375,15 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
         splits = min(_cdiv(target, ctas), _cdiv(max_keys, 4 * block_n), MAX_SPLITS)
     splits, kps = _split_keys(max_keys, splits, block_n)
     return AttnPlan(d_pad, gpad, block_n, chunks, splits, kps)
+
+
+def decode_grid(num_tokens: int, head_units: int, num_splits: int) -> tuple[int, int, int]:
+    """The decode kernels' grid: ``(num_tokens * head_units, 1, num_splits)``, a token's ``head_units``
+    (KV heads x head chunks) CTAs adjacent (``decode_cta`` in ``attention_common.cuh``). The CTAs of one
+    token's KV heads read the same blocks' rows; launched side by side, a read-only gather of the decode
+    shapes ran up to 4% faster on the H100 than with the tokens adjacent
+    (``benchmarks/results/hopper_h100/session23/gather_heads.json``)."""
+    return num_tokens * head_units, 1, num_splits
 
 
 def _split_keys(max_keys: int, num_splits: int, multiple: int) -> tuple[int, int]:
@@ -496,7 +538,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             r.i32(T), r.i32(HQ), r.i32(D), r.i32(group), r.i32(p.head_chunks), r.i32(S),
             r.i32(block_tables.shape[1]), r.i32(cache.block_size), r.i32(cache.num_blocks),
             r.i32(p.keys_per_split)]
-    grid = (T, H * p.head_chunks, p.num_splits)
+    grid = decode_grid(T, H * p.head_chunks, p.num_splits)
     if p.prefill:
         # the fast kernel, then the exact one over the CTAs it handed back (redo[cta] = 1)
         grid = (p.row_tiles, H, S * p.num_splits)

@@ -87,6 +87,13 @@ bit-level conversion (sm75/80/86, fnuz formats), which needs more registers). Sh
 is ``fp8kv_cuda.attention.mma_smem_bytes``."""
 MMA_WARPS = (4, 6, 8)
 """Warps per CTA the tensor-core kernel is compiled for (the plan picks one per step)."""
+MMA_WAVE_TILES = {128: ((4, 3), (2, 3))}
+"""sm90, per head size: the tensor-core decode's (warps, ring stages) for grids of more CTAs than SMs,
+in order of preference (``fp8kv_cuda.attention.mma_wave_config`` takes the first whose CTAs all fit one
+wave). Measured on the H100 at GQA 32/8 (``benchmarks/results/hopper_h100/session23/``): 256 CTAs
+(B=32 L=4096) 99.7 us at 4 x 3 against 103.8 at 6 x 2; 512 (B=64 L=2048) 100.0 us at 2 x 3 (one wave
+of four CTAs an SM) against 102.6 at 4 x 3 and 105.7 at 6 x 2; 1024 (B=128 L=4096) 381.4 us at 4 x 3
+against 388.3 at 6 x 2. With at most one CTA an SM, 6 x 2 stays best (B=8, B=1, B=16 L=8192)."""
 MMA_MIN_SM = 75
 """The tensor-core kernels run from Turing on (mma.sync m16n8k8 with float16 operands, movmatrix)."""
 BF16_MMA_MIN_SM = 80

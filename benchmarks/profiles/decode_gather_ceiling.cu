@@ -10,6 +10,9 @@
 //   gather_tma:   one thread issues TMA boxes (a page of one head: 16 rows x 128 bytes, K and V) for
 //                 FP8KV_PAGES pages a stage into FP8KV_STAGES stages; every thread reads its share of
 //                 a stage, then the CTA synchronizes and the stage is refilled;
+//   gather_heads: gather_ldg with FP8KV_HPC KV heads a CTA (grid (B, H / HPC, S), or (H / HPC, B, S) with
+//                 FP8KV_HEADS_FAST): a step is 32 / HPC keys of HPC adjacent heads, so each load
+//                 instruction reads whole HPC * 128-byte runs of a token's row (NHD);
 //   read_stream:  a grid-stride 16-byte read of a contiguous buffer (the device's read bandwidth).
 #include "wgmma_common.cuh"
 
@@ -20,6 +23,12 @@ using namespace fp8kv;
 #endif
 #ifndef FP8KV_STAGES
 #define FP8KV_STAGES 3
+#endif
+#ifndef FP8KV_HPC
+#define FP8KV_HPC 1
+#endif
+#ifndef FP8KV_HEADS_FAST
+#define FP8KV_HEADS_FAST 0
 #endif
 #ifndef FP8KV_PAGES
 #define FP8KV_PAGES 2
@@ -149,6 +158,33 @@ extern "C" __global__ void __launch_bounds__(NT) gather_tma(const __grid_constan
         for (int j = tid; j < STAGE_BYTES / 16; j += NT) fold(acc, t[j]);
         __syncthreads();  // the stage is read: refill it
         if (tid == 0) issue(i + STAGES);
+    }
+    publish(acc, p.out);
+}
+
+extern "C" __global__ void __launch_bounds__(NT) gather_heads(const __grid_constant__ Params p) {
+    constexpr int HPC = FP8KV_HPC, HSTEP = STEP / HPC, PIECES = 8 * HPC;  // keys a step, 16-byte pieces a key
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int seq = FP8KV_HEADS_FAST ? blockIdx.y : blockIdx.x, hgrp = FP8KV_HEADS_FAST ? blockIdx.x : blockIdx.y;
+    const int* bt = p.bt + (long long)seq * p.bt_stride;
+    const int kbeg = blockIdx.z * p.kps, kend = min(p.seq_len, kbeg + p.kps);
+    unsigned acc = 0u;
+    for (int n0 = kbeg + warp * HSTEP; n0 < kend; n0 += NW * HSTEP) {
+        uint4 x[CHUNKS];
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) {
+            const int c = lane + 32 * (j % (CHUNKS / 2));
+            const int n = n0 + c / PIECES;
+            if (n >= kend) {
+                x[j] = make_uint4(0, 0, 0, 0);
+                continue;
+            }
+            const long long off = (long long)bt[n / PAGE] * p.blk_stride + (long long)(n % PAGE) * p.tok_stride +
+                                  (long long)hgrp * HPC * ROW + 16 * (c % PIECES);
+            x[j] = __ldg(reinterpret_cast<const uint4*>((j >= CHUNKS / 2 ? p.v : p.k) + off));
+        }
+#pragma unroll
+        for (int j = 0; j < CHUNKS; ++j) fold(acc, x[j]);
     }
     publish(acc, p.out);
 }

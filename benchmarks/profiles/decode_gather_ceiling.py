@@ -44,12 +44,13 @@ class Params(_Fields):
     _fields_ = [("pad", ctypes.c_char * (-ctypes.sizeof(_Fields) % 64))]
 
 
-def kernel(entry: str, warps: int, stages: int, pages: int, index: int):
+def kernel(entry: str, warps: int, stages: int, pages: int, index: int, hpc: int = 1, heads_fast: bool = False):
     """The compiled ``entry`` (sm_90a, through the CUDA backend's runtime)."""
     from fp8kv_cuda import runtime
     from fp8kv_cuda.variants import inline_headers
 
-    opts = ("-std=c++17", f"-DFP8KV_NW={warps}", f"-DFP8KV_STAGES={stages}", f"-DFP8KV_PAGES={pages}")
+    opts = ("-std=c++17", f"-DFP8KV_NW={warps}", f"-DFP8KV_STAGES={stages}", f"-DFP8KV_PAGES={pages}",
+            f"-DFP8KV_HPC={hpc}", f"-DFP8KV_HEADS_FAST={int(heads_fast)}")
     mod = runtime.module(("decode_gather_ceiling", opts), lambda: runtime.compile_source(
         inline_headers(SOURCE.read_text()), SOURCE.name, opts, "sm_90a"), (entry,), index)
     return mod.get_function(entry)
@@ -75,6 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="", help="B:L,... (default: the bench's four)")
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--heads", action="store_true",
+                    help="only gather_heads: 1, 2, 4, 8 KV heads a CTA, sequence- or head-fastest grid "
+                         "(about 2 CTAs an SM), against gather_ldg and fp8kv's decode")
     args = ap.parse_args(argv)
     if args.plot:
         return plot(args.plot)
@@ -89,22 +93,20 @@ def main(argv: list[str] | None = None) -> int:
     rows, t0 = [], time.time()
     for i, (B, L) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] B={B} L={L} ({time.time() - t0:.0f}s)", flush=True)
-        rows += bench_shape(B, L, device, bw, [int(w) for w in args.warps.split(",")], args.reps)
+        bench = bench_heads if args.heads else bench_shape
+        rows += bench(B, L, device, bw, [int(w) for w in args.warps.split(",")], args.reps)
     print(table(rows))
     with open(args.out, "w") as f:
         json.dump({"environment": {**kb.environment(device), "copy_gbps": bw}, "rows": rows}, f, indent=1)
     return 0
 
 
-def bench_shape(B: int, L: int, device, bw: float, warp_list: list[int], reps: int) -> list[dict]:
+def setup(B: int, L: int, device, bw: float, reps: int):
+    """The bench's decode case, the kernels' Params over it, and ``timed(what, fn, **extra)`` appending to ``rows``."""
     from fp8kv_bench import kernels as kb
-    from fp8kv_cuda import runtime, tma
-
-    import fp8kv
+    from fp8kv_cuda import tma
 
     cache, tables, lens, qsl, q = kb.decode_case(B, L, device)
-    index = runtime.device_index(device)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
     nbytes = 2 * B * L * kb.HKV * kb.HEAD
     roof_ms = nbytes / (bw * 1e9) * 1e3
     out = torch.zeros(1, dtype=torch.int32, device=device)
@@ -123,6 +125,53 @@ def bench_shape(B: int, L: int, device, bw: float, warp_list: list[int], reps: i
         rows.append({"what": what, "B": B, "L": L, "ms": ms, "frac_roofline": roof_ms / ms, **extra})
         print(f"  {what:>34}: {ms * 1e3:7.1f} us ({roof_ms / ms:.0%} roofline)", flush=True)
 
+    return (cache, tables, lens, q), p, rows, timed
+
+
+def time_decode(case, L: int, timed) -> None:
+    """fp8kv's decode as planned, default and FP8 mode (dynamic q_scale)."""
+    from fp8kv_bench import kernels as kb
+
+    import fp8kv
+
+    cache, tables, lens, q = case
+    o = torch.empty_like(q)
+    for mode, kw in (("default mode", {"backend": "cuda"}),
+                     ("FP8 mode, dynamic q", {"backend": "hopper", "fp8_attention": True, "prob_scale": 1.0})):
+        meta = fp8kv.plan_attention(cache, num_q_heads=kb.HQ, query_dtype=q.dtype, block_tables=tables,
+                                    seq_lens=lens, max_seq_len=L, validate=False, **kw)
+        timed(f"fp8kv decode ({kw['backend']}, {mode})", lambda meta=meta: fp8kv.paged_attention(q, cache, meta, out=o))
+
+
+def bench_heads(B: int, L: int, device, bw: float, warp_list: list[int], reps: int) -> list[dict]:
+    from fp8kv_bench import kernels as kb
+    from fp8kv_cuda import runtime
+
+    case, p, rows, timed = setup(B, L, device, bw, reps)
+    index = runtime.device_index(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for hpc in (1, 2, 4, 8):
+        groups = kb.HKV // hpc
+        kps = cdiv(cdiv(L, max(1, round(2 * sms / (B * groups)))), 32) * 32
+        p.kps, splits = kps, cdiv(L, kps)
+        for heads_fast in (False, True):
+            for w in warp_list:
+                fn = kernel("gather_heads", w, 1, 1, index, hpc, heads_fast)
+                grid = (groups, B, splits) if heads_fast else (B, groups, splits)
+                timed(f"gather_heads w{w} h{hpc} z{splits}" + (" heads-fast" if heads_fast else ""),
+                      lambda fn=fn, w=w, grid=grid: runtime.launch_struct(fn, index, grid, 32 * w, p),
+                      entry="gather_heads", warps=w, hpc=hpc, heads_fast=heads_fast, splits=splits)
+    time_decode(case, L, timed)
+    return rows
+
+
+def bench_shape(B: int, L: int, device, bw: float, warp_list: list[int], reps: int) -> list[dict]:
+    from fp8kv_bench import kernels as kb
+    from fp8kv_cuda import runtime
+
+    case, p, rows, timed = setup(B, L, device, bw, reps)
+    index = runtime.device_index(device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
     stream = kernel("read_stream", 8, 1, 1, index)
     timed("read_stream", lambda: runtime.launch_struct(stream, index, (4 * sms, 1, 1), 256, p))
     configs = [("gather_ldg", 1, 1), ("gather_cp", 2, 1), ("gather_cp", 3, 1), ("gather_tma", 4, 2),
@@ -145,12 +194,7 @@ def bench_shape(B: int, L: int, device, bw: float, warp_list: list[int], reps: i
                       lambda fn=fn, w=w, shm=shm, s=splits: runtime.launch_struct(fn, index, (B, kb.HKV, s), 32 * w,
                                                                                    p, shm),
                       entry=entry, warps=w, stages=stages, pages=pages, splits=splits, ctas_per_sm=per_sm)
-    o = torch.empty_like(q)
-    for mode, kw in (("default mode", {"backend": "cuda"}),
-                     ("FP8 mode, dynamic q", {"backend": "hopper", "fp8_attention": True, "prob_scale": 1.0})):
-        meta = fp8kv.plan_attention(cache, num_q_heads=kb.HQ, query_dtype=q.dtype, block_tables=tables,
-                                    seq_lens=lens, max_seq_len=L, validate=False, **kw)
-        timed(f"fp8kv decode ({kw['backend']}, {mode})", lambda meta=meta: fp8kv.paged_attention(q, cache, meta, out=o))
+    time_decode(case, L, timed)
     return rows
 
 

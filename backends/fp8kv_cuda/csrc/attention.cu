@@ -1,6 +1,6 @@
 // fp8kv_cuda: paged attention over the FP8 cache, one query token per CTA row group, split-KV.
 //
-// Grid (T, H * head_chunks, num_splits), NT = 128 threads. A CTA owns one query token t, one KV
+// Grid (T * H * head_chunks, 1, num_splits) (decode_cta), NT = 128 threads. A CTA owns one query token t, one KV
 // head h and up to GPAD of the query heads sharing it (GQA packing: every K/V byte it loads
 // serves all of them), and the keys of split z: [z * keys_per_split, (z + 1) * keys_per_split).
 // Decode is one token per sequence; a chunked-prefill step runs the same kernel per query
@@ -79,9 +79,9 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(FP8KV_
     const int tid = threadIdx.x;
     const int lane = tid & 31;
     const int warp = tid >> 5;
-    const int t = blockIdx.x;
-    const int h = blockIdx.y / head_chunks;
-    const int g0 = (blockIdx.y - h * head_chunks) * GPAD;  // first head of this CTA within the group
+    int t, h, chunk;
+    decode_cta(HQ, group, head_chunks, t, h, chunk);
+    const int g0 = chunk * GPAD;  // first head of this CTA within the group
     const int z = blockIdx.z;
 
     int q_lo = 0, q_hi = 0;

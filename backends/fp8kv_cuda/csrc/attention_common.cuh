@@ -104,6 +104,18 @@ __device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, 
     }
 }
 
+// The decode CTA's query token t, KV head h and head chunk: grid (T * H * head_chunks, 1, num_splits)
+// (fp8kv_cuda.attention.decode_grid), x = (t * H + h) * head_chunks + chunk, so that the CTAs of one
+// token's KV heads are launched side by side (they read the same blocks' rows: on the H100 a read-only
+// gather of the decode shapes ran up to 4% faster so, benchmarks/results/hopper_h100/session23/).
+__device__ __forceinline__ void decode_cta(int HQ, int group, int head_chunks, int& t, int& h, int& chunk) {
+    const int units = HQ / group * head_chunks;  // (group >= 1 divides HQ: the launcher's check)
+    t = (int)blockIdx.x / units;
+    const int u = (int)blockIdx.x - t * units;
+    h = u / head_chunks;
+    chunk = u - h * head_chunks;
+}
+
 // The sequence a decode step would give query token t (qsl[s] = s): t, or the last sequence.
 __device__ __forceinline__ int decode_guess(int num_seqs, int t) { return t < num_seqs ? t : num_seqs - 1; }
 

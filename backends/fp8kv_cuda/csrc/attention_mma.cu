@@ -1,7 +1,7 @@
 // fp8kv_cuda: paged attention on tensor cores (sm80+: mma.sync m16n8k16, movmatrix), for float16
 // and bfloat16 queries, any scale granularity, head sizes 64, 128 and 256.
 //
-// Grid (T, H * head_chunks, num_splits), KNT = 32 * KWARPS threads (FP8KV_MMA_WARPS warps). A CTA
+// Grid (T * H * head_chunks, 1, num_splits) (decode_cta), KNT = 32 * KWARPS threads (FP8KV_MMA_WARPS warps). A CTA
 // owns one query token, one KV head, up to 8 of its query heads (GQA packing) and the keys of
 // split z. Each warp walks its own steps of 16 * NSUB keys (warp w takes steps w, w + KWARPS, ...)
 // with its own online softmax.
@@ -630,9 +630,9 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     if (dyn_smem < (u32)SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
-    const int t = blockIdx.x;
-    const int h = blockIdx.y / head_chunks;
-    const int g0 = (blockIdx.y - h * head_chunks) * HEADS;
+    int t, h, chunk;
+    decode_cta(HQ, group, head_chunks, t, h, chunk);
+    const int g0 = chunk * HEADS;
     const int z = blockIdx.z;
 
     int q_lo = 0, q_hi = 0;
