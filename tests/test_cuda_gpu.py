@@ -403,6 +403,35 @@ def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
     assert all(torch.equal(a, b) for a, b in zip(parents, snapshot, strict=True))
 
 
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm75+ (mma.sync, movmatrix)")
+@pytest.mark.parametrize("granularity", ["tensor", "token_head"])
+@pytest.mark.parametrize("seqs", [20, 40, 150])
+def test_tensor_core_decode_wave_tiles(seqs, granularity):
+    """Decode grids of more CTAs than SMs (GQA 32/8, head size 128: 160, 320 and 1200 CTAs), which on
+    sm90 take mma_wave_config's warps and stages (4 x 3, 2 x 3, 4 x 3), against the reference."""
+    from fp8kv_cuda import attention as cuda_attention
+
+    g = torch.Generator().manual_seed(seqs)
+    H, Hq, D, bs, L = 8, 32, 128, 16, 100
+    nblk = -(-L // bs)
+    cache = fp8kv.KVCache.allocate(seqs * nblk, bs, H, D, kv_dtype="fp8_e4m3", scale_granularity=granularity,
+                                   device="cuda")
+    n = seqs * nblk * bs
+    fp8kv.write_kv(cache, (torch.randn(n, H, D, generator=g) * 3).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+                   torch.arange(n, device="cuda"), backend="cuda")
+    tables = torch.randperm(seqs * nblk, generator=g).int().view(seqs, nblk).cuda()
+    lens = torch.full((seqs,), L, dtype=torch.int32, device="cuda")
+    qdtype = torch.bfloat16 if BUILT_SM >= 80 else torch.float16
+    query = torch.randn(seqs, Hq, D, generator=g).to(qdtype).cuda()
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    if BUILT_SM == 90 and seqs * H > torch.cuda.get_device_properties(0).multi_processor_count:
+        assert cuda_attention.mma_wave_config(torch.device("cuda"), D, seqs * H,
+                                              token_scales=granularity == "token_head") is not None
+    out = fp8kv.paged_attention(query, cache, tables, lens, backend="cuda")
+    ref = fp8kv.paged_attention(query, cache, tables, lens, backend="reference")
+    assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
+
+
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", sorted(FORMATS))
 def test_conformance_kit_on_the_gpu(kv_dtype, io_dtype):

@@ -558,6 +558,19 @@ def test_cuda_decode_shapes(shape):
     _wgmma_check(case, kernel="cuda", prob_scale=0.5)
 
 
+@pytest.mark.parametrize("seqs", [20, 40, 150])
+def test_cuda_decode_wave_tiles(seqs):
+    """Grids of more CTAs than SMs take mma_wave_config's tiles on sm90 (160 CTAs: 4 warps x 3 stages;
+    320: 2 x 3, four CTAs an SM beside the mode's static query fragment, a launch that once failed
+    for want of the shared-memory opt-in; 1200: 4 x 3 again), against the reference."""
+    from fp8kv_cuda import attention as cuda_attention
+
+    ctas = seqs * 8
+    if ctas > torch.cuda.get_device_properties(DEV).multi_processor_count:
+        assert cuda_attention.mma_wave_config(DEV, 128, ctas, fp8_mode=True) is not None
+    _wgmma_check(_case(seqs, 1, 100, granularity="tensor", seed=11), kernel="cuda", prob_scale=0.5)
+
+
 def test_cuda_decode_window_soft_cap_and_lengths():
     """A sliding window, a soft-cap, and sequences of different lengths (one of them a single key)."""
     cache, q, tables, lens, qsl, new = _case(4, 1, 900, seed=7)

@@ -184,9 +184,11 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
 
 
 def _allow_shared_memory(function_ptr: int, shared_mem: int) -> None:
-    """Opt ``function_ptr`` in to ``shared_mem`` bytes of dynamic shared memory (once; needed above
-    48 KiB). Call inside the device's context."""
-    if shared_mem > _STATIC_SMEM_LIMIT and (function_ptr, shared_mem) not in _opted_in:
+    """Opt ``function_ptr`` in to ``shared_mem`` bytes of dynamic shared memory (once; needed where the
+    kernel's static and dynamic shared memory together pass 48 KiB, so every size is opted in: 48 KiB
+    of dynamic memory beside the FP8 mode decode's static 2 KiB failed to launch on the H100 with
+    CUDA_ERROR_INVALID_VALUE). Call inside the device's context."""
+    if shared_mem > 0 and (function_ptr, shared_mem) not in _opted_in:
         drv = cupy().cuda.driver
         attr = getattr(drv, "CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES", 8)
         drv.funcSetAttribute(function_ptr, attr, shared_mem)
