@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
                    " --splits, or the planned split): 4,6,8")
     p.add_argument("--stages", default="", help="extra ring depths of the tensor-core kernel to time (with each"
                    " --splits/--warps, or the planned ones): 2,3,4")
+    p.add_argument("--nsub", default="", help="16-key sub-tiles a warp step of the tensor-core kernel to time"
+                   " (with each --warps/--stages): 1,2")
     p.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
     p.add_argument("--kv-dtype", default="fp8_e4m3")
     p.add_argument("--granularity", default="tensor", choices=("tensor", "head", "token_head"))
@@ -60,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     splits = [int(x) for x in args.splits.split(",") if x]
     args.warp_list = [int(x) for x in args.warps.split(",") if x]
     args.stage_list = [int(x) for x in args.stages.split(",") if x]
+    args.nsub_list = [int(x) for x in args.nsub.split(",") if x]
     rows = []
     t0 = time.time()
     for i, (B, L) in enumerate(shapes):
@@ -109,11 +112,14 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
     for n in splits or [None]:
         for w in args.warp_list or [None]:
             for st in args.stage_list or [None]:
-                if n is None and w is None and st is None:
-                    continue
-                p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
-                                max_keys=max_keys, num_splits=n, warps=w, token_scales=token, stages=st)
-                plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}" + (f"_stages{st}" if st else "")] = p
+                for ns in args.nsub_list or [None]:
+                    if n is None and w is None and st is None and ns is None:
+                        continue
+                    p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV,
+                                    head_size=kb.HEAD, max_keys=max_keys, num_splits=n, warps=w, token_scales=token,
+                                    stages=st, nsub=ns)
+                    plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}" + (f"_stages{st}" if st else "")
+                          + (f"_nsub{ns}" if ns else "")] = p
     rows = [{"what": "triton", "ms": kb.time_graph(triton_run, reps=args.reps)}]
     for name, plan in plans.items():
         out = torch.empty_like(q)

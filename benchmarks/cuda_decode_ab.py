@@ -6,6 +6,11 @@ alters them).
 
     python benchmarks/cuda_decode_ab.py --baseline OLD.cu [--rounds 3] [--json FILE] [--shapes 64:2048,...]
     python benchmarks/cuda_decode_ab.py --profile fp8_dynamic_q --shapes 64:2048   # three untimed calls (ncu)
+    python benchmarks/cuda_decode_ab.py --plans plan,4x3x2,2x3x1 [--rounds 5]      # tiles of today's kernel
+
+``--plans``: the package's kernel under several tiles, alternated the same way: ``plan`` (as planned) or
+``WxSxN`` (warps per CTA, ring stages, 16-key sub-tiles a warp step; ``plan_mma(warps=, stages=, nsub=)``);
+ratios are against the first.
 
 ``OLD.cu``: e.g. ``git show REV:backends/fp8kv_cuda/csrc/attention_mma.cu``, compiled with the current headers.
 """
@@ -69,16 +74,17 @@ def use_baseline(text: str | None, legacy_ring: bool = False, legacy_grid_: bool
     runtime.function = function
 
 
-def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD):
+def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD, tiles: dict | None = None, case=None):
     """``(runs, query, plan)``: the decode step of B sequences of L tokens in each mode, ``runs[mode](out)``
-    (``default``, ``fp8_dynamic_q``, ``fp8_head_q``), all on the same cache, planned once."""
+    (``default``, ``fp8_dynamic_q``, ``fp8_head_q``), all on the same cache (``case``: a ``decode_case``
+    to reuse), planned once (``tiles``: ``plan_mma``'s warps/stages/nsub)."""
     from fp8kv_cuda import attention as CA
     from fp8kv_hopper import attention as HA
 
-    cache, tables, lens, qsl, q = kb.decode_case(B, L, device, head_size=head_size)
+    cache, tables, lens, qsl, q = case or kb.decode_case(B, L, device, head_size=head_size)
     max_keys = tables.shape[1] * kb.PAGE
     plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=head_size,
-                       max_keys=max_keys)
+                       max_keys=max_keys, **(tiles or {}))
     cfg = dataclasses.replace(HA.choose_config(group=kb.HQ // kb.HKV, num_seqs=B, num_kv_heads=kb.HKV,
                                                max_query_len=1, max_keys=max_keys,
                                                num_sms=torch.cuda.get_device_properties(device).multi_processor_count),
@@ -128,6 +134,49 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
     return rows
 
 
+def parse_tiles(spec: str) -> dict:
+    """``plan`` -> {}; ``WxSxN`` -> plan_mma's warps, stages and nsub."""
+    if spec == "plan":
+        return {}
+    w, st, n = (int(x) for x in spec.split("x"))
+    return {"warps": w, "stages": st, "nsub": n}
+
+
+def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device, bw: float, head_size: int,
+                modes: tuple[str, ...]) -> list[dict]:
+    """The package's kernel under each of ``specs``' tiles, alternated round by round (reversed every
+    other round), on one cache; ratios of medians against the first spec."""
+    case = kb.decode_case(B, L, device, head_size=head_size)
+    arms = {spec: decode_runs(B, L, device, head_size, parse_tiles(spec), case) for spec in specs}
+    q = case[4]
+    roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
+    rows = []
+    for mode in arms[specs[0]][0]:
+        if modes and mode not in modes:
+            continue
+        outs = {spec: torch.empty_like(q) for spec in specs}
+        for spec in specs:
+            arms[spec][0][mode](outs[spec])
+        torch.cuda.synchronize()
+        times = {spec: [] for spec in specs}
+        for r in range(rounds):
+            for spec in (specs if r % 2 == 0 else specs[::-1]):
+                o, run = outs[spec], arms[spec][0][mode]
+                times[spec].append(kb.time_graph(lambda o=o, run=run: run(o), reps=reps) * 1e3)
+        med = {spec: sorted(t)[len(t) // 2] for spec, t in times.items()}
+        for spec in specs:
+            p = arms[spec][2]
+            diff = (outs[spec].float() - outs[specs[0]].float()).abs().max().item()
+            rows.append({"B": B, "L": L, "head_size": head_size, "mode": mode, "tiles": spec, "warps": p.warps,
+                         "stages": p.stages, "nsub": p.nsub, "splits": p.num_splits, "roofline_us": round(roof_us, 2),
+                         "us": [round(x, 2) for x in times[spec]], "median_us": round(med[spec], 2),
+                         "ratio_vs_first": round(med[specs[0]] / med[spec], 4), "max_abs_diff_vs_first": diff})
+            print(f"  B={B} L={L} {mode} {spec} ({p.warps} warps, stages {p.stages or 'arch'}, "
+                  f"nsub {p.nsub or 'kernel'}): {min(times[spec]):.1f}-{max(times[spec]):.1f} us, "
+                  f"x{med[specs[0]] / med[spec]:.3f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", help="the earlier attention_mma.cu (required but with --profile)")
@@ -143,8 +192,23 @@ def main(argv=None) -> int:
                     " with that ring's shared memory (legacy_smem_bytes)")
     ap.add_argument("--legacy-grid", action="store_true", help="the baseline is from before session 23: launch it"
                     " on the grid (T, H * head_chunks, splits) (legacy_grid)")
+    ap.add_argument("--plans", default="", help="plan,WxSxN,...: tiles of today's kernel to A/B (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.plans:
+        device = torch.device("cuda")
+        shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+        bw = kb.copy_bandwidth(device)["gbps"]
+        modes = tuple(m for m in args.modes.split(",") if m)
+        rows = [r for B, L in shapes for r in bench_plans(B, L, args.plans.split(","), args.rounds, args.reps, device,
+                                                          bw, args.head_size, modes)]
+        print("| B | L | mode | tiles | warps | stages | nsub | median us | vs first | roofline us |\n"
+              "|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['B']} | {r['L']} | {r['mode']} | {r['tiles']} | {r['warps']} | {r['stages'] or '-'} | "
+                  f"{r['nsub'] or '-'} | {r['median_us']} | {r['ratio_vs_first']:.3f}x | {r['roofline_us']} |")
+        kb.save_rows(args.json, device, rows, copy_gbps=bw)
+        return 0
     if not (args.baseline or args.profile):
         ap.error("--baseline FILE is required (the earlier attention_mma.cu), unless --profile")
     device = torch.device("cuda")

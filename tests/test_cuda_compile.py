@@ -116,7 +116,7 @@ def test_the_variant_sets():
     fp8 = 2 * 3 * w
     sm90_mma = [v for v in cc.variants("full", "sm90") if v.kernel == "attention_mma"]
     # (sm90: and the wave tiles at head size 128, MMA_WAVE_TILES, in both modes)
-    waves = len(cc.MMA_WAVE_TILES[128]) * (4 * 2 * 2 + 2)
+    waves = len(set(cc.MMA_WAVE_TILES[128].values())) * (4 * 2 * 2 + 2)
     assert len(sm90_mma) == (4 * 2 * 2 + 2 * 2) * 2 * w + fp8 + waves
     # tensor-core prefill: 4 formats x 2 query dtypes, head size 128, static scales, sm80+
     assert len([v for v in cc.variants("full", "sm86") if v.kernel == "prefill_mma"]) == 4 * 2
@@ -160,7 +160,8 @@ def test_the_fp8_mode_decode_rounds_query_and_probabilities_to_e4m3():
 
 @pytest.mark.parametrize("head_size,warps,token_scales,sm,stages", [
     (64, 4, False, 80, None), (128, 6, False, 90, None), (128, 6, True, 90, None), (256, 4, True, 80, None),
-    (128, 4, False, 75, None), (128, 2, False, 90, 3), (128, 4, True, 90, 3)])
+    (128, 4, False, 75, None), (128, 2, False, 90, 3), (128, 4, True, 90, 3), (128, 4, True, 90, (2, 1)),
+    (128, 2, False, 90, (3, 1))])
 def test_the_decode_kernels_shared_memory_is_the_hosts(head_size, warps, token_scales, sm, stages):
     """The tensor-core decode's ``SMEM_BYTES`` (its copy ring: each warp's K and V rows of a step and
     its lanes' token_head scales, ``stages`` deep; or the epilogue's view, the larger) is what the host
@@ -170,8 +171,9 @@ def test_the_decode_kernels_shared_memory_is_the_hosts(head_size, warps, token_s
     from fp8kv_cuda.variants import attention_mma_variant, mma_stages, options, source
 
     io = "float16" if sm < 80 else "bfloat16"
-    v = attention_mma_variant("fp8_e4m3", io, head_size, warps, token_scales, sm, stages=stages)
-    want = mma_smem_bytes(head_size, warps, token_scales, stages or mma_stages(sm, head_size))
+    stages, nsub = stages if isinstance(stages, tuple) else (stages, None)  # (ring stages, 16-key sub-tiles a step)
+    v = attention_mma_variant("fp8_e4m3", io, head_size, warps, token_scales, sm, stages=stages, nsub=nsub)
+    want = mma_smem_bytes(head_size, warps, token_scales, stages or mma_stages(sm, head_size), nsub)
     probe = f'static_assert(fp8kv::SMEM_BYTES == {want}, "SMEM_BYTES");\n'
     cc.compile_text(source(v.kernel) + probe, "probe.cu", options(v), f"compute_{sm}", ptx=True)
 

@@ -405,10 +405,11 @@ def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
 
 @pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm75+ (mma.sync, movmatrix)")
 @pytest.mark.parametrize("granularity", ["tensor", "token_head"])
-@pytest.mark.parametrize("seqs", [20, 40, 150])
+@pytest.mark.parametrize("seqs", [20, 40, 64, 150])
 def test_tensor_core_decode_wave_tiles(seqs, granularity):
-    """Decode grids of more CTAs than SMs (GQA 32/8, head size 128: 160, 320 and 1200 CTAs), which on
-    sm90 take mma_wave_config's warps and stages (4 x 3, 2 x 3, 4 x 3), against the reference."""
+    """Decode grids of more CTAs than SMs (GQA 32/8, head size 128: 160, 320, 512 and 1200 CTAs), which
+    on sm90 take mma_wave_config's warps, stages and 16-key sub-tiles (4 x 2 x 1, 3 x 2 x 1, 2 x 3 x 1,
+    3 x 2 x 1), against the reference."""
     from fp8kv_cuda import attention as cuda_attention
 
     g = torch.Generator().manual_seed(seqs)

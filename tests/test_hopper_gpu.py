@@ -558,11 +558,12 @@ def test_cuda_decode_shapes(shape):
     _wgmma_check(case, kernel="cuda", prob_scale=0.5)
 
 
-@pytest.mark.parametrize("seqs", [20, 40, 150])
+@pytest.mark.parametrize("seqs", [20, 40, 64, 150])
 def test_cuda_decode_wave_tiles(seqs):
-    """Grids of more CTAs than SMs take mma_wave_config's tiles on sm90 (160 CTAs: 4 warps x 3 stages;
-    320: 2 x 3, four CTAs an SM beside the mode's static query fragment, a launch that once failed
-    for want of the shared-memory opt-in; 1200: 4 x 3 again), against the reference."""
+    """Grids of more CTAs than SMs take mma_wave_config's tiles on sm90 (160 CTAs: 4 warps x 2 stages x
+    1 sub-tile; 320: 3 x 2 x 1; 512: 2 x 3 x 1, four CTAs an SM beside the mode's static query fragment
+    (a 2 x 3 x 2 tile once failed to launch so, for want of the shared-memory opt-in); 1200: 3 x 2 x 1),
+    against the reference."""
     from fp8kv_cuda import attention as cuda_attention
 
     ctas = seqs * 8

@@ -77,6 +77,8 @@ class AttnPlan:
     their ring depth."""
     stages: int = 0
     """The tensor-core decode's ring depth when not the architecture's (0: :func:`mma_stages`)."""
+    nsub: int = 0
+    """The tensor-core decode's 16-key sub-tiles a warp step when not the kernel's (0: 2, 1 at head size 256)."""
 
 
 @functools.cache
@@ -91,12 +93,13 @@ MMA_SPLIT_KEYS = 128
 MMA_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stages: int | None = None) -> int:
+def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stages: int | None = None,
+                   nsub: int | None = None) -> int:
     """Dynamic shared memory of the tensor-core kernel (its ``SMEM_BYTES``; the kernel traps if
-    launched with less): the larger of the copy ring (``stages`` deep, sm80+'s by default) and the
-    epilogue's per-warp outputs."""
+    launched with less): the larger of the copy ring (``stages`` deep, sm80+'s by default; ``nsub``
+    16-key sub-tiles a warp step, by default 2, 1 at head size 256) and the epilogue's per-warp outputs."""
     stages = MMA_TILES[head_size][0] if stages is None else stages
-    nsub = 1 if head_size > 128 else 2  # 16-key sub-tiles a warp step
+    nsub = nsub or (1 if head_size > 128 else 2)
     warp_stage = nsub * (2 * head_size + 32 * int(token_scales))  # 16-byte slots: K and V rows, lanes' scales
     ring = 16 * stages * warp_stage * warps
     epilogue = 4 * (warps * MMA_HEADS * head_size + 4 * warps * MMA_HEADS + 3 * MMA_HEADS)
@@ -167,28 +170,26 @@ CTA_RESERVED_SMEM = 1 << 10
 
 
 def mma_wave_config(device: torch.device, head_size: int, ctas: int, token_scales: bool = False,
-                    fp8_mode: bool = False) -> tuple[int, int] | None:
-    """``(warps, stages)`` of the tensor-core decode for a grid of ``ctas`` CTAs, where it has more CTAs
-    than SMs, on sm90 at the head sizes of :data:`MMA_WAVE_TILES`: the first of its tiles whose CTAs all
-    fit one wave (shared memory and the register budget of ``MMA_TILES`` decide CTAs per SM), else the
-    first that fits two CTAs an SM. None elsewhere (:func:`mma_warps` and ``mma_stages`` decide)."""
+                    fp8_mode: bool = False, fmt: str = "fp8_e4m3") -> tuple[int, int, int] | None:
+    """``(warps, stages, nsub)`` of the tensor-core decode for a grid of ``ctas`` CTAs where it has more
+    CTAs than SMs, on sm90 at the head sizes of :data:`MMA_WAVE_TILES`: the tile for ceil(ctas / SMs)
+    CTAs an SM, when shared memory and the register budget of ``MMA_TILES`` (the native conversion's,
+    or for the fnuz formats the bit-level one's) let an SM hold that many (at least two). None
+    elsewhere (:func:`mma_warps` and ``mma_stages`` decide)."""
     index = runtime.device_index(device)
     sms = _num_sms(index)
     if _sm(device) != 90 or head_size not in MMA_WAVE_TILES or ctas <= sms:
         return None
+    tiles = MMA_WAVE_TILES[head_size]
+    per_wave = _cdiv(ctas, sms)  # (>= 2; past the table's keys: its 0 entry, two CTAs an SM or more)
+    warps, stages, nsub = tiles.get(per_wave, tiles[0])
+    need = per_wave if per_wave in tiles else 2
     per_block, per_sm = _smem_limits(index)
-    static = fp8_mode_static_smem(head_size) if fp8_mode else 0
-    fallback = None
-    for warps, stages in MMA_WAVE_TILES[head_size]:
-        smem = mma_smem_bytes(head_size, warps, token_scales, stages) + static
-        if smem > per_block:
-            continue
-        per = min(per_sm // (smem + CTA_RESERVED_SMEM), MMA_TILES[head_size][1] // warps)
-        if per * sms >= ctas:
-            return warps, stages
-        if per >= 2 and fallback is None:
-            fallback = warps, stages
-    return fallback
+    smem = mma_smem_bytes(head_size, warps, token_scales, stages, nsub)
+    smem += fp8_mode_static_smem(head_size) if fp8_mode else 0
+    budget = MMA_TILES[head_size][2 if "fnuz" in fmt else 1]  # (warps an SM the registers are budgeted for)
+    held = min(per_sm // (smem + CTA_RESERVED_SMEM), budget // warps)
+    return (warps, stages, nsub) if smem <= per_block and held >= need else None
 
 
 def mma_splits(units: int, sms: int, max_splits: int) -> int:
@@ -210,26 +211,28 @@ def mma_splits(units: int, sms: int, max_splits: int) -> int:
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None, warps: int | None = None,
-             token_scales: bool = False, stages: int | None = None, fp8_mode: bool = False) -> AttnPlan:
+             token_scales: bool = False, stages: int | None = None, fp8_mode: bool = False,
+             nsub: int | None = None, fmt: str = "fp8_e4m3") -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Without ``num_splits``/
     ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`; 4- and
     8-warp CTAs were slower at every decode shape measured), and the keys split by
     :func:`mma_splits`, each split at least ``MMA_SPLIT_KEYS`` keys (short contexts split finer: B=1
     x 8 heads at L=1024, 8 splits of 128 keys took 8.9/10.9/16.5 us at D=64/128/256 against
     9.6/12.1/17.4 for 4 of 256, ``benchmarks/results/cuda_decode/h100_small/``). Grids of more CTAs
-    than SMs on sm90 take :func:`mma_wave_config`'s warps and stages where it has them."""
+    than SMs on sm90 take :func:`mma_wave_config`'s warps, stages and sub-tiles where it has them."""
     chunks = _cdiv(group, MMA_HEADS)
     units = max(1, num_tokens) * num_kv_heads * chunks
     sms = _num_sms(runtime.device_index(device))
     if num_splits is None:
         num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
-    if warps is None and stages is None:
-        warps, stages = mma_wave_config(device, head_size, units * splits, token_scales, fp8_mode) or (None, None)
+    if warps is None and stages is None and nsub is None:
+        warps, stages, nsub = (mma_wave_config(device, head_size, units * splits, token_scales, fp8_mode, fmt)
+                               or (None, None, None))
     if warps is None:
         warps = mma_warps(device, head_size, token_scales, fp8_mode) or 4
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps, sm=_sm(device),
-                    stages=stages or 0)
+                    stages=stages or 0, nsub=nsub or 0)
 
 
 PREFILL_WARPS = 4
@@ -363,7 +366,7 @@ def plan(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int
                             ctas_per_sm=1 if one else 2)
     if query_dtype is not None and mma_serves(device, query_dtype, head_size, token_scales, fmt):
         return plan_mma(device, num_tokens=num_tokens, num_kv_heads=num_kv_heads, group=group,
-                        head_size=head_size, max_keys=max_keys, token_scales=token_scales)
+                        head_size=head_size, max_keys=max_keys, token_scales=token_scales, fmt=fmt)
     d_pad, gpad, block_n = attention_tile(head_size, group)
     chunks = _cdiv(group, gpad)
     ctas = max(1, num_tokens) * num_kv_heads * chunks
@@ -512,7 +515,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         entry = "fp8kv_prefill_mma"
     elif p.mma:
         variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm,
-                                        fp8_mode=fp8 is not None, stages=p.stages or None)
+                                        fp8_mode=fp8 is not None, stages=p.stages or None, nsub=p.nsub or None)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -565,7 +568,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             args += [r.ptr(qs), r.i32(fp8.qs_strides[0]), r.i32(fp8.qs_strides[1]), r.i32(int(fp8.q_scale is None)),
                      r.f32(fp8.prob_scale), r.f32(1.0 / fp8.prob_scale)]
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
-                       shared_mem=mma_smem_bytes(D, p.warps, token_scales, p.stages or mma_stages(p.sm, D)))
+                       shared_mem=mma_smem_bytes(D, p.warps, token_scales, p.stages or mma_stages(p.sm, D),
+                                                 p.nsub or None))
     else:
         runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:

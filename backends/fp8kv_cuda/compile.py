@@ -218,11 +218,12 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                 for g in (1, 4, 8, 16):
                     out.append(attention_variant(fmt, io, tok, *attention_tile(d, g), vec=16))
                 if d in MMA_TILES and mma_arch_serves(sm, fmt, d, io):
-                    tiles = [(w, None) for w in MMA_WARPS] + list(MMA_WAVE_TILES.get(d, ()) if sm == 90 else ())
-                    out += [attention_mma_variant(fmt, io, d, w, tok, sm, stages=s) for w, s in tiles]
+                    waves = sorted(set(MMA_WAVE_TILES.get(d, {}).values())) if sm == 90 else []
+                    tiles = [(w, None, None) for w in MMA_WARPS] + waves
+                    out += [attention_mma_variant(fmt, io, d, w, tok, sm, stages=s, nsub=n) for w, s, n in tiles]
                     if fmt == "fp8_e4m3" and not tok and sm >= FP8_MODE_MIN_SM:
-                        out += [attention_mma_variant(fmt, io, d, w, False, sm, fp8_mode=True, stages=s)
-                                for w, s in tiles]
+                        out += [attention_mma_variant(fmt, io, d, w, False, sm, fp8_mode=True, stages=s, nsub=n)
+                                for w, s, n in tiles]
                 if not tok and prefill_arch_serves(sm, fmt, d, io):
                     out.append(prefill_variant(fmt, io, d, sm))
         if arch == WGMMA_ARCH:

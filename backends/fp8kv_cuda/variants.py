@@ -87,13 +87,17 @@ bit-level conversion (sm75/80/86, fnuz formats), which needs more registers). Sh
 is ``fp8kv_cuda.attention.mma_smem_bytes``."""
 MMA_WARPS = (4, 6, 8)
 """Warps per CTA the tensor-core kernel is compiled for (the plan picks one per step)."""
-MMA_WAVE_TILES = {128: ((4, 3), (2, 3))}
-"""sm90, per head size: the tensor-core decode's (warps, ring stages) for grids of more CTAs than SMs,
-in order of preference (``fp8kv_cuda.attention.mma_wave_config`` takes the first whose CTAs all fit one
-wave). Measured on the H100 at GQA 32/8 (``benchmarks/results/hopper_h100/session23/``): 256 CTAs
-(B=32 L=4096) 99.7 us at 4 x 3 against 103.8 at 6 x 2; 512 (B=64 L=2048) 100.0 us at 2 x 3 (one wave
-of four CTAs an SM) against 102.6 at 4 x 3 and 105.7 at 6 x 2; 1024 (B=128 L=4096) 381.4 us at 4 x 3
-against 388.3 at 6 x 2. With at most one CTA an SM, 6 x 2 stays best (B=8, B=1, B=16 L=8192)."""
+MMA_WAVE_TILES = {128: {2: (4, 2, 1), 3: (3, 2, 1), 4: (2, 3, 1), 0: (3, 2, 1)}}
+"""sm90, per head size: the tensor-core decode's (warps, ring stages, 16-key sub-tiles a warp step) for
+grids of more CTAs than SMs, by the CTAs an SM must hold for one wave, ceil(CTAs / SMs) (0: more than
+the largest key); ``fp8kv_cuda.attention.mma_wave_config``. About eight warps an SM in one wave, each
+on 16-key steps. Medians of five alternated rounds on the H100, GQA 32/8, against 6 x 2 x 2 and the
+tiles tried before (``benchmarks/results/hopper_h100/session23/tiles_ab.json``): 256 CTAs (B=32
+L=4096) 97.6 us at 4 x 2 x 1 against 100.1 at 4 x 3 x 2 (6 x 2 x 2: 103.8); 384 (B=48 L=2048) 76.4 at
+3 x 2 x 1 against 78.3 at 2 x 3 x 2; 512 (B=64 L=2048) 98.4 at 2 x 3 x 1 against 99.9 at 2 x 3 x 2
+(6 x 2 x 2: 105.7); 1024 (B=128 L=4096) 377.9 at 3 x 2 x 1 against 381.0 at 4 x 3 x 2; the FP8 mode
+alike. With at most one CTA an SM, 6 x 2 x 2 stays best (B=8, B=1, B=16 L=8192; 16-key steps lose
+there). Not measured elsewhere: other head sizes and GPUs keep their tiles."""
 MMA_MIN_SM = 75
 """The tensor-core kernels run from Turing on (mma.sync m16n8k8 with float16 operands, movmatrix)."""
 BF16_MMA_MIN_SM = 80
@@ -128,12 +132,13 @@ def mma_stages(sm: int, head_size: int) -> int:
 
 def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4,
                           token_scales: bool = False, sm: int = BF16_MMA_MIN_SM, fp8_mode: bool = False,
-                          stages: int | None = None) -> Variant:
+                          stages: int | None = None, nsub: int | None = None) -> Variant:
     """The tensor-core attention kernels (decode + merge) for one format, float16/bfloat16 queries,
     a head size of 64, 128 or 256, ``warps`` warps per CTA, static or per-token-head scales, and
     the ring depth of architecture ``sm`` (:func:`mma_stages`; every sm80+ shares one variant).
     ``fp8_mode``: the FP8 attention mode's decode (``FP8KV_FP8_MODE``: an e4m3 cache with static
-    scales, sm89+; :data:`FP8_MODE_MIN_SM`). ``stages``: a ring depth other than :func:`mma_stages`'s."""
+    scales, sm89+; :data:`FP8_MODE_MIN_SM`). ``stages``: a ring depth other than :func:`mma_stages`'s;
+    ``nsub``: 16-key sub-tiles a warp step other than the kernel's (2, 1 at head size 256)."""
     _, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
     if sm < BF16_MMA_MIN_SM:  # Turing's 64 KiB of shared memory hold two 4-warp CTAs: a larger register budget
         sm_warps_native, sm_warps_bits = min(sm_warps_native, TURING_SM_WARPS), min(sm_warps_bits, TURING_SM_WARPS)
@@ -141,7 +146,8 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages or mma_stages(sm, head_size)),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
                                           ("FP8KV_SM_WARPS_BITS", sm_warps_bits), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS),
-                                          *((("FP8KV_FP8_MODE", 1),) if fp8_mode else ())))
+                                          *((("FP8KV_FP8_MODE", 1),) if fp8_mode else ()),
+                                          *((("FP8KV_NSUB", nsub),) if nsub else ())))
 
 
 FP8_MODE_MIN_SM = 89

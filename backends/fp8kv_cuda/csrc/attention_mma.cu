@@ -51,7 +51,7 @@
 // to the block table's row, block ids outside [0, num_blocks) never loaded, tokens outside every
 // sequence left alone). The launcher requires 16-byte aligned K/V rows (VEC 16).
 //
-// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), FP8KV_TOKEN_SCALES, FP8KV_STAGES,
+// Macros: FP8KV_QT (1 float16, 2 bfloat16), FP8KV_D (64, 128 or 256), FP8KV_TOKEN_SCALES, FP8KV_STAGES, FP8KV_NSUB,
 // FP8KV_FULL_P_KEYS, FP8KV_FP8_MODE,
 // FP8KV_MMA_WARPS, FP8KV_SM_WARPS_NATIVE/BITS (fp8kv_cuda.variants), and the format's.
 #include "mma_common.cuh"
@@ -59,7 +59,10 @@
 namespace fp8kv {
 
 constexpr int D = FP8KV_D;
-constexpr int NSUB = D > 128 ? 1 : 2;       // 16-key sub-tiles per warp step
+#ifndef FP8KV_NSUB
+#define FP8KV_NSUB (FP8KV_D > 128 ? 1 : 2)
+#endif
+constexpr int NSUB = FP8KV_NSUB;            // 16-key sub-tiles per warp step (1 or 2)
 constexpr int STEP = 16 * NSUB;             // keys per warp step
 constexpr int KW = D / 16;                  // K words (4 bytes) per thread and key row = k steps of QK
 constexpr int VW = D / 32;                  // V words per thread and key (two m-tiles of p @ v each)
@@ -104,6 +107,7 @@ __device__ __forceinline__ int v_dim(int g, int w) { return 128 * (w >> 2) + VBY
 
 static_assert(QT == 1 || QT == 2, "attention_mma.cu: float16 or bfloat16 queries");
 static_assert(D == 64 || D == 128 || D == 256, "attention_mma.cu: D is 64, 128 or 256");
+static_assert(NSUB == 1 || (NSUB == 2 && D <= 128), "attention_mma.cu: 1 or 2 sub-tiles a step (1 at D = 256)");
 static_assert(!FP8_MODE || (NATIVE && MANT == 3 && !FNUZ && !TOKEN_SCALES),
               "attention_mma.cu: the FP8 mode is for e4m3fn caches with static scales on sm89+");
 #if FP8KV_FP8_MODE  // the mode's arguments (fp8kv_cuda.attention.Fp8Mode)
