@@ -562,13 +562,13 @@ def test_cuda_decode_shapes(shape):
 def test_cuda_decode_wave_tiles(seqs):
     """Grids of more CTAs than SMs take mma_wave_config's tiles on sm90 (160 CTAs: 4 warps x 2 stages x
     1 sub-tile; 320: 3 x 2 x 1; 512: 2 x 3 x 1, four CTAs an SM beside the mode's static query fragment
-    (a 2 x 3 x 2 tile once failed to launch so, for want of the shared-memory opt-in); 1200: 3 x 2 x 1),
+    (a 2 x 3 x 2 tile once failed to launch so, for want of the shared-memory opt-in); 1200: the default
+    6 x 2 x 2),
     against the reference."""
     from fp8kv_cuda import attention as cuda_attention
 
-    ctas = seqs * 8
-    if ctas > torch.cuda.get_device_properties(DEV).multi_processor_count:
-        assert cuda_attention.mma_wave_config(DEV, 128, ctas, fp8_mode=True) is not None
+    ctas, sms = seqs * 8, torch.cuda.get_device_properties(DEV).multi_processor_count
+    assert (cuda_attention.mma_wave_config(DEV, 128, ctas, fp8_mode=True) is not None) == (sms < ctas <= 4 * sms)
     _wgmma_check(_case(seqs, 1, 100, granularity="tensor", seed=11), kernel="cuda", prob_scale=0.5)
 
 

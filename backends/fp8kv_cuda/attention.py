@@ -172,24 +172,24 @@ CTA_RESERVED_SMEM = 1 << 10
 def mma_wave_config(device: torch.device, head_size: int, ctas: int, token_scales: bool = False,
                     fp8_mode: bool = False, fmt: str = "fp8_e4m3") -> tuple[int, int, int] | None:
     """``(warps, stages, nsub)`` of the tensor-core decode for a grid of ``ctas`` CTAs where it has more
-    CTAs than SMs, on sm90 at the head sizes of :data:`MMA_WAVE_TILES`: the tile for ceil(ctas / SMs)
+    CTAs than SMs, on sm90 at the head sizes of :data:`MMA_WAVE_TILES`: its tile for ceil(ctas / SMs)
     CTAs an SM, when shared memory and the register budget of ``MMA_TILES`` (the native conversion's,
-    or for the fnuz formats the bit-level one's) let an SM hold that many (at least two). None
-    elsewhere (:func:`mma_warps` and ``mma_stages`` decide)."""
+    or for the fnuz formats the bit-level one's) let an SM hold that many. None elsewhere, and for
+    grids the table has no tile for (:func:`mma_warps` and ``mma_stages`` decide)."""
     index = runtime.device_index(device)
     sms = _num_sms(index)
     if _sm(device) != 90 or head_size not in MMA_WAVE_TILES or ctas <= sms:
         return None
-    tiles = MMA_WAVE_TILES[head_size]
-    per_wave = _cdiv(ctas, sms)  # (>= 2; past the table's keys: its 0 entry, two CTAs an SM or more)
-    warps, stages, nsub = tiles.get(per_wave, tiles[0])
-    need = per_wave if per_wave in tiles else 2
+    per_wave = _cdiv(ctas, sms)
+    if per_wave not in MMA_WAVE_TILES[head_size]:
+        return None
+    warps, stages, nsub = MMA_WAVE_TILES[head_size][per_wave]
     per_block, per_sm = _smem_limits(index)
     smem = mma_smem_bytes(head_size, warps, token_scales, stages, nsub)
     smem += fp8_mode_static_smem(head_size) if fp8_mode else 0
     budget = MMA_TILES[head_size][2 if "fnuz" in fmt else 1]  # (warps an SM the registers are budgeted for)
     held = min(per_sm // (smem + CTA_RESERVED_SMEM), budget // warps)
-    return (warps, stages, nsub) if smem <= per_block and held >= need else None
+    return (warps, stages, nsub) if smem <= per_block and held >= per_wave else None
 
 
 def mma_splits(units: int, sms: int, max_splits: int) -> int:

@@ -87,17 +87,18 @@ bit-level conversion (sm75/80/86, fnuz formats), which needs more registers). Sh
 is ``fp8kv_cuda.attention.mma_smem_bytes``."""
 MMA_WARPS = (4, 6, 8)
 """Warps per CTA the tensor-core kernel is compiled for (the plan picks one per step)."""
-MMA_WAVE_TILES = {128: {2: (4, 2, 1), 3: (3, 2, 1), 4: (2, 3, 1), 0: (3, 2, 1)}}
+MMA_WAVE_TILES = {128: {2: (4, 2, 1), 3: (3, 2, 1), 4: (2, 3, 1)}}
 """sm90, per head size: the tensor-core decode's (warps, ring stages, 16-key sub-tiles a warp step) for
-grids of more CTAs than SMs, by the CTAs an SM must hold for one wave, ceil(CTAs / SMs) (0: more than
-the largest key); ``fp8kv_cuda.attention.mma_wave_config``. About eight warps an SM in one wave, each
-on 16-key steps. Medians of five alternated rounds on the H100, GQA 32/8, against 6 x 2 x 2 and the
-tiles tried before (``benchmarks/results/hopper_h100/session23/tiles_ab.json``): 256 CTAs (B=32
-L=4096) 97.6 us at 4 x 2 x 1 against 100.1 at 4 x 3 x 2 (6 x 2 x 2: 103.8); 384 (B=48 L=2048) 76.4 at
+grids of more CTAs than SMs, by the CTAs an SM must hold for one wave, ceil(CTAs / SMs);
+``fp8kv_cuda.attention.mma_wave_config``. About eight warps an SM in one wave, each on 16-key steps.
+Medians of five alternated rounds on the H100, GQA 32/8, against the tiles tried before
+(``benchmarks/results/hopper_h100/session23/tiles_ab.json``): 256 CTAs (B=32 L=4096) 97.6 us at
+4 x 2 x 1 against 100.1 at 4 x 3 x 2 (6 x 2 x 2: 103.8 in another run); 384 (B=48 L=2048) 76.4 at
 3 x 2 x 1 against 78.3 at 2 x 3 x 2; 512 (B=64 L=2048) 98.4 at 2 x 3 x 1 against 99.9 at 2 x 3 x 2
-(6 x 2 x 2: 105.7); 1024 (B=128 L=4096) 377.9 at 3 x 2 x 1 against 381.0 at 4 x 3 x 2; the FP8 mode
-alike. With at most one CTA an SM, 6 x 2 x 2 stays best (B=8, B=1, B=16 L=8192; 16-key steps lose
-there). Not measured elsewhere: other head sizes and GPUs keep their tiles."""
+(6 x 2 x 2: 105.7); the FP8 mode alike. Grids that need more than four CTAs an SM keep the default
+6 x 2 x 2: at 1024 CTAs 3 x 2 x 1 was 1% faster over 4096 keys but up to 8% slower over 1024 in the
+decode sweep. With at most one CTA an SM, 6 x 2 x 2 stays best (B=8, B=1, B=16 L=8192; 16-key steps
+lose there). Not measured elsewhere: other head sizes and GPUs keep their tiles."""
 MMA_MIN_SM = 75
 """The tensor-core kernels run from Turing on (mma.sync m16n8k8 with float16 operands, movmatrix)."""
 BF16_MMA_MIN_SM = 80
