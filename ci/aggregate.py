@@ -28,7 +28,7 @@ GPU_TEST_OF = {"triton": "tests/test_triton_gpu.py", "hopper": "tests/test_hoppe
 CPU_BACKENDS = ("reference", "torch")
 COMPILER_OF = {"cuda": "cuda", "triton": "triton"}
 
-DECODE = "benchmarks/results/hopper_h100/session22/decode_fp8_mode_session22_run{}.json"  # two runs, FlashInfer in each
+DECODE = "benchmarks/results/hopper_h100/session23/decode_fp8_mode_session23_run{}.json"  # two runs, FlashInfer in each
 DECODE_SHAPES = ((32, 4096), (8, 32768), (64, 2048), (1, 131072))
 DECODE_KERNELS = (("cuda_mma", "cuda"), ("fp8_mode_cuda", "hopper FP8 mode"))  # (row, label): sm90 decode
 DECODE_TARGETS = (("frac_roofline", "fraction of the FP8 roofline", 0.80, ""),
