@@ -57,29 +57,36 @@ __device__ __forceinline__ void publish(unsigned acc, unsigned* out) {
     if ((threadIdx.x & 31) == 0) atomicXor(out, acc);
 }
 
-// Byte offset of copy j (0..CHUNKS-1) of a lane in a warp step at key n0 (K rows first, then V), or -1.
+// Byte offset of copy j (0..CHUNKS-1) of a lane in a warp step at key n0 (K rows first, then V) of HPC
+// adjacent KV heads from head hgrp * HPC (a step: 32 / HPC keys, 8 HPC 16-byte pieces a key), or -1.
+template <int HPC = 1>
 __device__ __forceinline__ long long step_offset(const Params& p, const int* bt, int n0, int kend, int lane,
-                                                 int j, bool& is_v) {
-    const int c = lane + 32 * (j % (CHUNKS / 2));  // (0..255: key c / 8, 16-byte piece c % 8)
+                                                 int j, bool& is_v, int hgrp) {
+    constexpr int PIECES = 8 * HPC;
+    const int c = lane + 32 * (j % (CHUNKS / 2));  // (0..255: key c / PIECES, piece c % PIECES)
     is_v = j >= CHUNKS / 2;
-    const int n = n0 + (c >> 3);
+    const int n = n0 + c / PIECES;
     if (n >= kend) return -1;
     const int blk = bt[n / PAGE];
-    return (long long)blk * p.blk_stride + (long long)(n % PAGE) * p.tok_stride + (long long)blockIdx.y * ROW +
-           16 * (c & 7);
+    return (long long)blk * p.blk_stride + (long long)(n % PAGE) * p.tok_stride + (long long)hgrp * HPC * ROW +
+           16 * (c % PIECES);
 }
 
-extern "C" __global__ void __launch_bounds__(NT) gather_ldg(const __grid_constant__ Params p) {
+// Sequence seq's keys of split blockIdx.z, HPC adjacent heads from hgrp * HPC: each warp its own steps,
+// 16-byte loads (16 a lane a step).
+template <int HPC>
+__device__ __forceinline__ void gather_loads(const Params& p, int seq, int hgrp) {
+    constexpr int HSTEP = STEP / HPC;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int* bt = p.bt + (long long)blockIdx.x * p.bt_stride;
+    const int* bt = p.bt + (long long)seq * p.bt_stride;
     const int kbeg = blockIdx.z * p.kps, kend = min(p.seq_len, kbeg + p.kps);
     unsigned acc = 0u;
-    for (int n0 = kbeg + warp * STEP; n0 < kend; n0 += NW * STEP) {
+    for (int n0 = kbeg + warp * HSTEP; n0 < kend; n0 += NW * HSTEP) {
         uint4 x[CHUNKS];
 #pragma unroll
         for (int j = 0; j < CHUNKS; ++j) {
             bool is_v;
-            const long long off = step_offset(p, bt, n0, kend, lane, j, is_v);
+            const long long off = step_offset<HPC>(p, bt, n0, kend, lane, j, is_v, hgrp);
             x[j] = off < 0 ? make_uint4(0, 0, 0, 0)
                            : __ldg(reinterpret_cast<const uint4*>((is_v ? p.v : p.k) + off));
         }
@@ -87,6 +94,10 @@ extern "C" __global__ void __launch_bounds__(NT) gather_ldg(const __grid_constan
         for (int j = 0; j < CHUNKS; ++j) fold(acc, x[j]);
     }
     publish(acc, p.out);
+}
+
+extern "C" __global__ void __launch_bounds__(NT) gather_ldg(const __grid_constant__ Params p) {
+    gather_loads<1>(p, blockIdx.x, blockIdx.y);
 }
 
 extern "C" __global__ void __launch_bounds__(NT) gather_cp(const __grid_constant__ Params p) {
@@ -100,7 +111,7 @@ extern "C" __global__ void __launch_bounds__(NT) gather_cp(const __grid_constant
 #pragma unroll
         for (int j = 0; j < CHUNKS; ++j) {
             bool is_v;
-            const long long off = i < steps ? step_offset(p, bt, n0, kend, lane, j, is_v) : -1;
+            const long long off = i < steps ? step_offset(p, bt, n0, kend, lane, j, is_v, blockIdx.y) : -1;
             const unsigned char* src = off < 0 ? p.k : (is_v ? p.v : p.k) + off;
             const u32 dst = smem_addr(ring + (stage * CHUNKS + j) * NT + tid);
             asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
@@ -163,30 +174,7 @@ extern "C" __global__ void __launch_bounds__(NT) gather_tma(const __grid_constan
 }
 
 extern "C" __global__ void __launch_bounds__(NT) gather_heads(const __grid_constant__ Params p) {
-    constexpr int HPC = FP8KV_HPC, HSTEP = STEP / HPC, PIECES = 8 * HPC;  // keys a step, 16-byte pieces a key
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int seq = FP8KV_HEADS_FAST ? blockIdx.y : blockIdx.x, hgrp = FP8KV_HEADS_FAST ? blockIdx.x : blockIdx.y;
-    const int* bt = p.bt + (long long)seq * p.bt_stride;
-    const int kbeg = blockIdx.z * p.kps, kend = min(p.seq_len, kbeg + p.kps);
-    unsigned acc = 0u;
-    for (int n0 = kbeg + warp * HSTEP; n0 < kend; n0 += NW * HSTEP) {
-        uint4 x[CHUNKS];
-#pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) {
-            const int c = lane + 32 * (j % (CHUNKS / 2));
-            const int n = n0 + c / PIECES;
-            if (n >= kend) {
-                x[j] = make_uint4(0, 0, 0, 0);
-                continue;
-            }
-            const long long off = (long long)bt[n / PAGE] * p.blk_stride + (long long)(n % PAGE) * p.tok_stride +
-                                  (long long)hgrp * HPC * ROW + 16 * (c % PIECES);
-            x[j] = __ldg(reinterpret_cast<const uint4*>((j >= CHUNKS / 2 ? p.v : p.k) + off));
-        }
-#pragma unroll
-        for (int j = 0; j < CHUNKS; ++j) fold(acc, x[j]);
-    }
-    publish(acc, p.out);
+    gather_loads<FP8KV_HPC>(p, FP8KV_HEADS_FAST ? blockIdx.y : blockIdx.x, FP8KV_HEADS_FAST ? blockIdx.x : blockIdx.y);
 }
 
 extern "C" __global__ void __launch_bounds__(NT) read_stream(const __grid_constant__ Params p) {
