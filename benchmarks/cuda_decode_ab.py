@@ -1,8 +1,8 @@
 """A/B of the tensor-core decode (``csrc/attention_mma.cu``) against an earlier source of it, in one process,
 alternated: the default mode and the FP8 attention mode (dynamic and per-KV-head q_scale) at the decode shapes
-(GQA 32/8, D=128 or ``--head-size``, block 16, e4m3 per-tensor cache, bf16 queries), CUDA-graph replays as
-``cuda_decode.py`` times them. Each arm's outputs are compared with the other's (bit-identical unless the change
-alters them).
+(GQA 32/8 or ``--group``, D=128 or ``--head-size``, block 16, e4m3 per-tensor cache, bf16 queries), CUDA-graph
+replays as ``cuda_decode.py`` times them. Each arm's outputs are compared with the other's (bit-identical unless
+the change alters them).
 
     python benchmarks/cuda_decode_ab.py --baseline OLD.cu [--rounds 3] [--json FILE] [--shapes 64:2048,...]
     python benchmarks/cuda_decode_ab.py --profile fp8_dynamic_q --shapes 64:2048   # three untimed calls (ncu)
@@ -74,18 +74,19 @@ def use_baseline(text: str | None, legacy_ring: bool = False, legacy_grid_: bool
     runtime.function = function
 
 
-def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD, tiles: dict | None = None, case=None):
+def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD, tiles: dict | None = None, case=None,
+                group: int = kb.HQ // kb.HKV):
     """``(runs, query, plan)``: the decode step of B sequences of L tokens in each mode, ``runs[mode](out)``
     (``default``, ``fp8_dynamic_q``, ``fp8_head_q``), all on the same cache (``case``: a ``decode_case``
     to reuse), planned once (``tiles``: ``plan_mma``'s warps/stages/nsub)."""
     from fp8kv_cuda import attention as CA
     from fp8kv_hopper import attention as HA
 
-    cache, tables, lens, qsl, q = case or kb.decode_case(B, L, device, head_size=head_size)
+    cache, tables, lens, qsl, q = case or kb.decode_case(B, L, device, head_size=head_size, group=group)
     max_keys = tables.shape[1] * kb.PAGE
-    plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=head_size,
+    plan = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=group, head_size=head_size,
                        max_keys=max_keys, **(tiles or {}))
-    cfg = dataclasses.replace(HA.choose_config(group=kb.HQ // kb.HKV, num_seqs=B, num_kv_heads=kb.HKV,
+    cfg = dataclasses.replace(HA.choose_config(group=group, num_seqs=B, num_kv_heads=kb.HKV,
                                                max_query_len=1, max_keys=max_keys,
                                                num_sms=torch.cuda.get_device_properties(device).multi_processor_count),
                               kernel="cuda")
@@ -102,8 +103,9 @@ def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD, tiles: dict | 
 
 
 def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float, head_size: int = kb.HEAD,
-          modes: tuple[str, ...] = (), legacy_ring: bool = False, legacy_grid_: bool = False) -> list[dict]:
-    runs, q, plan = decode_runs(B, L, device, head_size)
+          modes: tuple[str, ...] = (), legacy_ring: bool = False, legacy_grid_: bool = False,
+          group: int = kb.HQ // kb.HKV) -> list[dict]:
+    runs, q, plan = decode_runs(B, L, device, head_size, group=group)
     roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
     rows = []
     for mode, run in runs.items():
@@ -126,7 +128,7 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
         med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
         print(f"  B={B} L={L} {mode}: " + ", ".join(f"{a} {min(t):.1f}-{max(t):.1f} us" for a, t in times.items())
               + f" (roofline {roof_us:.1f} us), identical {same}", flush=True)
-        rows.append({"B": B, "L": L, "head_size": head_size, "mode": mode, "splits": plan.num_splits,
+        rows.append({"B": B, "L": L, "head_size": head_size, "group": group, "mode": mode, "splits": plan.num_splits,
                      "identical_outputs": same,
                      "roofline_us": round(roof_us, 2),
                      **{f"{a}_us": [round(x, 2) for x in t] for a, t in times.items()},
@@ -143,11 +145,11 @@ def parse_tiles(spec: str) -> dict:
 
 
 def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device, bw: float, head_size: int,
-                modes: tuple[str, ...]) -> list[dict]:
+                modes: tuple[str, ...], group: int = kb.HQ // kb.HKV) -> list[dict]:
     """The package's kernel under each of ``specs``' tiles, alternated round by round (reversed every
     other round), on one cache; ratios of medians against the first spec."""
-    case = kb.decode_case(B, L, device, head_size=head_size)
-    arms = {spec: decode_runs(B, L, device, head_size, parse_tiles(spec), case) for spec in specs}
+    case = kb.decode_case(B, L, device, head_size=head_size, group=group)
+    arms = {spec: decode_runs(B, L, device, head_size, parse_tiles(spec), case, group) for spec in specs}
     q = case[4]
     roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
     rows = []
@@ -167,8 +169,9 @@ def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device
         for spec in specs:
             p = arms[spec][2]
             diff = (outs[spec].float() - outs[specs[0]].float()).abs().max().item()
-            rows.append({"B": B, "L": L, "head_size": head_size, "mode": mode, "tiles": spec, "warps": p.warps,
-                         "stages": p.stages, "nsub": p.nsub, "splits": p.num_splits, "roofline_us": round(roof_us, 2),
+            rows.append({"B": B, "L": L, "head_size": head_size, "group": group, "mode": mode, "tiles": spec,
+                         "warps": p.warps, "stages": p.stages, "nsub": p.nsub, "splits": p.num_splits,
+                         "roofline_us": round(roof_us, 2),
                          "us": [round(x, 2) for x in times[spec]], "median_us": round(med[spec], 2),
                          "ratio_vs_first": round(med[specs[0]] / med[spec], 4), "max_abs_diff_vs_first": diff})
             print(f"  B={B} L={L} {mode} {spec} ({p.warps} warps, stages {p.stages or 'arch'}, "
@@ -187,6 +190,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default="", help="B:L,B:L,... (default: the bench's four)")
     ap.add_argument("--head-size", type=int, default=kb.HEAD, help="64, 128 or 256 (default 128)")
+    ap.add_argument("--group", type=int, default=kb.HQ // kb.HKV, help="query heads a KV head (8 KV heads; default 4)")
     ap.add_argument("--modes", default="", help="default,fp8_dynamic_q,fp8_head_q (default: all three)")
     ap.add_argument("--legacy-ring", action="store_true", help="the baseline is from before session 22: launch it"
                     " with that ring's shared memory (legacy_smem_bytes)")
@@ -201,7 +205,7 @@ def main(argv=None) -> int:
         bw = kb.copy_bandwidth(device)["gbps"]
         modes = tuple(m for m in args.modes.split(",") if m)
         rows = [r for B, L in shapes for r in bench_plans(B, L, args.plans.split(","), args.rounds, args.reps, device,
-                                                          bw, args.head_size, modes)]
+                                                          bw, args.head_size, modes, args.group)]
         print("| B | L | mode | tiles | warps | stages | nsub | median us | vs first | roofline us |\n"
               "|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
@@ -214,7 +218,7 @@ def main(argv=None) -> int:
     device = torch.device("cuda")
     shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
     if args.profile:
-        runs, q, _ = decode_runs(*shapes[0], device, args.head_size)
+        runs, q, _ = decode_runs(*shapes[0], device, args.head_size, group=args.group)
         out = torch.empty_like(q)
         for _ in range(3):
             runs[args.profile](out)
@@ -226,7 +230,7 @@ def main(argv=None) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     rows = [r for B, L in shapes
             for r in bench(B, L, baseline, args.rounds, args.reps, device, bw, args.head_size, modes, args.legacy_ring,
-                           args.legacy_grid)]
+                           args.legacy_grid, args.group)]
     print("| B | L | mode | splits | baseline us | current us | ratio (medians) | roofline us | identical |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for r in rows:

@@ -123,9 +123,11 @@ def _paged_tables(num_seqs: int, seq_len: int, device, gen) -> tuple[torch.Tenso
     return perm.view(num_seqs, blocks).to(device), num_seqs * blocks
 
 
-def decode_case(B: int, L: int, device, writer: str = "cuda", kv_dtype: str = "fp8_e4m3", head_size: int = HEAD):
+def decode_case(B: int, L: int, device, writer: str = "cuda", kv_dtype: str = "fp8_e4m3", head_size: int = HEAD,
+                group: int = HQ // HKV):
     """The decode benchmarks' step: a per-tensor-scaled cache (0.05) over a random permutation of blocks,
-    written with random bf16 K/V by backend ``writer``, B sequences of L tokens, bf16 queries ``[B, HQ, head_size]``.
+    written with random bf16 K/V by backend ``writer``, B sequences of L tokens, bf16 queries
+    ``[B, HKV * group, head_size]`` (HQ heads by default).
     Returns ``(cache, block_tables, seq_lens, query_start_loc, query)``."""
     import fp8kv
 
@@ -134,7 +136,7 @@ def decode_case(B: int, L: int, device, writer: str = "cuda", kv_dtype: str = "f
     cache = fp8kv.KVCache.allocate(nblocks, PAGE, HKV, head_size, kv_dtype=kv_dtype, k_scale=0.05, v_scale=0.05,
                                    device=device)
     _fill_cache(cache, _backend(writer, "write_kv", cache, torch.bfloat16, device), nblocks * PAGE, device, gen)
-    q = torch.randn(B, HQ, head_size, generator=gen).to(device=device, dtype=torch.bfloat16)
+    q = torch.randn(B, HKV * group, head_size, generator=gen).to(device=device, dtype=torch.bfloat16)
     lens = torch.full((B,), L, dtype=torch.int32, device=device)
     return cache, tables, lens, torch.arange(B + 1, dtype=torch.int32, device=device), q
 
