@@ -96,9 +96,10 @@ Medians of five alternated rounds on the H100, GQA 32/8, against the tiles tried
 4 x 2 x 1 against 100.1 at 4 x 3 x 2 (6 x 2 x 2: 103.8 in another run); 384 (B=48 L=2048) 76.4 at
 3 x 2 x 1 against 78.3 at 2 x 3 x 2; 512 (B=64 L=2048) 98.4 at 2 x 3 x 1 against 99.9 at 2 x 3 x 2
 (6 x 2 x 2: 105.7); the FP8 mode alike. Grids that need more than four CTAs an SM keep the default
-6 x 2 x 2: at 1024 CTAs 3 x 2 x 1 was 1% faster over 4096 keys but up to 8% slower over 1024 in the
-decode sweep. With at most one CTA an SM, 6 x 2 x 2 stays best (B=8, B=1, B=16 L=8192; 16-key steps
-lose there). Not measured elsewhere: other head sizes and GPUs keep their tiles."""
+6 x 2 x 2: at 1024 CTAs (B=128) 3 x 2 x 1 was 1.6% faster at L=1k in an alternated A/B, but 3-4.6%
+slower at L >= 4k (and in 5 of 6 L=1k cells) between two decode sweeps on two machines. With at most
+one CTA an SM, 6 x 2 x 2 stays best (B=8, B=1, B=16 L=8192; 16-key steps lose there). Not measured
+elsewhere: other head sizes and GPUs keep their tiles."""
 MMA_MIN_SM = 75
 """The tensor-core kernels run from Turing on (mma.sync m16n8k8 with float16 operands, movmatrix)."""
 BF16_MMA_MIN_SM = 80
