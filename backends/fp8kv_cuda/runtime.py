@@ -152,7 +152,6 @@ def _external_stream(ptr: int, index: int):
         return cupy().cuda.ExternalStream(ptr, index)
 
 
-_STATIC_SMEM_LIMIT = 48 << 10
 _opted_in: set[tuple[int, int]] = set()  # (function handle, bytes)
 
 
