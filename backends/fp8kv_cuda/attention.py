@@ -148,6 +148,14 @@ def _smem_limits_for(index: int, sm: int) -> tuple[int, int]:
     return per_block, per_sm
 
 
+def mma_cta_smem(head_size: int, warps: int, token_scales: bool, stages: int, nsub: int | None = None,
+                 fp8_mode: bool = False) -> int:
+    """Shared memory a CTA of the tensor-core kernel takes: its dynamic part (:func:`mma_smem_bytes`)
+    and, in the FP8 mode's build, its static query fragment (:func:`fp8_mode_static_smem`)."""
+    static = fp8_mode_static_smem(head_size) if fp8_mode else 0
+    return mma_smem_bytes(head_size, warps, token_scales, stages, nsub) + static
+
+
 def mma_warps(device: torch.device, head_size: int, token_scales: bool = False, fp8_mode: bool = False) -> int | None:
     """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
     shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
@@ -156,10 +164,9 @@ def mma_warps(device: torch.device, head_size: int, token_scales: bool = False, 
     index = runtime.device_index(device)
     per_block, per_sm = _smem_limits(index)
     stages = mma_stages(runtime.device_sm(index), head_size)
-    static = fp8_mode_static_smem(head_size) if fp8_mode else 0
     for need in (2, 1):
         for warps in (6, 4):
-            smem = mma_smem_bytes(head_size, warps, token_scales, stages) + static
+            smem = mma_cta_smem(head_size, warps, token_scales, stages, fp8_mode=fp8_mode)
             if smem <= per_block and need * smem <= per_sm:
                 return warps
     return None
@@ -185,8 +192,7 @@ def mma_wave_config(device: torch.device, head_size: int, ctas: int, token_scale
         return None
     warps, stages, nsub = MMA_WAVE_TILES[head_size][per_wave]
     per_block, per_sm = _smem_limits(index)
-    smem = mma_smem_bytes(head_size, warps, token_scales, stages, nsub)
-    smem += fp8_mode_static_smem(head_size) if fp8_mode else 0
+    smem = mma_cta_smem(head_size, warps, token_scales, stages, nsub, fp8_mode)
     budget = MMA_TILES[head_size][2 if "fnuz" in fmt else 1]  # (warps an SM the registers are budgeted for)
     held = min(per_sm // (smem + CTA_RESERVED_SMEM), budget // warps)
     return (warps, stages, nsub) if smem <= per_block and held >= per_wave else None
