@@ -102,6 +102,20 @@ def decode_runs(B: int, L: int, device, head_size: int = kb.HEAD, tiles: dict | 
     return runs, q, plan
 
 
+def alternated(arms: list[str], time_arm, rounds: int) -> dict[str, list[float]]:
+    """Each arm's timings (``time_arm(arm)``), ``rounds`` rounds over the arms, in reverse order every
+    other round."""
+    times = {a: [] for a in arms}
+    for r in range(rounds):
+        for a in (arms if r % 2 == 0 else arms[::-1]):
+            times[a].append(time_arm(a))
+    return times
+
+
+def median(t: list[float]) -> float:
+    return sorted(t)[len(t) // 2]
+
+
 def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: float, head_size: int = kb.HEAD,
           modes: tuple[str, ...] = (), legacy_ring: bool = False, legacy_grid_: bool = False,
           group: int = kb.HQ // kb.HKV) -> list[dict]:
@@ -111,7 +125,6 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
     for mode, run in runs.items():
         if modes and mode not in modes:
             continue
-        times = {a: [] for a in ARMS}
         outs = {}
         for arm in ARMS:
             use_baseline(baseline if arm == "baseline" else None, legacy_ring, legacy_grid_)
@@ -119,13 +132,14 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
             run(outs[arm])
         torch.cuda.synchronize()
         same = torch.equal(outs[ARMS[0]], outs[ARMS[1]])
-        for r in range(rounds):
-            for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-                use_baseline(baseline if arm == "baseline" else None, legacy_ring, legacy_grid_)
-                o = outs[arm]
-                times[arm].append(kb.time_graph(lambda o=o, run=run: run(o), reps=reps) * 1e3)
+
+        def time_arm(arm, run=run, outs=outs):
+            use_baseline(baseline if arm == "baseline" else None, legacy_ring, legacy_grid_)
+            return kb.time_graph(lambda: run(outs[arm]), reps=reps) * 1e3
+
+        times = alternated(list(ARMS), time_arm, rounds)
         use_baseline(None)
-        med = {a: sorted(t)[len(t) // 2] for a, t in times.items()}
+        med = {a: median(t) for a, t in times.items()}
         print(f"  B={B} L={L} {mode}: " + ", ".join(f"{a} {min(t):.1f}-{max(t):.1f} us" for a, t in times.items())
               + f" (roofline {roof_us:.1f} us), identical {same}", flush=True)
         rows.append({"B": B, "L": L, "head_size": head_size, "group": group, "mode": mode, "splits": plan.num_splits,
@@ -160,12 +174,12 @@ def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device
         for spec in specs:
             arms[spec][0][mode](outs[spec])
         torch.cuda.synchronize()
-        times = {spec: [] for spec in specs}
-        for r in range(rounds):
-            for spec in (specs if r % 2 == 0 else specs[::-1]):
-                o, run = outs[spec], arms[spec][0][mode]
-                times[spec].append(kb.time_graph(lambda o=o, run=run: run(o), reps=reps) * 1e3)
-        med = {spec: sorted(t)[len(t) // 2] for spec, t in times.items()}
+
+        def time_arm(spec, mode=mode, outs=outs):
+            return kb.time_graph(lambda: arms[spec][0][mode](outs[spec]), reps=reps) * 1e3
+
+        times = alternated(specs, time_arm, rounds)
+        med = {spec: median(t) for spec, t in times.items()}
         for spec in specs:
             p = arms[spec][2]
             diff = (outs[spec].float() - outs[specs[0]].float()).abs().max().item()
@@ -199,11 +213,13 @@ def main(argv=None) -> int:
     ap.add_argument("--plans", default="", help="plan,WxSxN,...: tiles of today's kernel to A/B (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if not (args.baseline or args.profile or args.plans):
+        ap.error("--baseline FILE is required (the earlier attention_mma.cu), unless --profile or --plans")
+    device = torch.device("cuda")
+    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+    modes = tuple(m for m in args.modes.split(",") if m)
     if args.plans:
-        device = torch.device("cuda")
-        shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
         bw = kb.copy_bandwidth(device)["gbps"]
-        modes = tuple(m for m in args.modes.split(",") if m)
         rows = [r for B, L in shapes for r in bench_plans(B, L, args.plans.split(","), args.rounds, args.reps, device,
                                                           bw, args.head_size, modes, args.group)]
         print("| B | L | mode | tiles | warps | stages | nsub | median us | vs first | roofline us |\n"
@@ -213,10 +229,6 @@ def main(argv=None) -> int:
                   f"{r['nsub'] or '-'} | {r['median_us']} | {r['ratio_vs_first']:.3f}x | {r['roofline_us']} |")
         kb.save_rows(args.json, device, rows, copy_gbps=bw)
         return 0
-    if not (args.baseline or args.profile):
-        ap.error("--baseline FILE is required (the earlier attention_mma.cu), unless --profile")
-    device = torch.device("cuda")
-    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
     if args.profile:
         runs, q, _ = decode_runs(*shapes[0], device, args.head_size, group=args.group)
         out = torch.empty_like(q)
@@ -227,7 +239,6 @@ def main(argv=None) -> int:
     with open(args.baseline) as f:
         baseline = f.read()
     bw = kb.copy_bandwidth(device)["gbps"]
-    modes = tuple(m for m in args.modes.split(",") if m)
     rows = [r for B, L in shapes
             for r in bench(B, L, baseline, args.rounds, args.reps, device, bw, args.head_size, modes, args.legacy_ring,
                            args.legacy_grid, args.group)]
