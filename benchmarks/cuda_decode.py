@@ -21,6 +21,7 @@ Prints progress and a table; writes JSON (and the plot with ``--plot``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -109,17 +110,14 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
                                  max_keys=max_keys, query_dtype=qdtype, token_scales=token, fmt=args.kv_dtype),
              "cuda_cores": CA.plan(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV,
                                    head_size=kb.HEAD, max_keys=max_keys, token_scales=token)}
-    for n in splits or [None]:
-        for w in args.warp_list or [None]:
-            for st in args.stage_list or [None]:
-                for ns in args.nsub_list or [None]:
-                    if n is None and w is None and st is None and ns is None:
-                        continue
-                    p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV,
-                                    head_size=kb.HEAD, max_keys=max_keys, num_splits=n, warps=w, token_scales=token,
-                                    stages=st, nsub=ns)
-                    plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}" + (f"_stages{st}" if st else "")
-                          + (f"_nsub{ns}" if ns else "")] = p
+    for n, w, st, ns in itertools.product(splits or [None], args.warp_list or [None], args.stage_list or [None],
+                                          args.nsub_list or [None]):
+        if n is None and w is None and st is None and ns is None:
+            continue
+        p = CA.plan_mma(device, num_tokens=B, num_kv_heads=kb.HKV, group=kb.HQ // kb.HKV, head_size=kb.HEAD,
+                        max_keys=max_keys, num_splits=n, warps=w, token_scales=token, stages=st, nsub=ns)
+        plans[f"cuda_mma_splits{p.num_splits}_warps{p.warps}" + (f"_stages{st}" if st else "")
+              + (f"_nsub{ns}" if ns else "")] = p
     rows = [{"what": "triton", "ms": kb.time_graph(triton_run, reps=args.reps)}]
     for name, plan in plans.items():
         out = torch.empty_like(q)
