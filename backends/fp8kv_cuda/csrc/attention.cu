@@ -80,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) fp8kv_paged_attention(FP8KV_
     const int lane = tid & 31;
     const int warp = tid >> 5;
     int t, h, chunk;
-    decode_cta(HQ, group, head_chunks, t, h, chunk);
+    decode_cta(T, head_chunks, t, h, chunk);
     const int g0 = chunk * GPAD;  // first head of this CTA within the group
     const int z = blockIdx.z;
 

@@ -108,8 +108,9 @@ __device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, 
 // (fp8kv_cuda.attention.decode_grid), x = (t * H + h) * head_chunks + chunk, so that the CTAs of one
 // token's KV heads are launched side by side (they read the same blocks' rows: on the H100 a read-only
 // gather of the decode shapes ran up to 4% faster so, benchmarks/results/hopper_h100/session23/).
-__device__ __forceinline__ void decode_cta(int HQ, int group, int head_chunks, int& t, int& h, int& chunk) {
-    const int units = HQ / group * head_chunks;  // (group >= 1 divides HQ: the launcher's check)
+// The CTAs a token has (H * head_chunks) come from the grid itself, so h < H whatever HQ and group are.
+__device__ __forceinline__ void decode_cta(int T, int head_chunks, int& t, int& h, int& chunk) {
+    const int units = (int)gridDim.x / T;  // (T >= 1: the launcher launches nothing for T == 0)
     t = (int)blockIdx.x / units;
     const int u = (int)blockIdx.x - t * units;
     h = u / head_chunks;

@@ -635,7 +635,7 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     int t, h, chunk;
-    decode_cta(HQ, group, head_chunks, t, h, chunk);
+    decode_cta(T, head_chunks, t, h, chunk);
     const int g0 = chunk * HEADS;
     const int z = blockIdx.z;
 
