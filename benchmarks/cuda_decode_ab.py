@@ -9,8 +9,7 @@ the change alters them).
     python benchmarks/cuda_decode_ab.py --plans plan,4x3x2,2x3x1 [--rounds 5]      # tiles of today's kernel
 
 ``--plans``: the package's kernel under several tiles, alternated the same way: ``plan`` (as planned) or
-``WxSxN`` (warps per CTA, ring stages, 16-key sub-tiles a warp step; ``plan_mma(warps=, stages=, nsub=)``),
-each optionally with ``:plain`` (launched without programmatic dependent launch: ``DECODE_PDL`` off);
+``WxSxN`` (warps per CTA, ring stages, 16-key sub-tiles a warp step; ``plan_mma(warps=, stages=, nsub=)``);
 ratios are against the first.
 
 ``OLD.cu``: e.g. ``git show REV:backends/fp8kv_cuda/csrc/attention_mma.cu``, compiled with the current headers.
@@ -58,8 +57,6 @@ def use_baseline(text: str | None, legacy_ring: bool = False, legacy_grid_: bool
         CA._ab_decode_grid = CA.decode_grid
     CA.mma_smem_bytes = legacy_smem_bytes if text is not None and legacy_ring else CA._ab_smem_bytes
     CA.decode_grid = legacy_grid if text is not None and legacy_grid_ else CA._ab_decode_grid
-    # a source that reads before griddepcontrol.wait must not go out as a dependent launch
-    use_launch("" if text is None or "wait_for_previous_grid" in text else ":plain")
     if text is None:
         runtime.function = runtime._ab_function
         return
@@ -154,22 +151,11 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
 
 
 def parse_tiles(spec: str) -> dict:
-    """``plan`` -> {}; ``WxSxN`` -> plan_mma's warps, stages and nsub (a ``:plain`` suffix ignored)."""
-    spec = spec.split(":")[0]
+    """``plan`` -> {}; ``WxSxN`` -> plan_mma's warps, stages and nsub."""
     if spec == "plan":
         return {}
     w, st, n = (int(x) for x in spec.split("x"))
     return {"warps": w, "stages": st, "nsub": n}
-
-
-def use_launch(spec: str) -> None:
-    """Launch the decode as ``spec`` says: plainly with a ``:plain`` suffix, else as shipped
-    (``DECODE_PDL``, a programmatic dependent launch on sm90)."""
-    from fp8kv_cuda import attention as CA
-
-    if not hasattr(CA, "_ab_pdl"):
-        CA._ab_pdl = CA.DECODE_PDL
-    CA.DECODE_PDL = CA._ab_pdl and not spec.endswith(":plain")
 
 
 def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device, bw: float, head_size: int,
@@ -186,16 +172,13 @@ def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device
             continue
         outs = {spec: torch.empty_like(q) for spec in specs}
         for spec in specs:
-            use_launch(spec)
             arms[spec][0][mode](outs[spec])
         torch.cuda.synchronize()
 
         def time_arm(spec, mode=mode, outs=outs):
-            use_launch(spec)
             return kb.time_graph(lambda: arms[spec][0][mode](outs[spec]), reps=reps) * 1e3
 
         times = alternated(specs, time_arm, rounds)
-        use_launch("")
         med = {spec: median(t) for spec, t in times.items()}
         for spec in specs:
             p = arms[spec][2]
@@ -227,8 +210,7 @@ def main(argv=None) -> int:
                     " with that ring's shared memory (legacy_smem_bytes)")
     ap.add_argument("--legacy-grid", action="store_true", help="the baseline is from before session 23: launch it"
                     " on the grid (T, H * head_chunks, splits) (legacy_grid)")
-    ap.add_argument("--plans", default="", help="plan,WxSxN,plan:plain,...: tiles and launches of today's kernel"
-                    " to A/B (see above)")
+    ap.add_argument("--plans", default="", help="plan,WxSxN,...: tiles of today's kernel to A/B (see above)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not (args.baseline or args.profile or args.plans):

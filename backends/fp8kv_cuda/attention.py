@@ -91,10 +91,6 @@ MMA_HEADS = 8
 MMA_SPLIT_KEYS = 128
 """A split of the tensor-core kernel is a multiple of this many keys (4 warps x 32-key steps)."""
 MMA_QUERY_DTYPES = (torch.float16, torch.bfloat16)
-DECODE_PDL = True
-"""On sm90 the tensor-core decode goes out as a programmatic dependent launch (``runtime.launch(dependent=
-True)``: it waits for the previous kernel on the stream before it reads anything); False: a plain launch
-(the benchmarks time both)."""
 
 
 def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stages: int | None = None,
@@ -579,7 +575,7 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
                      r.f32(fp8.prob_scale), r.f32(1.0 / fp8.prob_scale)]
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, p.stages or mma_stages(p.sm, D),
-                                                 p.nsub or None), dependent=DECODE_PDL)
+                                                 p.nsub or None))
     else:
         runtime.launch(variant, entry, dev, grid, ATTN_THREADS, args)
     if split:

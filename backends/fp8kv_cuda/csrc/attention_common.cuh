@@ -104,23 +104,6 @@ __device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, 
     }
 }
 
-// Programmatic dependent launch (sm90+, fp8kv_cuda.runtime.launch(dependent=True)): a kernel so launched
-// may be scheduled before the previous kernel on the stream has finished, so it reads nothing before
-// wait_for_previous_grid (the previous grid complete, its writes visible). let_dependents_launch lets the
-// next such kernel be scheduled onto free SMs once every CTA of this grid has started (it still waits for
-// this grid to complete before it reads anything). Both are no-ops below sm90 and in a plain launch.
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void let_dependents_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // The decode CTA's query token t, KV head h and head chunk: grid (T * H * head_chunks, 1, num_splits)
 // (fp8kv_cuda.attention.decode_grid), x = (t * H + h) * head_chunks + chunk, so that the CTAs of one
 // token's KV heads are launched side by side (they read the same blocks' rows: on the H100 a read-only
@@ -211,10 +194,11 @@ extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
     i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
     if (num_splits > MERGE_SPLITS || D > MERGE_DIMS * NT) __trap();  // a launcher bug, never silent corruption
-    // launched as a programmatic dependent launch on sm90+: the attention kernel's partial results are
-    // complete and visible only past this point
-    wait_for_previous_grid();
-    let_dependents_launch();
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // launched as a programmatic dependent launch on sm90+ (fp8kv_cuda.runtime.launch): the attention
+    // kernel's partial results are complete and visible only past this point
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
     const int t = blockIdx.x;
     const int qh = blockIdx.y;
     const int lane = threadIdx.x & 31;

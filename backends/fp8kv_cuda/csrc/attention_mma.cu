@@ -632,8 +632,6 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     u32 dyn_smem;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn_smem));
     if (dyn_smem < (u32)SMEM_BYTES) __trap();  // a launcher bug, never silent corruption
-    wait_for_previous_grid();  // (a dependent launch on sm90+: nothing is read before it)
-    let_dependents_launch();
     const int lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, c = lane & 3;
     int t, h, chunk;
