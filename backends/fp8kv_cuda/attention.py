@@ -102,7 +102,7 @@ def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stage
     nsub = nsub or (1 if head_size > 128 else 2)
     warp_stage = nsub * (2 * head_size + 32 * int(token_scales))  # 16-byte slots: K and V rows, lanes' scales
     ring = 16 * stages * warp_stage * warps
-    epilogue = 4 * (warps * MMA_HEADS * head_size + 4 * warps * MMA_HEADS + 3 * MMA_HEADS)
+    epilogue = 4 * (warps * MMA_HEADS * head_size + 4 * warps * MMA_HEADS + 4 * MMA_HEADS)
     return max(ring, epilogue)
 
 

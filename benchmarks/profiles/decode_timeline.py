@@ -5,7 +5,7 @@ timestamps are the last call's). Prints, per shape and mode: the graph's time a 
 (first start to last end), the start spread (launch), the CTAs' loop and epilogue times, and the tail (how
 long the last CTAs run after the median CTA ended); writes JSON.
 
-    python benchmarks/profiles/decode_timeline.py --out X.json [--shapes 64:2048,1:131072] [--pdl]
+    python benchmarks/profiles/decode_timeline.py --out X.json [--shapes 64:2048,1:131072]
 
 The instrumented source is the package's with four lines added (string patches below); the timestamps go
 to a float32 buffer passed as ``lse`` past its ``T * HQ`` rows. Needs a CUDA GPU and CuPy.
@@ -81,7 +81,7 @@ def timeline(B: int, L: int, mode: str, calls: int, device) -> dict:
     for sm in ts[:, 3].tolist():
         per_sm[sm] = per_sm.get(sm, 0) + 1
     return {"B": B, "L": L, "mode": mode, "ctas": ctas, "splits": plan.num_splits, "warps": plan.warps,
-            "stages": plan.stages, "nsub": plan.nsub, "pdl": CA.DECODE_PDL,
+            "stages": plan.stages, "nsub": plan.nsub,
             "graph_us_per_call": round(per_call_ms * 1e3, 2),
             "span_us": round(ends[-1], 2),
             "start_spread_us": round((start.max().item() - t0) / 1e3, 2),
@@ -99,11 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default="", help="B:L,... (default: the bench's four)")
     ap.add_argument("--modes", default="default,fp8_dynamic_q")
     ap.add_argument("--calls", type=int, default=10)
-    ap.add_argument("--pdl", default="0", help="DECODE_PDL settings to run: 0, 1 or 0,1")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import cuda_decode_ab as ab
-    from fp8kv_cuda import attention as CA
 
     device = torch.device("cuda")
     ab.use_baseline(instrumented_source())
@@ -111,18 +109,16 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for B, L in shapes:
         for mode in args.modes.split(","):
-            for pdl in (int(x) for x in args.pdl.split(",")):
-                CA.DECODE_PDL = bool(pdl)
-                r = timeline(B, L, mode, args.calls, device)
-                rows.append(r)
-                print(f"B={B} L={L} {mode} pdl={pdl}: {r['graph_us_per_call']} us a call (graph); last call: span "
-                      f"{r['span_us']} us, starts within {r['start_spread_us']}, loop min/med/max {r['loop_us']}, "
-                      f"epilogue {r['epilogue_us_median']}, ends p10/med/p90/max {r['end_us']}, "
-                      f"{r['sms_used']} SMs, CTAs an SM {min(r['ctas_per_sm'])}-{max(r['ctas_per_sm'])}", flush=True)
-    print("| B | L | mode | PDL | us a call | span | start spread | loop med | epilogue | end med | end max |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+            r = timeline(B, L, mode, args.calls, device)
+            rows.append(r)
+            print(f"B={B} L={L} {mode}: {r['graph_us_per_call']} us a call (graph); last call: span "
+                  f"{r['span_us']} us, starts within {r['start_spread_us']}, loop min/med/max {r['loop_us']}, "
+                  f"epilogue {r['epilogue_us_median']}, ends p10/med/p90/max {r['end_us']}, "
+                  f"{r['sms_used']} SMs, CTAs an SM {min(r['ctas_per_sm'])}-{max(r['ctas_per_sm'])}", flush=True)
+    print("| B | L | mode | us a call | span | start spread | loop med | epilogue | end med | end max |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['B']} | {r['L']} | {r['mode']} | {int(r['pdl'])} | {r['graph_us_per_call']} | {r['span_us']} | "
+        print(f"| {r['B']} | {r['L']} | {r['mode']} | {r['graph_us_per_call']} | {r['span_us']} | "
               f"{r['start_spread_us']} | {r['loop_us'][1]} | {r['epilogue_us_median']} | {r['end_us'][1]} | "
               f"{r['end_us'][3]} |")
     kb.save_rows(args.out, device, rows)

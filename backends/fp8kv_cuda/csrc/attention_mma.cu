@@ -122,7 +122,12 @@ struct MmaShared {  // the epilogue's view of the ring (the loop is over by then
     float m[KWARPS][HEADS], l[KWARPS][HEADS], r[KWARPS][HEADS];
     float coef[KWARPS][HEADS];  // each warp's weight in a head's output (the row's own maximum)
     float head_m[HEADS], head_l[HEADS], head_a[HEADS];  // per head: maximum, normaliser, A (token_head)
+    float head_inv[HEADS];      // per head: 1 / normaliser (unsplit rows)
 };
+// Where dim d of head hd sits in its row of MmaShared::o: 4-dim groups XOR-swizzled by the head's pair
+// (hd / 2), so that the warps' 16-byte stores of their fragments (lane (g, c): dims v_dim(g, w) + 0..3 of
+// heads 2c, 2c + 1) hit distinct banks, and the epilogue's reads of consecutive dims stay conflict-free.
+__device__ __forceinline__ int o_col(int hd, int d) { return ((((d >> 2) ^ (hd >> 1)) & 3) | ((d >> 2) & ~3)) << 2 | (d & 3); }
 constexpr int SMEM_BYTES = (int)sizeof(uint4) * STAGES * KWARPS * WARP_STAGE > (int)sizeof(MmaShared)
                                ? (int)sizeof(uint4) * STAGES * KWARPS * WARP_STAGE : (int)sizeof(MmaShared);
 
@@ -742,12 +747,12 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         }
     }
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-        const int d = v_dim(g, mt >> 1) + 2 * (mt & 1);
-        sh.o[warp][2 * c][d] = o[mt][0];
-        sh.o[warp][2 * c + 1][d] = o[mt][1];
-        sh.o[warp][2 * c][d + 1] = o[mt][2];
-        sh.o[warp][2 * c + 1][d + 1] = o[mt][3];
+    for (int w = 0; w < MT / 2; ++w) {  // dims v_dim(g, w) + 0..3: m-tiles 2w (+0, +1) and 2w + 1 (+2, +3)
+        const int d = v_dim(g, w);
+        *reinterpret_cast<float4*>(&sh.o[warp][2 * c][o_col(2 * c, d)]) =
+            make_float4(o[2 * w][0], o[2 * w][2], o[2 * w + 1][0], o[2 * w + 1][2]);
+        *reinterpret_cast<float4*>(&sh.o[warp][2 * c + 1][o_col(2 * c + 1, d)]) =
+            make_float4(o[2 * w][1], o[2 * w][3], o[2 * w + 1][1], o[2 * w + 1][3]);
     }
     __syncthreads();
     if (tid < HEADS) {  // per head, once: the warps' weights w = 2^(m_w - max m) (token_head: w r_w / A)
@@ -769,6 +774,7 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         sh.head_m[hd] = m;
         sh.head_l[hd] = l;
         sh.head_a[hd] = a_max;
+        sh.head_inv[hd] = fdiv(1.0f, l > 0.0f ? l : 1.0f);
     }
     __syncthreads();
     float ps = 1.0f;  // FP8_MODE: the output's prob_scale (splits: in the partial accumulator)
@@ -781,14 +787,14 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         const float m = sh.head_m[hd], l = sh.head_l[hd], a_max = sh.head_a[hd];
         float acc = 0.0f;
 #pragma unroll
-        for (int w = 0; w < KWARPS; ++w) acc += sh.coef[w][hd] * sh.o[w][hd][d];
+        for (int w = 0; w < KWARPS; ++w) acc += sh.coef[w][hd] * sh.o[w][hd][o_col(hd, d)];
         const i64 row = (i64)t * HQ + (i64)h * group + g0 + hd;
         if (split) {
             const i64 prow = (i64)z * T * HQ + row;
             part_acc[prow * D + d] = acc * ps;
             if (d == 0) { part_ml[prow * 3] = m; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = a_max; }
         } else {
-            store_out(out, row * D + d, ((acc * fdiv(1.0f, l > 0.0f ? l : 1.0f)) * (TOKEN_SCALES ? a_max : vs_static)) * ps);
+            store_out(out, row * D + d, ((acc * sh.head_inv[hd]) * (TOKEN_SCALES ? a_max : vs_static)) * ps);
             if (d == 0 && write_lse) lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : NEG_INF;
         }
     }
