@@ -6,6 +6,7 @@ timestamps are the last call's). Prints, per shape and mode: the graph's time a 
 long the last CTAs run after the median CTA ended); writes JSON.
 
     python benchmarks/profiles/decode_timeline.py --out X.json [--shapes 64:2048,1:131072]
+    python benchmarks/profiles/decode_timeline.py --plot X.json   # -> X.png: each row's CTA end times
 
 The instrumented source is the package's with four lines added (string patches below); the timestamps go
 to a float32 buffer passed as ``lse`` past its ``T * HQ`` rows. Needs a CUDA GPU and CuPy.
@@ -14,6 +15,7 @@ to a float32 buffer passed as ``lse`` past its ``T * HQ`` rows. Needs a CUDA GPU
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -95,11 +97,16 @@ def timeline(B: int, L: int, mode: str, calls: int, device) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="JSON to write (required unless --plot)")
+    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results JSON (runs anywhere)")
     ap.add_argument("--shapes", default="", help="B:L,... (default: the bench's four)")
     ap.add_argument("--modes", default="default,fp8_dynamic_q")
     ap.add_argument("--calls", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.plot:
+        return plot(args.plot)
+    if not args.out:
+        ap.error("--out is required")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import cuda_decode_ab as ab
 
@@ -122,6 +129,35 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['start_spread_us']} | {r['loop_us'][1]} | {r['epilogue_us_median']} | {r['end_us'][1]} | "
               f"{r['end_us'][3]} |")
     kb.save_rows(args.out, device, rows)
+    plot(args.out)
+    return 0
+
+
+def plot(path: str) -> int:
+    """``path`` with .png: per row, when each CTA's key loop and the CTA itself ended (us after the first
+    CTA started), sorted, with the graph's time a call for comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), squeeze=False, sharey=True)
+    for ax, r in zip(axes[0], rows, strict=True):
+        t0 = min(x[0] for x in r["raw_ns"])
+        for k, label in ((1, "key loop ends"), (2, "CTA ends")):
+            ax.plot(sorted((x[k] - t0) / 1e3 for x in r["raw_ns"]), label=label)
+        ax.axhline(r["graph_us_per_call"], color="grey", ls="--", lw=0.8, label="graph time a call")
+        tag = "PDL launch\n" if r.get("pdl") else ""  # (session 24's A/B of programmatic dependent launch)
+        ax.set_title(f"{tag}B={r['B']} L={r['L']} {r['mode']}", fontsize=8)
+        ax.set_xlabel("CTAs, sorted")
+    axes[0][0].set_ylabel("us after the first CTA started")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    out = str(Path(path).with_suffix(".png"))
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
     return 0
 
 
