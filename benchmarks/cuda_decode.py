@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     bw = kb.copy_bandwidth(device)["gbps"]
-    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+    shapes = kb.decode_shapes(args.shapes)
     splits = [int(x) for x in args.splits.split(",") if x]
     args.warp_list = [int(x) for x in args.warps.split(",") if x]
     args.stage_list = [int(x) for x in args.stages.split(",") if x]

@@ -216,7 +216,7 @@ def main(argv=None) -> int:
     if not (args.baseline or args.profile or args.plans):
         ap.error("--baseline FILE is required (the earlier attention_mma.cu), unless --profile or --plans")
     device = torch.device("cuda")
-    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+    shapes = kb.decode_shapes(args.shapes)
     modes = tuple(m for m in args.modes.split(",") if m)
     if args.plans:
         bw = kb.copy_bandwidth(device)["gbps"]

@@ -58,8 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda")
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     bw = kb.copy_bandwidth(device)["gbps"]
-    shapes = ([tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")] if args.shapes
-              else list(kb.DECODE_SHAPES))
+    shapes = kb.decode_shapes(args.shapes)
     if args.grid == "none":
         grid = []
     elif args.grid:

@@ -43,6 +43,11 @@ HQ, HKV, HEAD, PAGE = 32, 8, 128, 16
 # ------------------------------------------------------------------------------ timing
 
 
+def decode_shapes(spec: str) -> list[tuple[int, int]]:
+    """``"B:L,B:L,..."`` (a benchmark's ``--shapes``) as (B, L) pairs; empty: :data:`DECODE_SHAPES`."""
+    return [tuple(map(int, s.split(":"))) for s in spec.split(",") if s] or list(DECODE_SHAPES)
+
+
 def time_graph(fn: Callable[[], object], *, calls: int = 10, reps: int = 20) -> float:
     """Median milliseconds per ``fn()`` call, from CUDA-graph replays of ``calls`` calls."""
     stream = torch.cuda.Stream()

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device("cuda")
     bw = kb.copy_bandwidth(device)["gbps"]
-    shapes = [tuple(map(int, s.split(":"))) for s in args.shapes.split(",") if s] or list(kb.DECODE_SHAPES)
+    shapes = kb.decode_shapes(args.shapes)
     rows, t0 = [], time.time()
     for i, (B, L) in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] B={B} L={L} ({time.time() - t0:.0f}s)", flush=True)
