@@ -96,7 +96,7 @@ def bench_shape(B: int, L: int, device, bw: float, splits: list[int], args) -> l
     qsl = torch.arange(B + 1, dtype=torch.int32, device=device)
     scale = kb.HEAD ** -0.5
     max_keys = tables.shape[1] * kb.PAGE
-    roof_ms = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e3
+    roof_ms = kb.roofline_ms(kb.decode_kv_bytes(B, L), bw)
 
     def cuda_run(plan, o):
         return lambda: CA.paged_attention(q, cache, tables, lens, qsl, scale, True, None, None, o, None, plan_=plan)

@@ -120,7 +120,7 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
           modes: tuple[str, ...] = (), legacy_ring: bool = False, legacy_grid_: bool = False,
           group: int = kb.HQ // kb.HKV) -> list[dict]:
     runs, q, plan = decode_runs(B, L, device, head_size, group=group)
-    roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
+    roof_us = kb.roofline_ms(kb.decode_kv_bytes(B, L, head_size), bw) * 1e3
     rows = []
     for mode, run in runs.items():
         if modes and mode not in modes:
@@ -165,7 +165,7 @@ def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device
     case = kb.decode_case(B, L, device, head_size=head_size, group=group)
     arms = {spec: decode_runs(B, L, device, head_size, parse_tiles(spec), case, group) for spec in specs}
     q = case[4]
-    roof_us = 2 * B * L * kb.HKV * head_size / (bw * 1e9) * 1e6
+    roof_us = kb.roofline_ms(kb.decode_kv_bytes(B, L, head_size), bw) * 1e3
     rows = []
     for mode in arms[specs[0]][0]:
         if modes and mode not in modes:

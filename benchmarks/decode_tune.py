@@ -166,7 +166,7 @@ def tune_shape(B: int, L: int, grid: list, device, sms: int, bw: float, args) ->
 
     ref = torch.empty_like(q)
     run(base, ref)
-    roof_ms = 2 * B * L * kb.HKV * kb.HEAD / (bw * 1e9) * 1e3
+    roof_ms = kb.roofline_ms(kb.decode_kv_bytes(B, L), bw)
     k4 = torch.randn(B, kb.HKV, L, kb.HEAD, device=device, dtype=q.dtype)
     v4 = torch.randn_like(k4)
     q4 = q.view(B, kb.HQ, 1, kb.HEAD)

@@ -43,6 +43,16 @@ HQ, HKV, HEAD, PAGE = 32, 8, 128, 16
 # ------------------------------------------------------------------------------ timing
 
 
+def decode_kv_bytes(B: int, L: int, head_size: int = HEAD) -> int:
+    """K and V code bytes a decode step of B sequences of L tokens reads (HKV heads, one byte a value)."""
+    return 2 * B * L * HKV * head_size
+
+
+def roofline_ms(nbytes: int, gbps: float) -> float:
+    """Milliseconds to move ``nbytes`` at ``gbps`` (the copy bandwidth: the FP8 roofline of a decode step)."""
+    return nbytes / (gbps * 1e9) * 1e3
+
+
 def decode_shapes(spec: str) -> list[tuple[int, int]]:
     """``"B:L,B:L,..."`` (a benchmark's ``--shapes``) as (B, L) pairs; empty: :data:`DECODE_SHAPES`."""
     return [tuple(map(int, s.split(":"))) for s in spec.split(",") if s] or list(DECODE_SHAPES)
@@ -261,8 +271,8 @@ def bench_decode(name: str, kv_dtype: str, device, bw: float, reps: int, B: int,
     v = torch.randn(B, HKV, L, HEAD, device=device, dtype=torch.bfloat16)
     q4 = query.view(B, HQ, 1, HEAD)
     ms_sdpa = time_graph(lambda: _sdpa(q4, k, v, enable_gqa=True), reps=reps)
-    kv_bytes = 2 * B * L * HKV * HEAD
-    roof_ms = kv_bytes / (bw * 1e9) * 1e3
+    kv_bytes = decode_kv_bytes(B, L)
+    roof_ms = roofline_ms(kv_bytes, bw)
     row = {"part": "decode", "backend": backend.name, "B": B, "L": L, "Hq": HQ, "Hkv": HKV, "D": HEAD,
            "block_size": PAGE, "kernel_ms": ms, "api_ms": ms_api, "sdpa_bf16_ms": ms_sdpa,
            "speedup_vs_sdpa": ms_sdpa / ms, "api_speedup_vs_sdpa": ms_sdpa / ms_api,

@@ -107,8 +107,8 @@ def setup(B: int, L: int, device, bw: float, reps: int):
     from fp8kv_cuda import tma
 
     cache, tables, lens, qsl, q = kb.decode_case(B, L, device)
-    nbytes = 2 * B * L * kb.HKV * kb.HEAD
-    roof_ms = nbytes / (bw * 1e9) * 1e3
+    nbytes = kb.decode_kv_bytes(B, L)
+    roof_ms = kb.roofline_ms(nbytes, bw)
     out = torch.zeros(1, dtype=torch.int32, device=device)
     maps = tma.paged_cache_maps(cache, 16)
     assert maps is not None, "the bench's cache has a TMA description"
