@@ -215,8 +215,7 @@ def test_decode_grids_of_more_ctas_than_sms_take_the_wave_tiles_on_sm90(monkeypa
     assert attention.mma_wave_config(dev, 128, ctas, token_scales, fp8_mode) == expected
     if expected is not None:
         warps, stages, nsub = expected
-        smem = attention.mma_smem_bytes(128, warps, token_scales, stages, nsub)
-        smem += attention.fp8_mode_static_smem(128) if fp8_mode else 0
+        smem = attention.mma_cta_smem(128, warps, token_scales, stages, nsub, fp8_mode)
         per_sm = min(attention.ARCH_SMEM[90][1] // (smem + attention.CTA_RESERVED_SMEM),
                      attention.MMA_TILES[128][1] // warps)
         assert per_sm * 132 >= ctas
