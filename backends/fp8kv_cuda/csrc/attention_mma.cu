@@ -60,7 +60,7 @@ namespace fp8kv {
 
 constexpr int D = FP8KV_D;
 #ifndef FP8KV_MERGE_TRIGGER  // split plans: when the merge kernel may launch (0 at the end, 1 at the start, 2 after the keys)
-#define FP8KV_MERGE_TRIGGER 1
+#define FP8KV_MERGE_TRIGGER 2
 #endif
 #ifndef FP8KV_NSUB
 #define FP8KV_NSUB (FP8KV_D > 128 ? 1 : 2)
