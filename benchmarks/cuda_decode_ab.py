@@ -9,8 +9,9 @@ the change alters them).
     python benchmarks/cuda_decode_ab.py --plans plan,4x3x2,2x3x1 [--rounds 5]      # tiles of today's kernel
 
 ``--plans``: the package's kernel under several tiles, alternated the same way: ``plan`` (as planned) or
-``WxSxN`` (warps per CTA, ring stages, 16-key sub-tiles a warp step; ``plan_mma(warps=, stages=, nsub=)``);
-ratios are against the first.
+``WxSxN`` (warps per CTA, ring stages, 16-key sub-tiles a warp step; ``plan_mma(warps=, stages=, nsub=)``),
+either with ``/sK`` to split the keys K ways (``plan_mma(num_splits=K)``; the tile then is the plan's for
+that grid unless given); ratios are against the first.
 
 ``OLD.cu``: e.g. ``git show REV:backends/fp8kv_cuda/csrc/attention_mma.cu``, compiled with the current headers.
 """
@@ -151,11 +152,13 @@ def bench(B: int, L: int, baseline: str, rounds: int, reps: int, device, bw: flo
 
 
 def parse_tiles(spec: str) -> dict:
-    """``plan`` -> {}; ``WxSxN`` -> plan_mma's warps, stages and nsub."""
-    if spec == "plan":
-        return {}
-    w, st, n = (int(x) for x in spec.split("x"))
-    return {"warps": w, "stages": st, "nsub": n}
+    """``plan`` -> {}; ``WxSxN`` -> plan_mma's warps, stages and nsub; a ``/sK`` suffix adds num_splits=K."""
+    tiles, _, splits = spec.partition("/s")
+    out = {"num_splits": int(splits)} if splits else {}
+    if tiles != "plan":
+        w, st, n = (int(x) for x in tiles.split("x"))
+        out |= {"warps": w, "stages": st, "nsub": n}
+    return out
 
 
 def bench_plans(B: int, L: int, specs: list[str], rounds: int, reps: int, device, bw: float, head_size: int,
