@@ -205,6 +205,24 @@ def test_the_merge_waits_for_the_attention_kernel_only_where_launched_dependent(
     assert "griddepcontrol" not in cc.compile_ptx(v, "sm80")
 
 
+def test_the_tensor_core_decode_lets_the_merge_launch_once_its_keys_are_done():
+    """sm90's tensor-core decode triggers the merge's dependent launch (griddepcontrol.launch_dependents)
+    once, after its key loop (before the epilogue's shared-memory merge of the warps), and waits for
+    nothing itself; sm80's has no griddepcontrol."""
+    from fp8kv_cuda import compile as cc
+    from fp8kv_cuda.variants import attention_mma_variant
+
+    def decode(sm: int) -> str:
+        ptx = cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 4, False, sm), f"sm{sm}")
+        return ptx.split(".entry fp8kv_paged_attention_mma", 1)[1].split(".entry", 1)[0]
+
+    hopper = decode(90)
+    assert hopper.count("griddepcontrol.launch_dependents") == 1 and "griddepcontrol.wait" not in hopper
+    trigger = hopper.index("griddepcontrol.launch_dependents")
+    assert "mma.sync" in hopper[:trigger] and "mma.sync" not in hopper[trigger:]
+    assert "griddepcontrol" not in decode(80)
+
+
 @pytest.mark.parametrize("tma", [True, False], ids=["tma", "cp.async"])
 @pytest.mark.parametrize("pingpong", [True, False])
 @pytest.mark.parametrize("io_dtype", ["bfloat16", "float16"])

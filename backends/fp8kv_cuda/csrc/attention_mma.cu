@@ -59,9 +59,6 @@
 namespace fp8kv {
 
 constexpr int D = FP8KV_D;
-#ifndef FP8KV_MERGE_TRIGGER  // split plans: when the merge kernel may launch (0 at the end, 1 at the start, 2 after the keys)
-#define FP8KV_MERGE_TRIGGER 2
-#endif
 #ifndef FP8KV_NSUB
 #define FP8KV_NSUB (FP8KV_D > 128 ? 1 : 2)
 #endif
@@ -646,11 +643,6 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     decode_cta(T, head_chunks, t, h, chunk);
     const int g0 = chunk * HEADS;
     const int z = blockIdx.z;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && FP8KV_MERGE_TRIGGER == 1
-    // split plans: the merge (a programmatic dependent launch, fp8kv_merge) may be scheduled now; its CTAs
-    // wait on the SMs in griddepcontrol.wait, which returns once this grid is done and its writes visible
-    if (split) asm volatile("griddepcontrol.launch_dependents;");
-#endif
 
     int q_lo = 0, q_hi = 0;
     const int len_guess = num_seqs > 0 ? seq_lens[decode_guess(num_seqs, t)] : 0;  // (loaded with find_seq's first
@@ -741,7 +733,11 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
         }
     }
     __syncthreads();  // every warp is done with the ring: the epilogue reuses it
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && FP8KV_MERGE_TRIGGER == 2
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // split plans: the merge (fp8kv_merge, a programmatic dependent launch on sm90) may be scheduled once
+    // every CTA has passed here; its CTAs then wait on the SMs in griddepcontrol.wait, which returns when this
+    // grid is done and its writes are visible. Here rather than at the kernel's start: merge CTAs resident
+    // from the start slowed B=1 L=4096 by 4% (benchmarks/results/hopper_h100/session25/)
     if (split) asm volatile("griddepcontrol.launch_dependents;");
 #endif
 
