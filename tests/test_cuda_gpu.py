@@ -435,6 +435,37 @@ def test_tensor_core_decode_wave_tiles(seqs, granularity):
     assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
 
 
+@pytest.mark.skipif(not _mma_capable(), reason=SKIP or "the tensor-core kernel needs sm75+ (mma.sync, movmatrix)")
+@pytest.mark.parametrize("L", [100, 4096], ids=["unsplit", "split"])
+def test_tensor_core_decode_writes_outputs_at_any_alignment(L):
+    """The decode's epilogue stores four consecutive outputs as one vector where ``out`` is aligned to four
+    elements, one by one where it is not: an ``out`` one element past an aligned address gets the same bits
+    (a short context writes ``out`` from the decode kernel, a long one from the split merge)."""
+    g = torch.Generator().manual_seed(L)
+    H, Hq, D, bs, seqs = 8, 32, 128, 16, 3
+    nblk = -(-L // bs)
+    cache = fp8kv.KVCache.allocate(seqs * nblk, bs, H, D, kv_dtype="fp8_e4m3", device="cuda")
+    n = seqs * nblk * bs
+    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+                   torch.arange(n, device="cuda"), backend="cuda")
+    tables = torch.randperm(seqs * nblk, generator=g).int().view(seqs, nblk).cuda()
+    lens = torch.full((seqs,), L, dtype=torch.int32, device="cuda")
+    qdtype = torch.bfloat16 if BUILT_SM >= 80 else torch.float16
+    query = torch.randn(seqs, Hq, D, generator=g).to(qdtype).cuda()
+    aligned = torch.full_like(query, float("nan"))
+    shifted = torch.full((query.numel() + 1,), float("nan"), dtype=qdtype, device="cuda")[1:].view_as(query)
+    assert shifted.data_ptr() % (4 * shifted.element_size()) != 0
+    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=qdtype, block_tables=tables, seq_lens=lens,
+                                max_seq_len=L, backend="cuda")
+    fp8kv.paged_attention(query, cache, meta, out=aligned)
+    fp8kv.paged_attention(query, cache, meta, out=shifted)
+    assert meta.attention.backend.name == "cuda"
+    assert torch.equal(aligned, shifted)
+    qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    ref = fp8kv.paged_attention(query, cache, tables, lens, backend="reference")
+    assert_attention_close(aligned, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
+
+
 @pytest.mark.parametrize("io_dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_dtype", sorted(FORMATS))
 def test_conformance_kit_on_the_gpu(kv_dtype, io_dtype):

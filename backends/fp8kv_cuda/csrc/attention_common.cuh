@@ -54,6 +54,28 @@ __device__ __forceinline__ void store_out(q_t* out, i64 i, float o) {
     }
 }
 
+// out[i..i + 3] = o[0..3], each as store_out stores it: one 4-element store where `vec` (out + i aligned to 4
+// elements), else four.
+__device__ __forceinline__ void store_out4(q_t* out, i64 i, const float (&o)[4], bool vec) {
+    if (!vec) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) store_out(out, i + j, o[j]);
+        return;
+    }
+    constexpr float HI = QT == 0 ? FLOAT32_MAX : (QT == 1 ? 65504.0f : 3.3895313892515355e38f);
+    float c[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) c[j] = o[j] > HI ? HI : (o[j] < -HI ? -HI : o[j]);
+    if constexpr (QT == 0) {
+        *reinterpret_cast<float4*>(out + i) = make_float4(c[0], c[1], c[2], c[3]);
+    } else {
+        u32 b[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) b[j] = QT == 1 ? f32_to_f16_bits(c[j]) : f32_to_bf16_bits(c[j]);
+        *reinterpret_cast<uint2*>(out + i) = make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+    }
+}
+
 // x / y to 2 ulp over the full range (PTX div.full.f32: no slow-path call, so no spill around one;
 // the attention tolerance allows it, the write's bit-exact divisions stay IEEE).
 __device__ __forceinline__ float fdiv(float x, float y) {

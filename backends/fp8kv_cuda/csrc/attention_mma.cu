@@ -788,20 +788,37 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
 #if FP8KV_FP8_MODE
     ps = prob_scale;
 #endif
-    for (int idx = tid; idx < HEADS * D; idx += KNT) {
-        const int hd = idx / D, d = idx - hd * D;
-        if (g0 + hd >= group) continue;
-        const float m = sh.head_m[hd], l = sh.head_l[hd], a_max = sh.head_a[hd];
-        float acc = 0.0f;
+    // each thread 4 consecutive dims of a head (o_col keeps them together), all of its loads issued at once
+    constexpr int QUADS = HEADS * D / 4;
+    const bool out_vec = (reinterpret_cast<unsigned long long>(out) & (4 * sizeof(q_t) - 1)) == 0;  // (D % 4 == 0)
 #pragma unroll
-        for (int w = 0; w < KWARPS; ++w) acc += sh.coef[w][hd] * sh.o[w][hd][o_col(hd, d)];
+    for (int it = 0; it < (QUADS + KNT - 1) / KNT; ++it) {
+        const int idx = tid + it * KNT;
+        const int hd = idx / (D / 4), d = 4 * (idx - hd * (D / 4));
+        if (idx >= QUADS || g0 + hd >= group) continue;
+        const float m = sh.head_m[hd], l = sh.head_l[hd], a_max = sh.head_a[hd];
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int w = 0; w < KWARPS; ++w) {
+            const float4 ow = *reinterpret_cast<const float4*>(&sh.o[w][hd][o_col(hd, d)]);
+            const float cw = sh.coef[w][hd];
+            acc[0] += cw * ow.x;
+            acc[1] += cw * ow.y;
+            acc[2] += cw * ow.z;
+            acc[3] += cw * ow.w;
+        }
         const i64 row = (i64)t * HQ + (i64)h * group + g0 + hd;
         if (split) {
-            const i64 prow = (i64)z * T * HQ + row;
-            part_acc[prow * D + d] = acc * ps;
+            const i64 prow = (i64)z * T * HQ + row;  // (part_acc: torch's allocation, 16-byte rows)
+            *reinterpret_cast<float4*>(part_acc + prow * D + d) =
+                make_float4(acc[0] * ps, acc[1] * ps, acc[2] * ps, acc[3] * ps);
             if (d == 0) { part_ml[prow * 3] = m; part_ml[prow * 3 + 1] = l; part_ml[prow * 3 + 2] = a_max; }
         } else {
-            store_out(out, row * D + d, ((acc * sh.head_inv[hd]) * (TOKEN_SCALES ? a_max : vs_static)) * ps);
+            const float inv = sh.head_inv[hd], mul = TOKEN_SCALES ? a_max : vs_static;
+            float v[4];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) v[j] = ((acc[j] * inv) * mul) * ps;
+            store_out4(out, row * D + d, v, out_vec);
             if (d == 0 && write_lse) lse[row] = l > 0.0f ? (m + log2f(l)) * LN2 : NEG_INF;
         }
     }
