@@ -28,7 +28,7 @@ GPU_TEST_OF = {"triton": "tests/test_triton_gpu.py", "hopper": "tests/test_hoppe
 CPU_BACKENDS = ("reference", "torch")
 COMPILER_OF = {"cuda": "cuda", "triton": "triton"}
 
-DECODE = "benchmarks/results/hopper_h100/session24/decode_fp8_mode_session24_run{}.json"
+DECODE = "benchmarks/results/hopper_h100/session25/decode_fp8_mode_session25_run{}.json"
 DECODE_RUNS = ((1, True), (2, False), (3, False))  # (run, FlashInfer timed in it)
 DECODE_SHAPES = ((32, 4096), (8, 32768), (64, 2048), (1, 131072))
 DECODE_KERNELS = (("cuda_mma", "cuda"), ("fp8_mode_cuda", "hopper FP8 mode"))  # (row, label): sm90 decode
