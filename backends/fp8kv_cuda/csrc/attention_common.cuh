@@ -205,28 +205,24 @@ static_assert(MERGE_SPLITS % 32 == 0 && MERGE_PREFETCH <= 32, "attention_common.
 // Split-KV merge. Grid (T, HQ), NT threads. With w_s = 2^(m_s - max m): static scales out = sum_s
 // w_s acc_s / sum_s w_s l_s * v_scale; per-token-head (acc_s in units of r_s) out = A * sum_s (w_s
 // r_s / A) acc_s / sum_s w_s l_s with A = max_s w_s r_s (no overflow). Latency-bound (a decode step
-// waits for it), so its loads are issued together, none waiting for another: thread d's dimensions of
-// the first MERGE_PREFETCH splits, the splits' (m, l, r) (each warp reads them all, lane s split s + 32 i,
-// and reduces them with shuffles: no barrier), v_scale and the token's sequence (find_seq; a token outside
-// every sequence has no partials to merge). Splits past MERGE_PREFETCH are loaded once the weights are
-// known. On sm90+ it is a programmatic dependent launch of the attention kernel, which lets it go once its
-// keys are done, so the sequence and v_scale are read before griddepcontrol.wait (no attention kernel
-// writes them; the kernels before it finished before it started) and the partials after it.
+// waits for it), so every load is issued at once, none waiting for another: thread d's dimensions
+// of the first MERGE_PREFETCH splits, the splits' (m, l, r) (each warp reads them all, lane s split
+// s + 32 i, and reduces them with shuffles: no barrier) and the token's sequence (find_seq; a row
+// of a token outside every sequence was never written: its loads stay inside part_* and go unused).
+// Splits past MERGE_PREFETCH are loaded once the weights are known. On sm90+ it is a programmatic
+// dependent launch of the attention kernel (griddepcontrol.wait first, nothing read before it).
 extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
     const float* __restrict__ part_acc, const float* __restrict__ part_ml, const float* __restrict__ v_scale,
     const int* __restrict__ qsl, q_t* __restrict__ out, float* __restrict__ lse, int write_lse,
     i64 vs_sh, int T, int HQ, int D, int group, int num_seqs, int num_splits) {
     if (num_splits > MERGE_SPLITS || D > MERGE_DIMS * NT) __trap();  // a launcher bug, never silent corruption
-    const int t = blockIdx.x;
-    const int qh = blockIdx.y;
-    const float vs = TOKEN_SCALES ? 1.0f : v_scale[(qh / group) * vs_sh];
-    int q_lo = 0, q_hi = 0;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;  // uniform over the CTA
     // launched as a programmatic dependent launch on sm90+ (fp8kv_cuda.runtime.launch): the attention
     // kernel's partial results are complete and visible only past this point
     asm volatile("griddepcontrol.wait;" ::: "memory");
 #endif
+    const int t = blockIdx.x;
+    const int qh = blockIdx.y;
     const int lane = threadIdx.x & 31;
     const i64 row = (i64)t * HQ + qh;
     const i64 stride = (i64)T * HQ;
@@ -248,11 +244,9 @@ extern "C" __global__ void __launch_bounds__(NT) fp8kv_merge(
         l[i] = live ? ml[1] : 0.0f;
         r[i] = live ? ml[2] : 0.0f;
     }
-#if !(defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900)
-    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;  // uniform over the CTA (a row of a token outside
-                                                                 // every sequence was never written: its loads
-                                                                 // stay inside part_* and go unused)
-#endif
+    const float vs = TOKEN_SCALES ? 1.0f : v_scale[(qh / group) * vs_sh];
+    int q_lo = 0, q_hi = 0;
+    if (find_seq(qsl, num_seqs, T, t, q_lo, q_hi) < 0) return;  // uniform over the CTA
 
     float m_max = NEG_INF;
 #pragma unroll
