@@ -789,6 +789,7 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     ps = prob_scale;
 #endif
     // each thread 4 consecutive dims of a head (o_col keeps them together), all of its loads issued at once
+    static_assert(D % 4 == 0, "attention_mma.cu: the output quads");
     constexpr int QUADS = HEADS * D / 4;
     const bool out_vec = (reinterpret_cast<unsigned long long>(out) & (4 * sizeof(q_t) - 1)) == 0;  // (D % 4 == 0)
 #pragma unroll
