@@ -29,7 +29,7 @@ CPU_BACKENDS = ("reference", "torch")
 COMPILER_OF = {"cuda": "cuda", "triton": "triton"}
 
 DECODE = "benchmarks/results/hopper_h100/session25/decode_fp8_mode_session25_run{}.json"
-DECODE_RUNS = ((1, True), (2, False), (3, False))  # (run, FlashInfer timed in it)
+DECODE_RUNS = ((1, True), (2, False), (3, False), (4, False), (5, False))  # (run, FlashInfer timed in it)
 DECODE_SHAPES = ((32, 4096), (8, 32768), (64, 2048), (1, 131072))
 DECODE_KERNELS = (("cuda_mma", "cuda"), ("fp8_mode_cuda", "hopper FP8 mode"))  # (row, label): sm90 decode
 DECODE_TARGETS = (("frac_roofline", "fraction of the FP8 roofline", 0.80, ""),
