@@ -131,11 +131,9 @@ def main(argv: list[str] | None = None) -> int:
 def plot(path: str) -> int:
     """``path`` with .png: per row, when each CTA's key loop and the CTA itself ended (us after the first
     CTA started), sorted, with the graph's time a call for comparison."""
-    import matplotlib
+    from fp8kv_bench.plotting import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     with open(path) as f:
         rows = json.load(f)["rows"]
     fig, axes = plt.subplots(1, len(rows), figsize=(3.2 * len(rows), 3.4), squeeze=False, sharey=True)
