@@ -18,7 +18,7 @@ from importlib import resources
 
 from fp8kv.codec import codec_constants
 from fp8kv.formats import FORMATS
-from fp8kv.testing.tolerance import FULL_P_KEYS
+from fp8kv.precision import FULL_P_KEYS
 
 KERNELS = {"write": ("write.cu", ("fp8kv_write_kv",)),
            "attention": ("attention.cu", ("fp8kv_paged_attention", "fp8kv_merge")),

@@ -81,7 +81,7 @@ import triton
 import triton.language as tl
 
 from fp8kv.cache import KVCache
-from fp8kv.testing.tolerance import FULL_P_KEYS  # (re-exported: the kernels' one-float16-P threshold)
+from fp8kv.precision import FULL_P_KEYS
 
 from .codec import codec_args, decode, in_registers
 from .write import cache_strides, scale_strides

@@ -87,14 +87,10 @@ import math
 
 import torch
 
+from ..precision import FULL_P_KEYS
+
 U32 = 2.0**-24
 """Unit roundoff of float32 (round to nearest)."""
-
-FULL_P_KEYS = 1024
-"""Rows that see at least this many keys may enter ``p @ v`` with the weights ``p`` in one float16:
-the error, at most ``2^-12 V`` (``V = max |v'|``), is then within ``4 N u V`` (``u = 2^-24``), half
-the accumulation term ``(8N + 8) u V`` of the bound above. Rows with fewer keys keep ~22 bits of
-``p`` (two float16 halves). The kernels of the Triton and CUDA backends follow this rule."""
 
 _ULP = {
     # dtype: (mantissa bits, log2 of the smallest subnormal)
