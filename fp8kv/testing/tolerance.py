@@ -100,6 +100,7 @@ _ULP = {
 }
 
 __all__ = [
+    "FULL_P_KEYS",
     "U32",
     "U_FP8_DOT",
     "assert_attention_close",
