@@ -92,7 +92,7 @@ def claims(cell: str) -> list[Claim]:
     """
     import torch
 
-    from fp8kv.hookspecs import Request
+    from fp8kv.plugins import Request
     from fp8kv.probe import simulated
     from fp8kv.registry import registry
 

@@ -11,8 +11,8 @@ The engine way (plan once per step, run per layer, no host sync per layer)::
 
 The one-shot way (a metadata is built inside every call)::
 
-    fp8kv.write_kv(cache, k, v, slot_mapping)
-    out = fp8kv.paged_attention(q, cache, block_tables, seq_lens, query_start_loc=qsl)
+    fp8kv.write_kv_one_shot(cache, k, v, slot_mapping)
+    out = fp8kv.paged_attention_one_shot(q, cache, block_tables, seq_lens, query_start_loc=qsl)
 
 Every check runs before any backend is called, so bad input raises
 :class:`fp8kv.InvalidArgument` (an :class:`fp8kv.Fp8KVError`) and leaves the cache unchanged.
@@ -29,10 +29,12 @@ import torch
 
 from . import ops as _ops
 from .cache import KVCache, may_share_bytes
+from .checks import IO_DTYPES, check_slot_mapping, check_tensor
 from .errors import bad_argument
-from .hookspecs import Request
-from .metadata import IO_DTYPES, AttentionMetadata, check_slot_mapping, check_tensor, plan_attention
+from .metadata import AttentionMetadata
+from .planning import plan_attention
 from .registry import select_backend
+from .request import Request, Selection
 
 
 def _check_kv(cache: KVCache, key, value) -> None:
@@ -61,39 +63,55 @@ def _check_separate(cache: KVCache, **tensors: torch.Tensor) -> None:
                                "a tensor separate from the cache's tensors")
 
 
-def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor | AttentionMetadata, *, backend: str = "auto") -> None:
-    """Quantize ``key``/``value`` and store them in ``cache`` at their slots, in place.
+def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, metadata: AttentionMetadata) -> None:
+    """Quantize ``key``/``value`` and store them in ``cache`` at the step's slots, in place.
 
     Args:
         cache: the layer's :class:`fp8kv.KVCache`.
-        key, value: ``[num_tokens, H, D]`` fp32/fp16/bf16, contiguous, on the cache's device.
-        slot_mapping: ``[num_tokens]`` int32/int64 (``slot = block * block_size + offset``,
-            negative = padding, skipped; slots distinct; values checked here, one host sync on
-            a GPU unless ``FP8KV_CHECK=shapes``), or the step's :class:`fp8kv.AttentionMetadata`
-            planned with ``slot_mapping=`` (checked once there: no sync, no re-selection).
-        backend: ``"auto"`` or a backend name (one-shot form only; a metadata carries its choice).
+        key, value: ``[num_tokens, H, D]`` fp32/fp16/bf16, contiguous, on the cache's device,
+            one token per slot of the metadata.
+        metadata: the step's :class:`fp8kv.AttentionMetadata`, planned with ``slot_mapping=``
+            (checked once there: no host sync, no re-selection here).
     """
-    if isinstance(slot_mapping, AttentionMetadata):
-        meta = slot_mapping
-        meta.check_cache(cache)
-        if meta.slot_mapping is None:
-            raise bad_argument("slot_mapping", "a metadata planned without slot_mapping",
-                               "a metadata from plan_attention(..., slot_mapping=...) or a slot tensor")
-        _check_kv(cache, key, value)
-        if key.shape[0] != meta.slot_mapping.shape[0]:
-            raise bad_argument("key", f"{key.shape[0]} tokens", f"one per slot of the metadata "
-                                                                 f"({meta.slot_mapping.shape[0]})")
-        # (under torch.compile the fp8kv::write_kv op re-selects meta.write's backend for key.dtype itself)
-        selection = meta.write if key.dtype == meta.query_dtype or torch.compiler.is_compiling() else \
-            select_backend(Request.for_write(cache.spec, key.dtype), cache.device, meta.write.backend.name)
-        slots = meta.slot_mapping
-    else:
-        if not isinstance(cache, KVCache):
-            raise bad_argument("cache", type(cache).__name__, "an fp8kv.KVCache")
-        _check_kv(cache, key, value)
-        slots = check_slot_mapping(cache.spec, slot_mapping, key.shape[0], None)
-        selection = select_backend(Request.for_write(cache.spec, key.dtype), cache.device, backend)
+    if not isinstance(metadata, AttentionMetadata):
+        raise bad_argument("metadata", type(metadata).__name__,
+                           "an fp8kv.AttentionMetadata from plan_attention(..., slot_mapping=...); for a "
+                           "one-off write without a plan: fp8kv.write_kv_one_shot(cache, key, value, slot_mapping)")
+    meta = metadata
+    meta.check_cache(cache)
+    if meta.slot_mapping is None:
+        raise bad_argument("metadata", "a metadata planned without slot_mapping",
+                           "a metadata from plan_attention(..., slot_mapping=...)")
+    _check_kv(cache, key, value)
+    if key.shape[0] != meta.slot_mapping.shape[0]:
+        raise bad_argument("key", f"{key.shape[0]} tokens", f"one per slot of the metadata "
+                                                             f"({meta.slot_mapping.shape[0]})")
+    # (under torch.compile the fp8kv::write_kv op re-selects meta.write's backend for key.dtype itself)
+    selection = meta.write if key.dtype == meta.query_dtype or torch.compiler.is_compiling() else \
+        select_backend(Request.for_write(cache.spec, key.dtype), cache.device, meta.write.backend.name)
+    _write(cache, key, value, meta.slot_mapping, selection)
+
+
+def write_kv_one_shot(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor, *,
+                      backend: str = "auto") -> None:
+    """:func:`write_kv` without a plan: checks the slots (one host sync on a GPU unless
+    ``FP8KV_CHECK=shapes``) and selects the backend in this call.
+
+    Args:
+        cache, key, value: as :func:`write_kv`.
+        slot_mapping: ``[num_tokens]`` int32/int64 (``slot = block * block_size + offset``,
+            negative = padding, skipped; slots distinct).
+        backend: ``"auto"`` or a backend name.
+    """
+    if not isinstance(cache, KVCache):
+        raise bad_argument("cache", type(cache).__name__, "an fp8kv.KVCache")
+    _check_kv(cache, key, value)
+    slots = check_slot_mapping(cache.spec, slot_mapping, key.shape[0], None)
+    selection = select_backend(Request.for_write(cache.spec, key.dtype), cache.device, backend)
+    _write(cache, key, value, slots, selection)
+
+
+def _write(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, selection: Selection) -> None:
     _check_separate(cache, key=key, value=value)
     if key.requires_grad or value.requires_grad:  # inference only: never joins the caller's graph
         key, value = key.detach(), value.detach()
@@ -108,24 +126,18 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor,
 def paged_attention(
     query: torch.Tensor,
     cache: KVCache,
-    metadata: AttentionMetadata | torch.Tensor,
-    seq_lens: torch.Tensor | None = None,
+    metadata: AttentionMetadata,
     *,
     out: torch.Tensor | None = None,
     return_lse: bool = False,
     layer_scales: dict | None = None,
-    **one_shot,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``query`` over the paged FP8 cache.
 
     Args:
         query: ``[num_tokens, Hq, D]`` contiguous, in the metadata's ``query_dtype``.
         cache: the layer's :class:`fp8kv.KVCache`, already holding the step's K/V.
-        metadata: the step's :class:`fp8kv.AttentionMetadata` (from :func:`fp8kv.plan_attention`);
-            or, one-shot, the ``block_tables [num_seqs, max_blocks]`` tensor, with ``seq_lens``
-            and any keyword of :func:`fp8kv.plan_attention` (``query_start_loc``,
-            ``max_query_len``, ``softmax_scale``, ``causal``, ``sliding_window``, ``window_left``,
-            ``logits_soft_cap``, ``backend``, ...) in ``one_shot``.
+        metadata: the step's :class:`fp8kv.AttentionMetadata` (from :func:`fp8kv.plan_attention`).
         out: optional ``[num_tokens, Hq, D]`` output in the query dtype, contiguous.
         return_lse: also return the float32 ``[num_tokens, Hq]`` log-sum-exp (natural log) of
             each row's logits, for :func:`merge_attention_states`.
@@ -136,33 +148,81 @@ def paged_attention(
     Returns:
         ``out`` (``[num_tokens, Hq, D]`` in the query dtype), or ``(out, lse)``.
     """
-    if isinstance(metadata, AttentionMetadata):
-        if seq_lens is not None or one_shot:
-            raise bad_argument("seq_lens" if seq_lens is not None else sorted(one_shot)[0], "given with a metadata",
-                               "nothing else: the metadata carries the step")
-        meta = metadata
-    else:
-        if not isinstance(query, torch.Tensor):
-            raise bad_argument("query", type(query).__name__, "a torch.Tensor")
-        if not isinstance(cache, KVCache):
-            raise bad_argument("cache", type(cache).__name__, "an fp8kv.KVCache")
-        if query.dim() != 3:
-            raise bad_argument("query", f"shape {tuple(query.shape)}", "3 dimensions [num_tokens, Hq, D]")
-        if not query.is_floating_point() or query.dtype not in IO_DTYPES:
-            raise bad_argument("query", f"dtype {query.dtype}", f"one of {[str(d) for d in IO_DTYPES]}")
-        H, D = cache.num_kv_heads, cache.head_size
-        if query.shape[2] != D:
-            raise bad_argument("query", f"head size {query.shape[2]}", f"the cache's head_size {D}")
-        if query.shape[1] == 0 or query.shape[1] % H:
-            raise bad_argument("query", f"{query.shape[1]} query heads", f"a positive multiple of num_kv_heads={H}")
-        if "query_start_loc" not in one_shot and query.shape[0] != getattr(seq_lens, "shape", (None,))[0]:
-            raise bad_argument("query", f"{query.shape[0]} tokens", "one per sequence for decode; pass "
-                                                                     "query_start_loc for prefill")
-        meta = plan_attention(cache, block_tables=metadata, seq_lens=seq_lens, num_q_heads=query.shape[1],
-                              query_dtype=query.dtype, num_tokens=query.shape[0], **one_shot)
-    meta.check_cache(cache)
+    if not isinstance(metadata, AttentionMetadata):
+        raise bad_argument("metadata", type(metadata).__name__,
+                           "an fp8kv.AttentionMetadata from plan_attention(...); for a one-off call without a "
+                           "plan: fp8kv.paged_attention_one_shot(query, cache, block_tables, seq_lens, ...)")
+    metadata.check_cache(cache)
     if layer_scales is not None:
-        meta = _with_layer_scales(meta, layer_scales)
+        metadata = _with_layer_scales(metadata, layer_scales)
+    return _attend(query, cache, metadata, out, return_lse)
+
+
+def paged_attention_one_shot(
+    query: torch.Tensor,
+    cache: KVCache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    query_start_loc: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    window_left: int | None = None,
+    logits_soft_cap: float | None = None,
+    fp8_attention: bool = False,
+    q_scale: torch.Tensor | None = None,
+    prob_scale: float | None = None,
+    validate: bool | None = None,
+    backend: str = "auto",
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`paged_attention` without a plan: plans the step (checks, selection) in this call.
+
+    Args:
+        query, cache, out, return_lse: as :func:`paged_attention`.
+        block_tables / seq_lens: ``[num_seqs, max_blocks]`` and ``[num_seqs]`` int32/int64.
+        query_start_loc: ``[num_seqs + 1]`` offsets for chunked prefill; None: decode, one query
+            per sequence.
+        The other keywords: as :func:`fp8kv.plan_attention`.
+    """
+    if not isinstance(query, torch.Tensor):
+        raise bad_argument("query", type(query).__name__, "a torch.Tensor")
+    if not isinstance(cache, KVCache):
+        raise bad_argument("cache", type(cache).__name__, "an fp8kv.KVCache")
+    if query.dim() != 3:
+        raise bad_argument("query", f"shape {tuple(query.shape)}", "3 dimensions [num_tokens, Hq, D]")
+    if not query.is_floating_point() or query.dtype not in IO_DTYPES:
+        raise bad_argument("query", f"dtype {query.dtype}", f"one of {[str(d) for d in IO_DTYPES]}")
+    H, D = cache.num_kv_heads, cache.head_size
+    if query.shape[2] != D:
+        raise bad_argument("query", f"head size {query.shape[2]}", f"the cache's head_size {D}")
+    if query.shape[1] == 0 or query.shape[1] % H:
+        raise bad_argument("query", f"{query.shape[1]} query heads", f"a positive multiple of num_kv_heads={H}")
+    if not isinstance(block_tables, torch.Tensor):
+        raise bad_argument("block_tables", type(block_tables).__name__,
+                           "a torch.Tensor [num_seqs, max_blocks] (a planned step goes to "
+                           "fp8kv.paged_attention(query, cache, metadata))")
+    if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() != 1:
+        raise bad_argument("seq_lens", f"shape {tuple(seq_lens.shape)}", "1 dimension [num_seqs]")
+    if query_start_loc is None and query.shape[0] != getattr(seq_lens, "shape", (None,))[0]:
+        raise bad_argument("query", f"{query.shape[0]} tokens", "one per sequence for decode; pass "
+                                                                 "query_start_loc for prefill")
+    meta = plan_attention(cache, block_tables=block_tables, seq_lens=seq_lens, num_q_heads=query.shape[1],
+                          query_dtype=query.dtype, num_tokens=query.shape[0], query_start_loc=query_start_loc,
+                          max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale,
+                          causal=causal, sliding_window=sliding_window, window_left=window_left,
+                          logits_soft_cap=logits_soft_cap, fp8_attention=fp8_attention, q_scale=q_scale,
+                          prob_scale=prob_scale, validate=validate, backend=backend)
+    return _attend(query, cache, meta, out, return_lse)
+
+
+def _attend(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor | None,
+            return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Check ``query`` and ``out`` against the planned step, then run the chosen backend."""
     spec = meta.spec
     want = (meta.num_tokens, meta.num_q_heads, spec.head_size)
     check_tensor("query", query, dtypes=(meta.query_dtype,), ndim=3, device=spec.device)
@@ -253,4 +313,4 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     return out, lse
 
 
-__all__ = ["merge_attention_states", "paged_attention", "write_kv"]
+__all__ = ["merge_attention_states", "paged_attention", "paged_attention_one_shot", "write_kv", "write_kv_one_shot"]

@@ -21,16 +21,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import Unsupported, bad_argument
 from .formats import FORMATS, Fp8Format, check_scale, ensure_fp8, get_format
 from .scales import GRANULARITIES, check_granularity
-
-if TYPE_CHECKING:
-    from .checkpoint import KVCachePlan
 
 LAYOUTS = ("NHD", "HND")
 
@@ -337,22 +333,14 @@ class KVCache:
         k_scale: torch.Tensor | float | None = None,
         v_scale: torch.Tensor | float | None = None,
         device: torch.device | str | None = None,
-        plan: KVCachePlan | None = None,
-        layer: int | None = None,
     ) -> KVCache:
         """Allocate a zero-filled cache (static scales default to 1.0).
 
         ``kv_dtype`` defaults to ``"fp8_e4m3"`` and ``scale_granularity`` to ``"tensor"``;
         ``kv_dtype="fp8"`` means the platform's e4m3 of ``device`` (fnuz on gfx942).
-        ``plan`` (from :func:`fp8kv.resolve_kv_cache`) supplies kv_dtype, granularity and
-        ``layer``'s k/v scales; explicit arguments that conflict with it raise Fp8KVError.
+        A checkpoint's :class:`fp8kv.KVCachePlan` supplies kv_dtype, granularity and a layer's
+        scales: ``KVCache.allocate(num_blocks, block_size, H, D, **plan.cache_kwargs(layer))``.
         """
-        if plan is not None:
-            kv_dtype, scale_granularity, k_scale, v_scale = plan.cache_arguments(
-                layer, kv_dtype=kv_dtype, scale_granularity=scale_granularity,
-                k_scale=k_scale, v_scale=v_scale)
-        elif layer is not None:
-            raise bad_argument("layer", repr(layer), "None without a plan (it picks the plan's scales)")
         for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
                         ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
             _positive_int(name, v)

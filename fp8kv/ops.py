@@ -102,10 +102,10 @@ from torch import Tensor
 
 from .cache import CacheSpec, KVCache
 from .formats import FORMATS
-from .hookspecs import Request
 from .metadata import AttentionMetadata, AttentionOptions
 from .probe import _simulated_override
 from .registry import Selection, registry, select_backend
+from .request import Request
 
 __all__ = ["PAGED_ATTENTION_SCHEMA", "WRITE_KV_SCHEMA", "check_compile_on_device", "paged_attention_op",
            "traced_paged_attention", "traced_write_kv", "write_kv_op"]
@@ -142,7 +142,7 @@ _SELECTIONS: dict = {}
 def _select(key: tuple, request: Callable[[], Request], device: torch.device, backend: str) -> Selection:
     """``select_backend(request(), device, backend)``, memoised under ``key`` (a host-side tuple that
     determines the request). A hit is checked against the live registry (a re-registered backend is
-    honoured) and the innermost :func:`fp8kv.simulate_device` (so is a simulated device); the
+    honoured) and the innermost :func:`fp8kv.plugins.simulate_device` (so is a simulated device); the
     environment (``FP8KV_SIMULATE_DEVICE``, ``TRITON_INTERPRET``) is read on a miss only."""
     sel = _SELECTIONS.get(key)
     simulated = _simulated_override[-1] if _simulated_override else None
@@ -373,7 +373,7 @@ def check_compile_on_device(device: str | torch.device = "cuda", *, backend: str
         hist = [(i, p) for i, n in enumerate(lens) for p in range(n)]
         hk, hv = rand(len(hist), H, D), rand(len(hist), H, D)
         for cache in eager_caches:
-            fp8kv.write_kv(cache, hk, hv, slots_of(hist).to(dev), backend=backend)
+            fp8kv.write_kv_one_shot(cache, hk, hv, slots_of(hist).to(dev), backend=backend)
         compiled_caches = [copy_of(c, kind) for c in eager_caches]
         compiled = torch.compile(step, fullgraph=True, backend=compile_backend)
         info = summary["kinds"][kind] = {"steps": 0, "opchecks": 0}

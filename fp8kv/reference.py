@@ -42,8 +42,9 @@ from ._version import __version__
 from .cache import KVCache
 from .formats import divide_by_scale, quantize_scaled
 from .fp8_attention import fp8_probabilities, quantize_query, round_probabilities
-from .hookspecs import BackendInfo, Request, hookimpl
+from .hookspecs import hookimpl
 from .probe import DeviceInfo
+from .request import BackendInfo, Request
 from .scales import token_head_scale
 
 if TYPE_CHECKING:

@@ -58,8 +58,9 @@ import torch
 
 from . import settings
 from .errors import BackendFailure, Fp8KVError, InvalidArgument, PluginError, Unsupported
-from .hookspecs import OPS, PROJECT, BackendInfo, BackendSpec, Request
+from .hookspecs import PROJECT, BackendSpec
 from .probe import DeviceInfo, probe
+from .request import OPS, BackendInfo, Request, Selection
 
 if TYPE_CHECKING:
     from .cache import KVCache
@@ -247,35 +248,9 @@ class Backend:
                 f"{where} claimed support and failed in {hook}: {_describe_exception(exc)}") from exc
 
 
-@dataclass(frozen=True)
-class Selection:
-    """The outcome of :func:`select_backend`.
-
-    Attributes:
-        backend: the backend that will serve the request.
-        reasons: every backend passed over -> why (lower priority ones that could
-            also serve say ``"can serve, lower priority than <name>"``; backends
-            ``FP8KV_AUTO_BACKENDS`` leaves out say so).
-        request, device: what was asked, where.
-        forced: True when the backend was named by the caller or ``FP8KV_BACKEND``.
-    """
-
-    backend: Backend
-    reasons: dict[str, str]
-    request: Request
-    device: DeviceInfo
-    forced: bool = False
-
-    def explain(self) -> str:
-        lines = [f"{self.request.describe()} on {self.device.name}: {self.backend.name}"
-                 + (" (forced)" if self.forced else "")]
-        lines += [f"  {name}: {why}" for name, why in self.reasons.items()]
-        return "\n".join(lines)
-
-
 def _check_info(info: Any, plugin: Any) -> BackendInfo:
     if not isinstance(info, BackendInfo):
-        raise TypeError(f"fp8kv_backend_info returned {info!r}, expected a fp8kv.BackendInfo")
+        raise TypeError(f"fp8kv_backend_info returned {info!r}, expected a fp8kv.plugins.BackendInfo")
     name = info.name
     if not isinstance(name, str) or not name or name != name.strip() or name == "auto":
         raise ValueError(f"backend name {info.name!r}: expected a non-empty name other than 'auto'")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 import fp8kv
-from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo
 from fp8kv.registry import reset_registry
 
@@ -209,7 +209,7 @@ def install(*backends: FakeBackend) -> None:
     reg = reset_registry()
     reg.loaded = True
     for b in backends:
-        fp8kv.register_backend(b)
+        fp8kv.plugins.register_backend(b)
 
 
 # -- hostile inputs ------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 import fp8kv.reference
 from fp8kv.fp8_attention import quantize_query
-from fp8kv.hookspecs import BackendInfo, hookimpl
+from fp8kv.plugins import BackendInfo, hookimpl
 from fp8kv.reference import LOGIT_MAX, visible_mask
 from fp8kv.testing.fp8_accumulator import exponent, hopper_accumulate
 

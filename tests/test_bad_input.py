@@ -15,7 +15,7 @@ H, D, BS, NB = 2, 16, 4, 6
 def cache():
     c = fp8kv.KVCache.allocate(NB, BS, H, D, scale_granularity="token_head")
     g = torch.Generator().manual_seed(0)
-    fp8kv.write_kv(c, torch.randn(8, H, D, generator=g), torch.randn(8, H, D, generator=g),
+    fp8kv.write_kv_one_shot(c, torch.randn(8, H, D, generator=g), torch.randn(8, H, D, generator=g),
                    torch.arange(8), backend="reference")
     return c
 
@@ -50,7 +50,7 @@ def test_bad_write_raises_and_leaves_cache_unchanged(cache, case):
     make, argname, expected = WRITE_CASES[case]
     before = cache.clone()
     with pytest.raises(Fp8KVError) as err:
-        fp8kv.write_kv(cache, *make())
+        fp8kv.write_kv_one_shot(cache, *make())
     assert str(err.value).startswith(argname + ":"), str(err.value)
     assert expected in str(err.value)
     assert cache.same_bytes(before)
@@ -127,7 +127,7 @@ def test_bad_attention_raises_and_leaves_cache_unchanged(cache, case):
     before = cache.clone()
     args = make()
     with pytest.raises(Fp8KVError) as err:
-        fp8kv.paged_attention(args.pop("query"), cache, args.pop("block_tables"), args.pop("seq_lens"), **args)
+        fp8kv.paged_attention_one_shot(args.pop("query"), cache, args.pop("block_tables"), args.pop("seq_lens"), **args)
     assert str(err.value).startswith(argname + ":"), str(err.value)
     assert expected in str(err.value)
     assert cache.same_bytes(before)
@@ -136,8 +136,8 @@ def test_bad_attention_raises_and_leaves_cache_unchanged(cache, case):
 def test_int64_index_tensors_are_accepted_and_converted_once(cache):
     """vLLM and SGLang hand over int64 block tables and lengths: same result as int32."""
     a = decode_args()
-    want = fp8kv.paged_attention(a["query"], cache, a["block_tables"], a["seq_lens"], backend="reference")
-    got = fp8kv.paged_attention(a["query"], cache, a["block_tables"].long(), a["seq_lens"].long(),
+    want = fp8kv.paged_attention_one_shot(a["query"], cache, a["block_tables"], a["seq_lens"], backend="reference")
+    got = fp8kv.paged_attention_one_shot(a["query"], cache, a["block_tables"].long(), a["seq_lens"].long(),
                                 backend="reference")
     meta = fp8kv.plan_attention(cache, num_q_heads=2 * H, query_dtype=torch.float32,
                                 block_tables=a["block_tables"].long(), seq_lens=a["seq_lens"].long())
@@ -148,7 +148,7 @@ def test_int64_index_tensors_are_accepted_and_converted_once(cache):
 def test_good_attention_call_passes(cache):
     """The fixture's good arguments work, so the cases above fail for their one change."""
     a = decode_args()
-    out = fp8kv.paged_attention(a["query"], cache, a["block_tables"], a["seq_lens"], backend="reference")
+    out = fp8kv.paged_attention_one_shot(a["query"], cache, a["block_tables"], a["seq_lens"], backend="reference")
     assert out.shape == (2, 2 * H, D) and bool(torch.isfinite(out).all())
 
 
@@ -174,7 +174,7 @@ def test_bad_allocation_is_refused(kwargs, argname):
 
 def test_not_a_cache():
     with pytest.raises(Fp8KVError, match="^cache:"):
-        fp8kv.write_kv(object(), *kv(), torch.arange(3))
+        fp8kv.write_kv_one_shot(object(), *kv(), torch.arange(3))
 
 
 ALLOCATE_CASES = [

@@ -224,7 +224,7 @@ def test_fnuz_is_the_gfx942_format():
 
 
 def test_device_none_uses_probe_and_simulation():
-    with fp8kv.simulate_device("gfx942"):
+    with fp8kv.plugins.simulate_device("gfx942"):
         plan = fp8kv.resolve_kv_cache("fp8", config("ct_w4a16"))
     assert plan.kv_dtype == "fp8_e4m3fnuz" and "gfx942" in plan.device
     assert fp8kv.resolve_kv_cache("fp8", None, fp8kv.probe("cpu")).kv_dtype == "fp8_e4m3"
@@ -539,11 +539,11 @@ def test_config_json_path_and_config_only_directory(tmp_path):
 def test_allocate_from_plan(tmp_path):
     d = write_checkpoint(tmp_path / "m", config("ct_fp8_kv"), kv_scales(SCALES))
     plan = fp8kv.resolve_kv_cache("fp8", d, "gfx942")
-    cache = fp8kv.KVCache.allocate(4, 16, KV_HEADS, 64, plan=plan, layer=1)
+    cache = fp8kv.KVCache.allocate(4, 16, KV_HEADS, 64, **plan.cache_kwargs(1))
     assert cache.kv_dtype == "fp8_e4m3fnuz" and cache.scale_granularity == "tensor"
     assert float(cache.k_scale) == 0.25 and float(cache.v_scale) == 4.0
-    same = fp8kv.KVCache.allocate(4, 16, KV_HEADS, 64, plan=plan, layer=1, kv_dtype="fp8_e4m3fnuz",
-                                  k_scale=0.25)
+    same = fp8kv.KVCache.allocate(4, 16, KV_HEADS, 64, **plan.cache_kwargs(1, kv_dtype="fp8_e4m3fnuz",
+                                                                           k_scale=0.25))
     assert float(same.k_scale) == 0.25
     for kwargs, match in (({"kv_dtype": "fp8_e4m3"}, "kv_dtype: got 'fp8_e4m3', expected 'fp8_e4m3fnuz'"),
                           ({"scale_granularity": "head"}, "scale_granularity: got 'head'"),
@@ -553,26 +553,26 @@ def test_allocate_from_plan(tmp_path):
                           ({"layer": "1"}, "layer: got '1', expected an int layer index"),
                           ({"layer": 9}, "layer: got 9")):
         with pytest.raises(fp8kv.Fp8KVError, match=match):
-            fp8kv.KVCache.allocate(4, 16, KV_HEADS, 64, plan=plan, **{"layer": 1, **kwargs})
+            fp8kv.KVCache.allocate(4, 16, KV_HEADS, 64, **plan.cache_kwargs(**{"layer": 1, **kwargs}))
 
 
 def test_allocate_from_default_dynamic_and_refusing_plans():
     default = fp8kv.resolve_kv_cache("fp8_e5m2", config("awq"), "sm80")
-    cache = fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, plan=default)
+    cache = fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **default.cache_kwargs())
     assert cache.kv_dtype == "fp8_e5m2" and float(cache.k_scale) == 1.0
     dyn = fp8kv.resolve_kv_cache("auto", config("ct_kv_dynamic"), "sm80")
-    cache = fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, plan=dyn, layer=0)
+    cache = fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **dyn.cache_kwargs(0))
     assert cache.scale_granularity == "token_head" and cache.k_scale.shape == (2, 8, KV_HEADS)
     with pytest.raises(fp8kv.Fp8KVError, match="expected None"):
-        fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, plan=dyn, k_scale=1.0)
+        fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **dyn.cache_kwargs(k_scale=1.0))
     with pytest.raises(fp8kv.Fp8KVError, match="plan: got a plan with kv_dtype 'auto'"):
-        fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, plan=fp8kv.resolve_kv_cache("auto", None, "sm80"))
+        fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **fp8kv.resolve_kv_cache("auto", None, "sm80").cache_kwargs())
     config_only = fp8kv.resolve_kv_cache("fp8", config("ct_fp8_kv"), "sm80")
     with pytest.raises(fp8kv.Fp8KVError, match="planned from a config alone"):
-        fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, plan=config_only, layer=0)
+        fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **config_only.cache_kwargs(0))
     plain = fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64)  # defaults unchanged without a plan
     assert plain.kv_dtype == "fp8_e4m3" and plain.scale_granularity == "tensor"
-    with pytest.raises(fp8kv.Fp8KVError, match="layer: got 0, expected None without a plan"):
+    with pytest.raises(TypeError, match="layer"):  # a layer's scales come from a plan's cache_kwargs only
         fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, layer=0)
 
 
@@ -582,10 +582,10 @@ def test_plan_scales_drive_the_reference_write(tmp_path):
         **{f"model.layers.{i}.self_attn.v_scale": torch.tensor([2.0, 4.0]) for i in range(LAYERS)}})
     plan = fp8kv.resolve_kv_cache("fp8", d, "cpu")
     reset_registry()  # the real registry (the reference) runs the write
-    cache = fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, plan=plan, layer=2)
+    cache = fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, **plan.cache_kwargs(2))
     g = torch.Generator().manual_seed(0)
     key, value = torch.randn(3, KV_HEADS, 8, generator=g), torch.randn(3, KV_HEADS, 8, generator=g)
-    fp8kv.write_kv(cache, key, value, torch.tensor([0, 1, 5]), backend="reference")
+    fp8kv.write_kv_one_shot(cache, key, value, torch.tensor([0, 1, 5]), backend="reference")
     want = fp8kv.quantize(key, "fp8_e4m3", torch.tensor([0.5, 0.25])[:, None])
     assert torch.equal(cache.key_cache.view(torch.uint8)[0, :2], want[:2].view(torch.uint8))
 
@@ -651,7 +651,7 @@ def _described(plan: fp8kv.KVCachePlan) -> dict[str, list[int]]:
 
 
 def _scales_of(plan, layer):
-    cache = fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, plan=plan, layer=layer)
+    cache = fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, **plan.cache_kwargs(layer))
     return cache.k_scale.tolist(), cache.v_scale.tolist()
 
 
@@ -707,7 +707,7 @@ def test_describe_matches_allocate_for_default_and_dynamic_plans(tmp_path):
     assert "see the warning" not in e5.describe() and e5.warnings == ()
     dyn = fp8kv.resolve_kv_cache("auto", config("ct_kv_dynamic"), "sm80")
     assert "dynamic, one per token and KV head, computed at write time" in dyn.describe()
-    cache = fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, plan=dyn, layer=0)
+    cache = fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, **dyn.cache_kwargs(0))
     assert cache.k_scale.shape == (2, 4, KV_HEADS) and dyn.layer_scales(0) == (None, None)
 
 
@@ -719,7 +719,7 @@ def test_plan_without_config_layer_count_has_the_layers_found(tmp_path):
     assert sorted(plan.k_scales) == [0, 7] and plan.loaded_layers == (0, 7) and plan.num_layers is None
     assert _described(plan) == {"stored": [0, 7], "v=k": [], "1.0": []}
     with pytest.raises(fp8kv.Fp8KVError, match="layer: got 3, expected a layer this plan has"):
-        fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, plan=plan, layer=3)
+        fp8kv.KVCache.allocate(2, 4, KV_HEADS, 8, **plan.cache_kwargs(3))
 
 
 # -- hostile checkpoints: typed, bounded, never hanging (issue item 6) ----------------------------------

@@ -34,24 +34,24 @@ def test_a_backend_that_changes_its_claims_changes_the_matrix(monkeypatch):
     import fp8kv
 
     class Extra:
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_backend_info(self):
-            return fp8kv.BackendInfo("ci_probe_extra", "0", priority=5, description="test", fast=False)
+            return fp8kv.plugins.BackendInfo("ci_probe_extra", "0", priority=5, description="test", fast=False)
 
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_supports(self, device, request):
             return None if device.arch == "sm75" and request.kv_dtype == "fp8_e5m2" else "only e5m2 on sm75"
 
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_write_kv(self, cache, key, value, slot_mapping):
             raise NotImplementedError
 
     before = aggregate.render()
-    fp8kv.register_backend(Extra())
+    fp8kv.plugins.register_backend(Extra())
     try:
         after = aggregate.render()
     finally:
-        fp8kv.unregister_backend("ci_probe_extra")
+        fp8kv.plugins.unregister_backend("ci_probe_extra")
     assert "ci_probe_extra" not in before
     rows = [line for line in after.splitlines() if line.startswith("| ci_probe_extra | write_kv")]
     assert rows and all("fp8_e5m2 |" in r for r in rows)

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 import fp8kv
 from fp8kv import reference
 from fp8kv.formats import FORMATS
-from fp8kv.hookspecs import BackendInfo, hookimpl
+from fp8kv.plugins import BackendInfo, hookimpl
 from fp8kv.registry import (
     BackendFailure,
     available_backends,
@@ -403,7 +403,7 @@ def test_workloads_are_valid_and_match_the_api_requests(wl):
     try:
         Spy.seen.clear()
         cache = wl.fill_cache("spy")
-        fp8kv.paged_attention(a.query, cache, a.block_tables, a.seq_lens, query_start_loc=a.query_start_loc,
+        fp8kv.paged_attention_one_shot(a.query, cache, a.block_tables, a.seq_lens, query_start_loc=a.query_start_loc,
                               backend="spy", **wl.attention_kwargs())
         assert Spy.seen == [wl.request("write_kv"), wl.request("paged_attention")]
     finally:
@@ -437,7 +437,7 @@ def test_poisoned_slots_survive_a_reference_write():
     cache = wl.allocate_cache()
     before = cache.clone()
     t = wl.tensors()
-    fp8kv.write_kv(cache, t.key, t.value, t.slot_mapping, backend="reference")
+    fp8kv.write_kv_one_shot(cache, t.key, t.value, t.slot_mapping, backend="reference")
     keep = torch.ones(cache.num_slots, dtype=torch.bool)
     keep[wl.mapped_slots()] = False
     after, poison = cache.token_view().view(torch.uint8)[keep], before.token_view().view(torch.uint8)[keep]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fp8kv
-from fp8kv.hookspecs import Request
+from fp8kv.plugins import Request
 from fp8kv.probe import simulate_device, simulated
 from fp8kv.registry import available_backends, get_backend, select_backend
 
@@ -106,7 +106,7 @@ def test_priority_only_where_measured_faster():
     import torch
     from fp8kv_cuda.capabilities import DECODE_PRIORITY, PREFILL_PRIORITY, priority
 
-    from fp8kv.hookspecs import Request
+    from fp8kv.plugins import Request
 
     def r(fmt="fp8_e4m3", gran="tensor", D=128, io=torch.bfloat16, features=(), op="paged_attention"):
         return Request(op, fmt, "NHD", gran, D, io, "cuda", frozenset(features))
@@ -142,7 +142,7 @@ def test_forcing_cuda_on_cpu_tensors_raises_the_reason():
     cache = fp8kv.KVCache.allocate(4, 4, 2, 16)
     k = torch.randn(3, 2, 16)
     with pytest.raises(fp8kv.Fp8KVError, match="cpu tensors: the CUDA backend runs on NVIDIA GPUs only"):
-        fp8kv.write_kv(cache, k, k, torch.arange(3), backend="cuda")
+        fp8kv.write_kv_one_shot(cache, k, k, torch.arange(3), backend="cuda")
 
 
 def test_plan_splits_only_when_the_gpu_would_idle(monkeypatch):
@@ -472,7 +472,7 @@ def test_the_fp8_mode_decode_refuses_what_it_cannot_run_before_any_launch():
     for D, plan_, name in ((128, AttnPlan(128, 4, 32, 1, 1, 64, mma=True, prefill=True, row_tiles=1), "plan_"),
                            (40, AttnPlan(40, 8, 16, 1, 1, 64, mma=True), "fp8")):
         cache = fp8kv.KVCache.allocate(4, 16, 2, D, kv_dtype="fp8_e4m3", scale_granularity="tensor")
-        fp8kv.write_kv(cache, torch.randn(64, 2, D), torch.randn(64, 2, D), torch.arange(64))
+        fp8kv.write_kv_one_shot(cache, torch.randn(64, 2, D), torch.randn(64, 2, D), torch.arange(64))
         before = cache.key_cache.view(torch.uint8).clone(), cache.value_cache.view(torch.uint8).clone()
         q = torch.randn(2, 8, D, dtype=torch.bfloat16)
         one = torch.ones(2, dtype=torch.int32)

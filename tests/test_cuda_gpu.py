@@ -47,7 +47,7 @@ def _skip_reason() -> str | None:
         return "needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)"
     from fp8kv_cuda.capabilities import supports
 
-    from fp8kv.hookspecs import Request
+    from fp8kv.plugins import Request
     from fp8kv.probe import probe
 
     req = Request("write_kv", "fp8_e4m3", "NHD", "tensor", 128, torch.bfloat16, "cuda")
@@ -185,8 +185,8 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype, D):
     ref.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
     ref.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
     gpu = cache_to(ref.clone(), "cuda")
-    fp8kv.write_kv(ref, key, value, slots, backend="reference")
-    fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
+    fp8kv.write_kv_one_shot(ref, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
     assert_same_bytes(gpu, ref)
 
 
@@ -213,8 +213,8 @@ def test_write_through_strided_views_with_int32_slots(gran):
     key = torch.randn(T, H, D, generator=g).bfloat16()
     value = torch.randn(T, H, D, generator=g).bfloat16() * 3
     slots = torch.randperm(nb * bs, generator=g)[:T].int()
-    fp8kv.write_kv(ref, key, value, slots, backend="reference")
-    fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
+    fp8kv.write_kv_one_shot(ref, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
     assert torch.equal(both_gpu.cpu(), both)
     if gran == "token_head":
         assert torch.equal(pad_gpu.cpu().view(torch.int32), pad.view(torch.int32))
@@ -244,7 +244,7 @@ def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str,
                        for i, n in enumerate(lens)])
     key = torch.randn(len(slots), H, D, generator=g) * 3
     value = torch.randn(len(slots), H, D, generator=g)
-    fp8kv.write_kv(cache, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
+    fp8kv.write_kv_one_shot(cache, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
     return cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
@@ -274,9 +274,9 @@ def test_attention_at_real_sizes(case):
     query = torch.randn(T, Hq, D, device="cuda").to(dtype)
     out = torch.full_like(query, math.nan)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
-    _, lse = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="cuda",
+    _, lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="cuda",
                                    return_lse=True, **kw)
-    ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, backend="reference",
+    ref, ref_lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, backend="reference",
                                          return_lse=True, **kw)
     bounds = paged_attention_bounds(query, cache, tables, lens, qsl, sliding_window=window, logits_soft_cap=cap)
     assert_attention_close(out, ref, **bounds)
@@ -337,9 +337,9 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
     p = plan(query.device, num_tokens=B, num_kv_heads=H, group=Hq // H, head_size=D, max_keys=82 * bs,
              query_dtype=dtype, token_scales=gran == "token_head", fmt=fmt.name)
     assert p.mma
-    out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
+    out, lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
                                      backend="cuda", return_lse=True)
-    ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="reference", return_lse=True)
+    ref, ref_lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens_t, backend="reference", return_lse=True)
     if specials:
         assert out[1, 0:6].isnan().all() and not out[1, 6:].isnan().any()
         assert out[3, 6:, [1, D - 1]].isnan().all() and not out[3, :, 2:D - 1].isnan().any()
@@ -351,8 +351,8 @@ def test_tensor_core_kernel_on_every_code(fmt, dtype, D, specials, gran):
     if dtype == torch.bfloat16 and not specials:  # a range beyond 2^31: the exact bfloat16-K path
         wide = query.clone()
         wide[..., ::2] *= 2.0**-40
-        out = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="cuda")
-        ref = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="reference")
+        out = fp8kv.paged_attention_one_shot(wide, cache, tables, lens_t, backend="cuda")
+        ref = fp8kv.paged_attention_one_shot(wide, cache, tables, lens_t, backend="reference")
         assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl))
 
 
@@ -375,7 +375,7 @@ def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
                                        k_scale=0.02, v_scale=0.03)
     slots = torch.arange(NB * bs)
     key, value = torch.randn(NB * bs, H, D, generator=g) * 3, torch.randn(NB * bs, H, D, generator=g)
-    fp8kv.write_kv(cache, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
+    fp8kv.write_kv_one_shot(cache, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
     lens_l = [NB * bs - 3, 37, 1, 17 * bs + 5]
     per = NB // 2
     tables = torch.stack([torch.randperm(NB, generator=g)[:per] for _ in lens_l]).int()
@@ -385,8 +385,9 @@ def test_tensor_core_decode_block_sizes_and_hostile_tables(bs, layout):
     query = torch.randn(len(lens_l), Hq, D, generator=g).to(qdtype).cuda()
     qsl = torch.arange(len(lens_l) + 1, dtype=torch.int32, device="cuda")
     for window in (None, 3 * bs // 2 + 5):
-        out = fp8kv.paged_attention(query, cache, tables.cuda(), lens, sliding_window=window, backend="cuda")
-        ref = fp8kv.paged_attention(query, cache, tables.cuda(), lens, sliding_window=window, backend="reference")
+        out = fp8kv.paged_attention_one_shot(query, cache, tables.cuda(), lens, sliding_window=window, backend="cuda")
+        ref = fp8kv.paged_attention_one_shot(query, cache, tables.cuda(), lens, sliding_window=window,
+                                             backend="reference")
         assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables.cuda(), lens, qsl,
                                                                   sliding_window=window))
     snapshot = [p.clone() for p in parents]
@@ -418,7 +419,8 @@ def test_tensor_core_decode_wave_tiles(seqs, granularity):
     cache = fp8kv.KVCache.allocate(seqs * nblk, bs, H, D, kv_dtype="fp8_e4m3", scale_granularity=granularity,
                                    device="cuda")
     n = seqs * nblk * bs
-    fp8kv.write_kv(cache, (torch.randn(n, H, D, generator=g) * 3).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+    fp8kv.write_kv_one_shot(cache, (torch.randn(n, H, D, generator=g) * 3).cuda(), torch.randn(n, H, D,
+                                                                                               generator=g).cuda(),
                    torch.arange(n, device="cuda"), backend="cuda")
     tables = torch.randperm(seqs * nblk, generator=g).int().view(seqs, nblk).cuda()
     lens = torch.full((seqs,), L, dtype=torch.int32, device="cuda")
@@ -430,8 +432,8 @@ def test_tensor_core_decode_wave_tiles(seqs, granularity):
         wave = cuda_attention.mma_wave_config(torch.device("cuda"), D, seqs * H,
                                               token_scales=granularity == "token_head")
         assert (wave is not None) == (sms < seqs * H <= 4 * sms)
-    out = fp8kv.paged_attention(query, cache, tables, lens, backend="cuda")
-    ref = fp8kv.paged_attention(query, cache, tables, lens, backend="reference")
+    out = fp8kv.paged_attention_one_shot(query, cache, tables, lens, backend="cuda")
+    ref = fp8kv.paged_attention_one_shot(query, cache, tables, lens, backend="reference")
     assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
 
 
@@ -446,7 +448,7 @@ def test_tensor_core_decode_writes_outputs_at_any_alignment(L):
     nblk = -(-L // bs)
     cache = fp8kv.KVCache.allocate(seqs * nblk, bs, H, D, kv_dtype="fp8_e4m3", device="cuda")
     n = seqs * nblk * bs
-    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+    fp8kv.write_kv_one_shot(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
                    torch.arange(n, device="cuda"), backend="cuda")
     tables = torch.randperm(seqs * nblk, generator=g).int().view(seqs, nblk).cuda()
     lens = torch.full((seqs,), L, dtype=torch.int32, device="cuda")
@@ -462,7 +464,7 @@ def test_tensor_core_decode_writes_outputs_at_any_alignment(L):
     assert meta.attention.backend.name == "cuda"
     assert torch.equal(aligned, shifted)
     qsl = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
-    ref = fp8kv.paged_attention(query, cache, tables, lens, backend="reference")
+    ref = fp8kv.paged_attention_one_shot(query, cache, tables, lens, backend="reference")
     assert_attention_close(aligned, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
 
 
@@ -521,8 +523,9 @@ def test_cuda_graph_capture_matches_eager(gran, new):
     qsl = torch.arange(0, 4 * new + 1, new, dtype=torch.int32, device="cuda")
 
     def step(c, out, lse):
-        fp8kv.write_kv(c, key, value, slots, backend="cuda")
-        _, got = fp8kv.paged_attention(query, c, tables2, lens2, query_start_loc=qsl, max_query_len=new, out=out,
+        fp8kv.write_kv_one_shot(c, key, value, slots, backend="cuda")
+        _, got = fp8kv.paged_attention_one_shot(query, c, tables2, lens2, query_start_loc=qsl, max_query_len=new,
+                                                out=out,
                                        return_lse=True, backend="cuda")
         lse.copy_(got)
 
@@ -568,7 +571,7 @@ def test_per_layer_calls_never_sync_the_host():
 
 
 def test_auto_picks_cuda_where_triton_cannot_or_is_slower():
-    from fp8kv.hookspecs import Request
+    from fp8kv.plugins import Request
     from fp8kv.registry import select_backend
 
     decode = Request("paged_attention", "fp8_e4m3", "NHD", "tensor", 128, torch.bfloat16, "cuda")
@@ -660,9 +663,10 @@ def test_tensor_core_prefill(fmt, dtype, case, specials, kernel, monkeypatch):
     # (host checks off: the table holds an invalid block and ids past the lengths)
     kw = dict(query_start_loc=qsl, causal=causal, sliding_window=window, logits_soft_cap=cap, validate=False,
               max_query_len=max(q_lens))
-    out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
+    out, lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens_t, out=torch.full_like(query, math.nan),
                                      backend="cuda", return_lse=True, **kw)
-    ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="reference", return_lse=True, **kw)
+    ref, ref_lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens_t, backend="reference", return_lse=True,
+                                                  **kw)
     assert torch.equal(out.isnan(), ref.isnan())
     if specials:
         assert ref[: q_lens[0], : Hq // H].isnan().all()  # every row of seq 0 sees the K NaN (head group 0)
@@ -675,8 +679,8 @@ def test_tensor_core_prefill(fmt, dtype, case, specials, kernel, monkeypatch):
     if dtype == torch.bfloat16 and not specials:  # a range beyond 2^31: the exact kernel's bfloat16-K path
         wide = query.clone()
         wide[..., ::2] *= 2.0**-40
-        out = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="cuda", **kw)
-        ref = fp8kv.paged_attention(wide, cache, tables, lens_t, backend="reference", **kw)
+        out = fp8kv.paged_attention_one_shot(wide, cache, tables, lens_t, backend="cuda", **kw)
+        ref = fp8kv.paged_attention_one_shot(wide, cache, tables, lens_t, backend="reference", **kw)
         assert_attention_close(out, ref, **paged_attention_bounds(wide, cache, tables, lens_t, qsl, causal=causal,
                                                                    sliding_window=window, logits_soft_cap=cap))
 
@@ -707,7 +711,7 @@ def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch)
                                    k_scale=torch.linspace(0.01, 0.03, H), v_scale=torch.linspace(0.03, 0.01, H),
                                    device="cuda")
     n = sum(need) * bs
-    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+    fp8kv.write_kv_one_shot(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
                    torch.arange(n, device="cuda"))
     T = sum(q_lens)
     query = ((torch.randn(T, Hq, D, generator=g) * 2) * query_scale).to(torch.bfloat16).cuda()
@@ -718,7 +722,8 @@ def test_wgmma_prefill_against_the_reference(query_scale, pingpong, monkeypatch)
     meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=query.dtype, block_tables=table, seq_lens=lens_t,
                                 backend="cuda", **kw)
     out, lse = fp8kv.paged_attention(query, cache, meta, return_lse=True)
-    ref, ref_lse = fp8kv.paged_attention(query, cache, table, lens_t, backend="reference", return_lse=True, **kw)
+    ref, ref_lse = fp8kv.paged_attention_one_shot(query, cache, table, lens_t, backend="reference", return_lse=True,
+                                                  **kw)
     bounds = paged_attention_bounds(query, cache, table, lens_t, qsl, causal=True, sliding_window=None,
                                     logits_soft_cap=None)
     assert_attention_close(out, ref, **bounds)
@@ -761,7 +766,7 @@ def test_wgmma_prefill_cache_layouts_with_nan_codes_past_the_sequence(layout, mo
                                    device="cuda")
     assert (paged_cache_maps(cache, 64) is None) == (layout in ("page12", "page48"))
     n = nblocks * page
-    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
+    fp8kv.write_kv_one_shot(cache, torch.randn(n, H, D, generator=g).cuda(), torch.randn(n, H, D, generator=g).cuda(),
                    torch.arange(n, device="cuda"))
     perm = torch.randperm(nblocks, generator=g).int()
     tables = torch.full((len(lens), max(need)), nblocks, dtype=torch.int32)  # (past the lengths: outside)
@@ -783,8 +788,9 @@ def test_wgmma_prefill_cache_layouts_with_nan_codes_past_the_sequence(layout, mo
     assert p.prefill and p.num_splits == 1
     for window in (None, 250):
         kw = dict(query_start_loc=qsl, causal=True, sliding_window=window, max_query_len=max(q_lens), validate=False)
-        out, lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="cuda", return_lse=True, **kw)
-        ref, ref_lse = fp8kv.paged_attention(query, cache, tables, lens_t, backend="reference", return_lse=True, **kw)
+        out, lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens_t, backend="cuda", return_lse=True, **kw)
+        ref, ref_lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens_t, backend="reference",
+                                                      return_lse=True, **kw)
         assert torch.isfinite(out).all() and torch.isfinite(ref).all()
         bounds = paged_attention_bounds(query, cache, tables, lens_t, qsl, causal=True, sliding_window=window,
                                         logits_soft_cap=None)
@@ -834,7 +840,7 @@ def _prefill_with_hostile_metadata(layout: str, dtype: torch.dtype, tma: bool) -
         assert (paged_cache_maps(cache, 64) is None) == (page == 12)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(NB * page, H, D, generator=g).cuda()
-    fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device="cuda"))
+    fp8kv.write_kv_one_shot(cache, k, -k, torch.arange(NB * page, device="cuda"))
     snapshot = [p.clone() for p in parents]
     tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device="cuda")
     for lens, qsl, T in (([100, -3], [0, 1, 2], 2), ([30, 36], [0, 7, 3], 4), ([36, 36], [0, 150, 300], 300)):

@@ -433,7 +433,7 @@ def test_lmdeploy_window_conventions():
     _fill_codes_(cache.value_cache, torch.float8_e4m3fn, g)
     q = torch.randn(1, 2, 16, generator=g)
     bt, lens = torch.tensor([[3, 1, 0]]), torch.tensor([10])
-    run = lambda **w: fp8kv.paged_attention(q, cache, bt, lens, backend="reference", **w)
+    run = lambda **w: fp8kv.paged_attention_one_shot(q, cache, bt, lens, backend="reference", **w)
     assert torch.equal(run(window_left=lmdeploy_window_left(0)), run())
     assert torch.equal(run(window_left=lmdeploy_window_left(4)), run(sliding_window=5))
     assert not torch.equal(run(sliding_window=5), run(sliding_window=4))

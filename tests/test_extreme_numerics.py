@@ -148,7 +148,7 @@ def _check(wl: Workload, device: str, k_scales, v_scales, zero_keys: bool, q_amp
                        sliding_window=opts["sliding_window"], logits_soft_cap=opts["logits_soft_cap"])
     results = {}
     for b in _attention_backends(device):
-        out, lse = fp8kv.paged_attention(query, cache, t.block_tables, t.seq_lens, backend=b, return_lse=True,
+        out, lse = fp8kv.paged_attention_one_shot(query, cache, t.block_tables, t.seq_lens, backend=b, return_lse=True,
                                          query_start_loc=t.query_start_loc, **opts)
         ctx = f"{b} on {device}: "
         assert torch.isfinite(out.float()).all(), ctx + "non-finite output from finite input"
@@ -238,7 +238,8 @@ def test_subnormal_token_scales_stay_finite(device, gran):
     t = wl.tensors(device)
     for b in _attention_backends(device):
         for sm in (TINY, 1.0, FMAX):
-            out, lse = fp8kv.paged_attention(t.query, cache, t.block_tables, t.seq_lens, backend=b, return_lse=True,
+            out, lse = fp8kv.paged_attention_one_shot(t.query, cache, t.block_tables, t.seq_lens, backend=b,
+                                                      return_lse=True,
                                              query_start_loc=t.query_start_loc, softmax_scale=sm)
             assert torch.isfinite(out).all() and torch.isfinite(lse).all(), (b, sm)
 
@@ -254,7 +255,7 @@ def test_output_saturates_to_its_dtype(device):
             cache.value_cache.view(torch.uint8).fill_(0x7E)  # e4m3 448
             t = wl.tensors(device)
             for b in _attention_backends(device):
-                out = fp8kv.paged_attention(t.query, cache, t.block_tables, t.seq_lens, backend=b)
+                out = fp8kv.paged_attention_one_shot(t.query, cache, t.block_tables, t.seq_lens, backend=b)
                 assert (out == torch.finfo(io_dtype).max).all(), (b, io_dtype, gran)
 
 
@@ -277,7 +278,8 @@ def test_saturated_logits_tie(device, gran):
     slots1 = [b * 4 + o for b in (1, 3) for o in range(4)][:5]
     want[1] = v[slots1].mean(0).repeat_interleave(group, 0)
     for b in _attention_backends(device):
-        out, lse = fp8kv.paged_attention(query, cache, t.block_tables, t.seq_lens, backend=b, softmax_scale=FMAX,
+        out, lse = fp8kv.paged_attention_one_shot(query, cache, t.block_tables, t.seq_lens, backend=b,
+                                                  softmax_scale=FMAX,
                                          return_lse=True)
         torch.testing.assert_close(out.cpu().double(), want, rtol=1e-6, atol=1e-6, msg=b)
         torch.testing.assert_close(lse.cpu().double()[0], torch.full((wl.num_q_heads,), LOGIT_MAX + math.log(2),
@@ -295,7 +297,8 @@ def test_scales_beyond_float32_are_refused_by_name():
     for kw, name in ((dict(softmax_scale=1e300), "softmax_scale"), (dict(logits_soft_cap=1e300), "logits_soft_cap"),
                      (dict(softmax_scale=0.0), "softmax_scale"), (dict(logits_soft_cap=-1.0), "logits_soft_cap")):
         with pytest.raises(InvalidArgument, match=name):
-            fp8kv.paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
+            fp8kv.paged_attention_one_shot(t.query, cache, t.block_tables, t.seq_lens,
+                                           query_start_loc=t.query_start_loc,
                                   **kw)
     pytest.importorskip("triton")
     from fp8kv_triton.attention import paged_attention
@@ -336,7 +339,7 @@ def test_writes_at_extreme_scales_saturate_and_stay_bit_exact(device, kv_dtype, 
         for i, dtype in enumerate((torch.float32, torch.bfloat16, torch.float16)):
             x = _extreme_inputs(4, H, D, dtype, seed=i)
             slots = torch.arange(4 * i, 4 * i + 4, device=device)
-            fp8kv.write_kv(cache, x.to(device), (-x).to(device), slots, backend=backend)
+            fp8kv.write_kv_one_shot(cache, x.to(device), (-x).to(device), slots, backend=backend)
         caches.append(cache)
     ref, tri = caches
     assert tri.same_bytes(ref)

@@ -286,7 +286,7 @@ def _cache_and_step(seed: int = 0):
 @pytest.mark.parametrize("backend", ["reference", _TRITON])
 def test_window_left_is_sliding_window_minus_one(backend):
     cache, q, step = _cache_and_step()
-    run = lambda **w: fp8kv.paged_attention(q, cache, step["block_tables"], step["seq_lens"],
+    run = lambda **w: fp8kv.paged_attention_one_shot(q, cache, step["block_tables"], step["seq_lens"],
                                             query_start_loc=step["query_start_loc"], backend=backend, **w)
     full = run()
     for W in (1, 3, 7):
@@ -317,7 +317,7 @@ def test_window_left_refusals():
     msg = refused("sliding_window", lambda: plan(sliding_window=0))
     assert "window_left" in msg
     refused("sliding_window", lambda: plan(sliding_window=-1))
-    refused("window_left", lambda: fp8kv.paged_attention(q, cache, step["block_tables"], step["seq_lens"],
+    refused("window_left", lambda: fp8kv.paged_attention_one_shot(q, cache, step["block_tables"], step["seq_lens"],
                                                          query_start_loc=step["query_start_loc"], window_left=-5))
 
 

@@ -9,7 +9,7 @@ import torch
 
 import fp8kv
 import fp8kv.reference
-from fp8kv.hookspecs import Request
+from fp8kv.plugins import Request
 from fp8kv.probe import simulated, triton_interpreter
 from fp8kv.testing.tolerance import assert_fp8_attention_close, fp8_attention_tolerance
 

@@ -35,7 +35,7 @@ def _case(seqs, new, cached, H=8, HQ=32, D=128, page=16, granularity="head", see
     cache = fp8kv.KVCache.allocate(seqs * nblk, page, H, D, kv_dtype="fp8_e4m3", scale_granularity=granularity,
                                    k_scale=scales, v_scale=scales, device=DEV, layout=layout)
     n = seqs * nblk * page
-    fp8kv.write_kv(cache, torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
+    fp8kv.write_kv_one_shot(cache, torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
                    torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
     T = seqs * new
     q = (torch.randn(T, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
@@ -268,7 +268,7 @@ def _scaled_case(scale, seqs, new, cached, seed, H=8, HQ=32, D=128, page=16):
                                    k_scale=torch.full((H,), scale, device=DEV),
                                    v_scale=torch.full((H,), 0.05, device=DEV), device=DEV)
     n = seqs * nblk * page
-    fp8kv.write_kv(cache, (torch.randn(n, H, D, generator=g) * 100 * scale).to(DEV, torch.bfloat16),
+    fp8kv.write_kv_one_shot(cache, (torch.randn(n, H, D, generator=g) * 100 * scale).to(DEV, torch.bfloat16),
                    torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16), torch.arange(n, device=DEV))
     tables = torch.randperm(seqs * nblk, generator=g).to(torch.int32).view(seqs, nblk).to(DEV)
     q = (torch.randn(seqs * new, HQ, D, generator=g) * 2).to(DEV, torch.bfloat16)
@@ -304,7 +304,7 @@ def test_wgmma_prefill_running_maxima_that_climb_and_jump(prob_scale):
     pos = torch.arange(n) % (nblk * page)
     k[:, :, 0] = 50.0 * pos[:, None] / L  # (about 6 base-2 units a 128-key tile)
     k[(pos >= 600) & (pos < 612), :, 0] = 2000.0
-    fp8kv.write_kv(cache, k.to(DEV, torch.bfloat16), torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
+    fp8kv.write_kv_one_shot(cache, k.to(DEV, torch.bfloat16), torch.randn(n, H, D, generator=g).to(DEV, torch.bfloat16),
                    torch.arange(n, device=DEV))
     tables = torch.arange(seqs * nblk, dtype=torch.int32).view(seqs, nblk).to(DEV)
     q = torch.randn(seqs * new, HQ, D, generator=g)
@@ -481,7 +481,7 @@ def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
     assert (wgmma.tma_maps(cache) is None) == (page == 12)
     g = torch.Generator().manual_seed(0)
     k = torch.randn(NB * page, H, D, generator=g).to(DEV)
-    fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device=DEV))
+    fp8kv.write_kv_one_shot(cache, k, -k, torch.arange(NB * page, device=DEV))
     snapshot = [p.clone() for p in parents]
     tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device=DEV)
     for lens, qsl, T in (([100, -3], [0, 1, 2], 2), ([30, 36], [0, 7, 3], 4), ([36, 36], [0, 150, 300], 300)):
@@ -628,7 +628,7 @@ def test_cuda_decode_with_hostile_metadata_stays_in_its_cache():
                                        v_scale=torch.tensor([0.07, 0.03], device=DEV))
     g = torch.Generator().manual_seed(0)
     k = torch.randn(NB * page, H, D, generator=g).to(DEV)
-    fp8kv.write_kv(cache, k, -k, torch.arange(NB * page, device=DEV))
+    fp8kv.write_kv_one_shot(cache, k, -k, torch.arange(NB * page, device=DEV))
     snapshot = [p.clone() for p in parents]
     tables = torch.tensor([[0, NB, 2**31 - 1], [-5, 1, 2]], dtype=torch.int32, device=DEV)
     cfg = dataclasses.replace(attention.choose_config(group=HQ // H, num_seqs=2, num_kv_heads=H, max_query_len=1,

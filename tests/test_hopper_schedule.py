@@ -212,37 +212,37 @@ def test_update_asks_the_backend_to_bring_its_plan_up_to_date():
     calls = []
 
     class Probe:
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_backend_info(self):
-            return fp8kv.BackendInfo("schedule_probe", "0", priority=1, description="test", fast=False)
+            return fp8kv.plugins.BackendInfo("schedule_probe", "0", priority=1, description="test", fast=False)
 
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_supports(self, device, request):
             return None
 
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_plan_attention(self, metadata):
             return {"planned_for": list(metadata.host_seq_lens)}
 
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_update_plan(self, metadata):
             calls.append((metadata.backend_plan["planned_for"], list(metadata.host_seq_lens),
                           metadata.seq_lens.tolist()))
 
-        @fp8kv.hookimpl
+        @fp8kv.plugins.hookimpl
         def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
             raise NotImplementedError
 
     cache = fp8kv.KVCache.allocate(8, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="tensor")
     args = dict(block_tables=torch.arange(8, dtype=torch.int32).view(2, 4), query_start_loc=torch.tensor(
         [0, 5, 12], dtype=torch.int32))
-    fp8kv.register_backend(Probe())
+    fp8kv.plugins.register_backend(Probe())
     try:
         meta = fp8kv.plan_attention(cache, num_q_heads=4, query_dtype=torch.float32, backend="schedule_probe",
                                     seq_lens=torch.tensor([40, 7], dtype=torch.int32), **args)
         meta.update(seq_lens=torch.tensor([30, 9], dtype=torch.int32), **args)
     finally:
-        fp8kv.unregister_backend("schedule_probe")
+        fp8kv.plugins.unregister_backend("schedule_probe")
     assert calls == [([40, 7], [30, 9], [30, 9])]
     reference = fp8kv.plan_attention(cache, num_q_heads=4, query_dtype=torch.float32, backend="reference",
                                      seq_lens=torch.tensor([40, 7], dtype=torch.int32), **args)
@@ -255,7 +255,7 @@ def test_wrong_host_lengths_never_change_what_is_computed():
     is dealt) and the reference still computes from the tensors: the same bits as with the right ones."""
     g = torch.Generator().manual_seed(3)
     cache = fp8kv.KVCache.allocate(8, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="tensor")
-    fp8kv.write_kv(cache, torch.randn(128, 2, 64, generator=g), torch.randn(128, 2, 64, generator=g),
+    fp8kv.write_kv_one_shot(cache, torch.randn(128, 2, 64, generator=g), torch.randn(128, 2, 64, generator=g),
                    torch.arange(128))
     q = torch.randn(12, 4, 64, generator=g)
     args = dict(num_q_heads=4, query_dtype=torch.float32, block_tables=torch.arange(8, dtype=torch.int32).view(2, 4),

@@ -25,7 +25,7 @@ def test_writes_never_join_the_callers_graph(backend):
     cache, _, _ = cache_and_step()
     key = torch.randn(3, H, D, requires_grad=True)
     value = torch.randn(3, H, D, requires_grad=True)
-    fp8kv.write_kv(cache, key * 2, value * 2, torch.tensor([0, 5, 9]), backend=backend)
+    fp8kv.write_kv_one_shot(cache, key * 2, value * 2, torch.tensor([0, 5, 9]), backend=backend)
     for t in (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale):
         assert not t.requires_grad and t.grad_fn is None
 
@@ -34,13 +34,14 @@ def test_writes_never_join_the_callers_graph(backend):
 def test_attention_output_never_requires_grad(backend):
     cache, tables, lens = cache_and_step()
     g = torch.Generator().manual_seed(0)
-    fp8kv.write_kv(cache, torch.randn(32, H, D, generator=g), torch.randn(32, H, D, generator=g), torch.arange(32),
+    fp8kv.write_kv_one_shot(cache, torch.randn(32, H, D, generator=g), torch.randn(32, H, D, generator=g),
+                            torch.arange(32),
                    backend="reference")
     query = torch.randn(2, H * GROUP, D, requires_grad=True)
-    out, lse = fp8kv.paged_attention(query * 1.0, cache, tables, lens, return_lse=True, backend=backend)
+    out, lse = fp8kv.paged_attention_one_shot(query * 1.0, cache, tables, lens, return_lse=True, backend=backend)
     assert not out.requires_grad and out.grad_fn is None and not lse.requires_grad
     with pytest.raises(InvalidArgument, match="^out: got a tensor that requires grad"):
-        fp8kv.paged_attention(query, cache, tables, lens, out=torch.zeros(2, H * GROUP, D, requires_grad=True),
+        fp8kv.paged_attention_one_shot(query, cache, tables, lens, out=torch.zeros(2, H * GROUP, D, requires_grad=True),
                               backend=backend)
 
 
@@ -56,7 +57,7 @@ def test_arguments_sharing_memory_with_the_cache_are_refused():
     flat = cache.k_scale.view(-1)  # [NB * BS * H] float32, written by token_head writes
     key_in_scales = flat[: 2 * H * D].view(2, H, D)
     with pytest.raises(InvalidArgument, match="^key: got a tensor sharing memory with cache.k_scale"):
-        fp8kv.write_kv(cache, key_in_scales, torch.randn(2, H, D), torch.tensor([0, 1]))
+        fp8kv.write_kv_one_shot(cache, key_in_scales, torch.randn(2, H, D), torch.tensor([0, 1]))
     meta = fp8kv.plan_attention(cache, num_q_heads=H * GROUP, query_dtype=torch.float32, block_tables=tables,
                                 seq_lens=lens)
     query = torch.randn(2, H * GROUP, D)

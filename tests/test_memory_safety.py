@@ -110,7 +110,7 @@ def guarded_cache(device: str, *, kv_dtype: str = "fp8_e4m3", layout: str = "NHD
         g = torch.Generator().manual_seed(0)
         k = torch.randn(NB * BS, H, D, generator=g).to(device)
         v = torch.randn(NB * BS, H, D, generator=g).to(device)
-        fp8kv.write_kv(cache, k, v, torch.arange(NB * BS, device=device), backend="reference")
+        fp8kv.write_kv_one_shot(cache, k, v, torch.arange(NB * BS, device=device), backend="reference")
     return Guarded(cache, parents, [p.clone() for p in parents])
 
 
@@ -153,10 +153,10 @@ def test_out_of_range_slots_are_not_written(device, backend, gran, layout, slot_
         fp8kv.write_kv(gc.cache, key, value, meta)
     else:
         monkeypatch.setenv("FP8KV_CHECK", "shapes")
-        fp8kv.write_kv(gc.cache, key, value, slots, backend=backend)
+        fp8kv.write_kv_one_shot(gc.cache, key, value, slots, backend=backend)
     gc.assert_guard_intact()
     valid = torch.tensor([0 <= s < NUM_SLOTS for s in slots_list], device=device)
-    fp8kv.write_kv(clean.cache, key[valid], value[valid], slots[valid], backend="reference")
+    fp8kv.write_kv_one_shot(clean.cache, key[valid], value[valid], slots[valid], backend="reference")
     for got, want in zip(gc.inner_bytes(), clean.inner_bytes(), strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -169,7 +169,7 @@ def test_host_checks_still_refuse_bad_slots(device, backend):
     before = gc.inner_bytes()
     for bad in (NUM_SLOTS, 2**40):
         with pytest.raises(InvalidArgument, match="slot_mapping"):
-            fp8kv.write_kv(gc.cache, key, value, torch.tensor([0, bad], device=device), backend=backend)
+            fp8kv.write_kv_one_shot(gc.cache, key, value, torch.tensor([0, bad], device=device), backend=backend)
     for got, want in zip(gc.inner_bytes(), before, strict=True):
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     gc.assert_guard_intact()
@@ -441,12 +441,12 @@ def test_huge_index_values_on_the_gpu_with_checks_off(monkeypatch):
     dev = "cuda"
     gc = guarded_cache(dev)
     key, value = _write_inputs(3, dev, torch.bfloat16)
-    fp8kv.write_kv(gc.cache, key, value, torch.tensor([NUM_SLOTS + 5, 2**40, 3], device=dev), backend="triton")
+    fp8kv.write_kv_one_shot(gc.cache, key, value, torch.tensor([NUM_SLOTS + 5, 2**40, 3], device=dev), backend="triton")
     torch.cuda.synchronize()
     gc.assert_guard_intact()
     tables = torch.tensor([[0, NB, 2**31 - 1, 1, 2, 3]], dtype=torch.int32, device=dev)
     query = torch.randn(4, HQ, D, device=dev).bfloat16()
-    out = fp8kv.paged_attention(query, gc.cache, tables, torch.tensor([24], dtype=torch.int32, device=dev),
+    out = fp8kv.paged_attention_one_shot(query, gc.cache, tables, torch.tensor([24], dtype=torch.int32, device=dev),
                                 query_start_loc=torch.tensor([0, 4], dtype=torch.int32, device=dev),
                                 max_query_len=10**10, backend="triton")
     torch.cuda.synchronize()

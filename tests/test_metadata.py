@@ -23,7 +23,7 @@ def filled_cache(seed=0, granularity="token_head", layout="NHD", num_blocks=NB) 
     g = torch.Generator().manual_seed(seed)
     cache = fp8kv.KVCache.allocate(num_blocks, BS, H, D, scale_granularity=granularity, layout=layout)
     k, v = torch.randn(num_blocks * BS, H, D, generator=g), torch.randn(num_blocks * BS, H, D, generator=g)
-    fp8kv.write_kv(cache, k, v, torch.arange(num_blocks * BS), backend="reference")
+    fp8kv.write_kv_one_shot(cache, k, v, torch.arange(num_blocks * BS), backend="reference")
     return cache
 
 
@@ -48,7 +48,7 @@ def test_plan_once_run_per_layer_equals_one_shot(backend, prefill):
     assert meta.backend == backend and meta.num_tokens == query.shape[0]
     for cache in caches:  # one metadata, every layer
         got = fp8kv.paged_attention(query, cache, meta)
-        want = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, backend=backend)
+        want = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, backend=backend)
         assert torch.equal(got, want)
 
 
@@ -61,7 +61,7 @@ def test_write_with_metadata_equals_write_with_slots():
     meta = fp8kv.plan_attention(a, num_q_heads=H * GROUP, query_dtype=k.dtype, block_tables=tables, seq_lens=lens,
                                 slot_mapping=slots, backend="reference")
     fp8kv.write_kv(a, k, v, meta)
-    fp8kv.write_kv(b, k, v, slots, backend="reference")
+    fp8kv.write_kv_one_shot(b, k, v, slots, backend="reference")
     assert a.same_bytes(b)
 
 
@@ -88,9 +88,11 @@ def test_per_layer_checks_name_the_argument(change, argname):
                                 seq_lens=lens, query_start_loc=qsl)
     with pytest.raises(InvalidArgument, match=f"^{argname}:"):
         fp8kv.paged_attention(change(query), cache, meta)
-    with pytest.raises(InvalidArgument, match="^seq_lens: got given with a metadata"):
+    with pytest.raises(TypeError):  # one signature: the metadata carries the step, nothing beside it
         fp8kv.paged_attention(query, cache, meta, lens)
-    with pytest.raises(InvalidArgument, match="^slot_mapping: .*planned without slot_mapping"):
+    with pytest.raises(InvalidArgument, match="^block_tables: got AttentionMetadata"):
+        fp8kv.paged_attention_one_shot(query, cache, meta, lens)
+    with pytest.raises(InvalidArgument, match="^metadata: .*planned without slot_mapping"):
         fp8kv.write_kv(cache, query[:, :H], query[:, :H], meta)
 
 
@@ -146,7 +148,7 @@ def test_update_refills_in_place_and_checks_like_plan():
     qsl2 = torch.tensor([0, 2, 5], dtype=torch.int64)
     meta.update(block_tables=tables2, seq_lens=lens2, query_start_loc=qsl2)
     assert [t.data_ptr() for t in (meta.block_tables, meta.seq_lens, meta.query_start_loc)] == buffers
-    fresh = fp8kv.paged_attention(query, cache, tables2, lens2, query_start_loc=qsl2, backend="triton")
+    fresh = fp8kv.paged_attention_one_shot(query, cache, tables2, lens2, query_start_loc=qsl2, backend="triton")
     assert torch.equal(fp8kv.paged_attention(query, cache, meta), fresh)
     with pytest.raises(InvalidArgument, match="^max_query_len:"):  # longer than planned
         meta.update(block_tables=tables2, seq_lens=lens2, query_start_loc=torch.tensor([0, 4, 5]))
@@ -167,16 +169,16 @@ def test_merging_two_caches_equals_one_cache(backend):
 
     def cache_of(keys, values):
         c = fp8kv.KVCache.allocate(8, BS, H, D, scale_granularity="token_head")
-        fp8kv.write_kv(c, keys, values, torch.arange(keys.shape[0]), backend="reference")
+        fp8kv.write_kv_one_shot(c, keys, values, torch.arange(keys.shape[0]), backend="reference")
         return c
 
     whole, head, tail = cache_of(k, v), cache_of(k[:prefix], v[:prefix]), cache_of(k[prefix:], v[prefix:])
     table = torch.arange(8, dtype=torch.int32)[None]
-    one, one_lse = fp8kv.paged_attention(query, whole, table, torch.tensor([L], dtype=torch.int32),
+    one, one_lse = fp8kv.paged_attention_one_shot(query, whole, table, torch.tensor([L], dtype=torch.int32),
                                          query_start_loc=qsl, return_lse=True, backend=backend)
-    a, lse_a = fp8kv.paged_attention(query, head, table, torch.tensor([prefix], dtype=torch.int32),
+    a, lse_a = fp8kv.paged_attention_one_shot(query, head, table, torch.tensor([prefix], dtype=torch.int32),
                                      query_start_loc=qsl, causal=False, return_lse=True, backend=backend)
-    b, lse_b = fp8kv.paged_attention(query, tail, table, torch.tensor([L - prefix], dtype=torch.int32),
+    b, lse_b = fp8kv.paged_attention_one_shot(query, tail, table, torch.tensor([L - prefix], dtype=torch.int32),
                                      query_start_loc=qsl, return_lse=True, backend=backend)
     merged, merged_lse = fp8kv.merge_attention_states(a, lse_a, b, lse_b)
     bounds = paged_attention_bounds(query, whole, table, torch.tensor([L], dtype=torch.int32), qsl)
@@ -203,7 +205,7 @@ def test_error_hierarchy():
     cache = filled_cache()
     query, tables, lens, _ = step(prefill=False)
     with pytest.raises(InvalidArgument, match="^backend: got 'nope'"):
-        fp8kv.paged_attention(query, cache, tables, lens, backend="nope")
+        fp8kv.paged_attention_one_shot(query, cache, tables, lens, backend="nope")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(Unsupported, match="backend 'triton' cannot serve .*interpreter"):

@@ -68,7 +68,7 @@ def _step_inputs(cache: fp8kv.KVCache, *, lens=(3, 6), q_lens=(1, 1), backend="r
     hist = [(s, p) for s, (n, ql) in enumerate(zip(lens, q_lens, strict=True)) for p in range(n - ql)]
     new = [(s, p) for s, (n, ql) in enumerate(zip(lens, q_lens, strict=True)) for p in range(n - ql, n)]
     hk = torch.randn(len(hist), H, D, generator=g).to(torch.bfloat16)
-    fp8kv.write_kv(cache, hk, hk * 0.5, torch.tensor([slot(*x) for x in hist], dtype=torch.int32),
+    fp8kv.write_kv_one_shot(cache, hk, hk * 0.5, torch.tensor([slot(*x) for x in hist], dtype=torch.int32),
                    backend="reference")
     decode = all(ql == 1 for ql in q_lens)
     qsl = None if decode else torch.tensor([0, q_lens[0], sum(q_lens)], dtype=torch.int32)
@@ -241,8 +241,8 @@ def test_compiled_prefill_and_mixed_dtype_fullgraph():
 def test_one_shot_forms_under_compile():
     """The one-shot forms check values on the host (graph breaks), yet compile and agree with eager."""
     def one_shot(q, k, v, cache, slots, tables, lens):
-        fp8kv.write_kv(cache, k, v, slots, backend="reference")
-        return fp8kv.paged_attention(q, cache, tables, lens, backend="reference")
+        fp8kv.write_kv_one_shot(cache, k, v, slots, backend="reference")
+        return fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="reference")
 
     eager = _cache()
     q, k, v, meta = _step_inputs(eager)

@@ -22,7 +22,7 @@ import torch
 import fp8kv
 import fp8kv.registry as registry_mod
 from fp8kv.cli import main
-from fp8kv.hookspecs import Request
+from fp8kv.plugins import Request
 from fp8kv.reference import ReferenceBackend
 from fp8kv.registry import (
     RESERVED_NAMES,
@@ -126,9 +126,9 @@ def test_example_is_discovered_and_selected_by_priority(site):
     cache = fp8kv.KVCache.allocate(4, 4, 2, 16, kv_dtype="fp8_e5m2", k_scale=0.01, v_scale=0.02)
     slots = torch.tensor([3, -1, 7])
     k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    fp8kv.write_kv(cache, k, v, slots)
+    fp8kv.write_kv_one_shot(cache, k, v, slots)
     want = fp8kv.KVCache.allocate(4, 4, 2, 16, kv_dtype="fp8_e5m2", k_scale=0.01, v_scale=0.02)
-    fp8kv.write_kv(want, k, v, slots, backend="reference")
+    fp8kv.write_kv_one_shot(want, k, v, slots, backend="reference")
     assert cache.same_bytes(want)
 
 
@@ -142,7 +142,7 @@ def test_example_is_forced_by_name(site, monkeypatch):
     cache = fp8kv.KVCache.allocate(2, 4, 1, 16, kv_dtype="fp8_e4m3fnuz")
     with pytest.raises(fp8kv.Fp8KVError, match="backend 'example' cannot serve write_kv fp8_e4m3fnuz .*: "
                        "fp8_e4m3fnuz: only the OCP formats are implemented"):
-        fp8kv.write_kv(cache, torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.tensor([0]))
+        fp8kv.write_kv_one_shot(cache, torch.ones(1, 1, 16), torch.ones(1, 1, 16), torch.tensor([0]))
 
 
 def test_example_is_explained_in_fp8kv_probe(site, capsys):
@@ -170,7 +170,7 @@ def test_example_passes_the_conformance_kit_as_documented(site):
 # -- faults (issue item 7) ------------------------------------------------------------------
 
 GOOD = '''
-from fp8kv import BackendInfo, hookimpl
+from fp8kv.plugins import BackendInfo, hookimpl
 from fp8kv.reference import ReferenceBackend
 
 class Good(ReferenceBackend):
@@ -234,7 +234,7 @@ def test_a_plugin_raising_in_a_hook_is_reported_and_skipped(site, capsys):
 
 
 def write_one(**kw) -> None:
-    fp8kv.write_kv(fp8kv.KVCache.allocate(1, 1, 1, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16),
+    fp8kv.write_kv_one_shot(fp8kv.KVCache.allocate(1, 1, 1, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16),
                    torch.tensor([0]), **kw)
 
 
@@ -350,7 +350,7 @@ def test_an_installed_backend_that_claims_and_fails_is_named(site):
     fresh_registry(keep=("reference", "liar"))
     with pytest.raises(BackendFailure, match=r"backend 'liar' \(fp8kv-liar\) claimed support and failed in "
                        "fp8kv_write_kv: IndexError: block table out of range"):
-        fp8kv.write_kv(fp8kv.KVCache.allocate(1, 1, 1, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16),
+        fp8kv.write_kv_one_shot(fp8kv.KVCache.allocate(1, 1, 1, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16),
                        torch.tensor([0]))
 
 

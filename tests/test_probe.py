@@ -11,7 +11,7 @@ import fp8kv
 import fp8kv.registry as registry_mod
 from fp8kv import reference
 from fp8kv.cli import main
-from fp8kv.hookspecs import BackendInfo, hookimpl
+from fp8kv.plugins import BackendInfo, hookimpl
 from fp8kv.probe import SIMULATED, probe, simulate_device, simulated
 from fp8kv.registry import Registry, register_backend
 

@@ -24,7 +24,7 @@ def run_reference(wl, layout=None):
         wl = wl.__class__(**{**wl.__dict__, "layout": layout})
     cache = wl.fill_cache("reference")
     t = wl.tensors()
-    out, lse = fp8kv.paged_attention(t.query, cache, t.block_tables, t.seq_lens, backend="reference",
+    out, lse = fp8kv.paged_attention_one_shot(t.query, cache, t.block_tables, t.seq_lens, backend="reference",
                                      query_start_loc=t.query_start_loc, return_lse=True, **wl.attention_kwargs())
     return cache, t, (out, lse)
 

@@ -17,7 +17,7 @@ import torch
 import fp8kv
 import fp8kv.registry as registry_mod
 from fp8kv import reference
-from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.registry import (
     RESERVED_NAMES,
     BackendFailure,
@@ -117,7 +117,7 @@ def test_forcing_by_argument_and_environment(isolated, monkeypatch):
     cache, k, v, slots = small_cache()
     monkeypatch.setenv("FP8KV_BACKEND", "nope")
     with pytest.raises(fp8kv.Fp8KVError, match=r"got 'nope', expected one of \['fast', 'reference'\]"):
-        fp8kv.write_kv(cache, k, v, slots)
+        fp8kv.write_kv_one_shot(cache, k, v, slots)
 
 
 def test_a_forced_backend_that_cannot_serve_raises_its_reason_and_leaves_the_cache(isolated):
@@ -128,9 +128,9 @@ def test_a_forced_backend_that_cannot_serve_raises_its_reason_and_leaves_the_cac
     k, v, slots = torch.randn(2, 2, 16), torch.randn(2, 2, 16), torch.tensor([1, 2])
     with pytest.raises(fp8kv.Fp8KVError, match="backend 'picky' cannot serve write_kv fp8_e4m3 HND tensor "
                        "D=16 float32 features=- on .*: HND is not implemented"):
-        fp8kv.write_kv(cache, k, v, slots, backend="picky")
+        fp8kv.write_kv_one_shot(cache, k, v, slots, backend="picky")
     assert cache.same_bytes(before)
-    fp8kv.write_kv(cache, k, v, slots)  # auto: the reference
+    fp8kv.write_kv_one_shot(cache, k, v, slots)  # auto: the reference
 
 
 def test_no_backend_at_all_names_every_reason(isolated):
@@ -152,7 +152,7 @@ def test_answers_and_selections_are_cached_per_device_and_request(isolated):
         select_backend(req(), "cpu", backend="counted")
     assert len(calls) == 1
     select_backend(req(D=128), "cpu")
-    with fp8kv.simulate_device("sm90"):
+    with fp8kv.plugins.simulate_device("sm90"):
         select_backend(req(), None)
     assert len(calls) == 3 and calls[-1][0].arch == "sm90"
     register_backend(Fake("other"))  # a new backend invalidates the caches
@@ -163,7 +163,7 @@ def test_answers_and_selections_are_cached_per_device_and_request(isolated):
 def test_gpu_falling_back_to_a_slow_backend_warns_once_naming_the_reasons(isolated, monkeypatch):
     register_backend(Fake("gpu_fast", priority=90, refuse=lambda d, r: f"{d.arch}: needs sm90+"
                           if (d.sm or 0) < 90 else None))
-    with fp8kv.simulate_device("sm80"):
+    with fp8kv.plugins.simulate_device("sm80"):
         with pytest.warns(RuntimeWarning, match=r"falls back to the slow 'reference' backend "
                           r"\(gpu_fast: sm80: needs sm90\+\)"):
             select_backend(req(device_type="cuda"))
@@ -175,13 +175,13 @@ def test_gpu_falling_back_to_a_slow_backend_warns_once_naming_the_reasons(isolat
         monkeypatch.setenv("FP8KV_STRICT", "1")
         with pytest.raises(fp8kv.Fp8KVError, match="FP8KV_STRICT=1 forbids this"):
             select_backend(req(device_type="cuda"))
-    with fp8kv.simulate_device("sm90"), warnings.catch_warnings():
+    with fp8kv.plugins.simulate_device("sm90"), warnings.catch_warnings():
         warnings.simplefilter("error")
         assert select_backend(req(device_type="cuda")).backend.name == "gpu_fast"
 
 
 def test_no_fast_backend_installed_is_said_so(isolated):
-    with fp8kv.simulate_device("gfx942"), pytest.warns(RuntimeWarning, match="no fast backend is installed"):
+    with fp8kv.plugins.simulate_device("gfx942"), pytest.warns(RuntimeWarning, match="no fast backend is installed"):
         select_backend(req(device_type="cuda"))
 
 
@@ -226,11 +226,11 @@ def test_a_backend_that_claims_support_and_fails_is_named(isolated):
     cache, k, v, slots = small_cache()
     with pytest.raises(BackendFailure, match=r"backend 'flaky' \(flaky-dist\) claimed support and failed in "
                        "fp8kv_write_kv: RuntimeError: kernel launch failed"):
-        fp8kv.write_kv(cache, k, v, slots)
+        fp8kv.write_kv_one_shot(cache, k, v, slots)
     unregister_backend("flaky")
     register_backend(RejectingWrite("strict", priority=90))
     with pytest.raises(fp8kv.Fp8KVError, match=r"backend 'strict' \(<runtime>\) in fp8kv_write_kv: slot_"):
-        fp8kv.write_kv(cache, k, v, slots)
+        fp8kv.write_kv_one_shot(cache, k, v, slots)
 
 
 @pytest.mark.parametrize(("plugin", "error", "match"), [
@@ -256,7 +256,7 @@ def test_a_reserved_name_is_refused_and_reported_and_the_builtin_keeps_working(i
     assert list(available_backends()) == ["reference"]  # 'triton' too: reserved even while absent
     cache, k, v, slots = small_cache()
     for _ in range(2):  # every call still works
-        fp8kv.write_kv(cache, k, v, slots)
+        fp8kv.write_kv_one_shot(cache, k, v, slots)
         assert select_backend(req(), "cpu", backend="reference").backend.distribution == "fp8kv"
 
 
@@ -282,7 +282,7 @@ def test_bad_info_and_typos_are_refused(isolated):
         def fp8kv_support(self, device, request):
             return None
 
-    with pytest.raises(fp8kv.Fp8KVError, match="expected a fp8kv.BackendInfo"):
+    with pytest.raises(fp8kv.Fp8KVError, match="expected a fp8kv.plugins.BackendInfo"):
         register_backend(BadInfo())
     with pytest.raises(pluggy.PluginValidationError, match="fp8kv_support"):
         register_backend(Typo("typo"))
@@ -319,10 +319,10 @@ def test_the_api_dispatches_to_the_selected_backend(isolated):
     calls = []
     register_backend(Fake("seen", priority=90, calls=calls))
     cache, k, v, slots = small_cache()
-    fp8kv.write_kv(cache, k, v, slots)
+    fp8kv.write_kv_one_shot(cache, k, v, slots)
     q = torch.randn(1, 2, 16)
     tables, lens = torch.tensor([[0, 1]], dtype=torch.int32), torch.tensor([6], dtype=torch.int32)
-    fp8kv.paged_attention(q, cache, tables, lens, sliding_window=3)
+    fp8kv.paged_attention_one_shot(q, cache, tables, lens, sliding_window=3)
     assert [(r.op, r.features) for _, r in calls] == [("write_kv", frozenset()),
                                                       ("paged_attention", frozenset({"sliding_window"}))]
 
@@ -343,7 +343,7 @@ def test_system_exit_from_a_support_check_is_a_refusal_and_a_fault(isolated):
     register_backend(Fake("quitter", priority=90, refuse=leave))
     cache, k, v, slots = small_cache()
     with pytest.warns(RuntimeWarning, match=r"quitter \(<runtime>\) raised in fp8kv_supports: SystemExit: 3"):
-        fp8kv.write_kv(cache, k, v, slots)  # served by the reference
+        fp8kv.write_kv_one_shot(cache, k, v, slots)  # served by the reference
     sel = select_backend(req(), "cpu")
     assert sel.backend.name == "reference" and sel.reasons["quitter"] == "fp8kv_supports raised SystemExit: 3"
     with pytest.raises(fp8kv.Fp8KVError, match="cannot serve .*fp8kv_supports raised SystemExit: 3"):
@@ -355,8 +355,8 @@ def test_system_exit_from_an_op_hook_is_a_backend_failure(isolated):
     cache, k, v, slots = small_cache()
     with pytest.raises(BackendFailure, match=r"backend 'exits' \(exits-dist\) claimed support and failed in "
                        "fp8kv_write_kv: SystemExit: plugin called sys.exit"):
-        fp8kv.write_kv(cache, k, v, slots)
-    fp8kv.write_kv(cache, k, v, slots, backend="reference")
+        fp8kv.write_kv_one_shot(cache, k, v, slots)
+    fp8kv.write_kv_one_shot(cache, k, v, slots, backend="reference")
 
 
 def test_keyboard_interrupt_in_a_support_check_propagates_and_is_not_cached(isolated):
@@ -415,7 +415,7 @@ def test_a_plugin_stuck_in_fp8kv_supports_blocks_only_its_own_thread(isolated):
             cache, k, v, slots = small_cache()
             done.append(select_backend(req(), "cpu").backend.name)  # cached
             done.append(select_backend(req(D=256), "cpu", backend="reference").backend.name)  # asks the reference
-            fp8kv.write_kv(cache, k, v, slots, backend="reference")
+            fp8kv.write_kv_one_shot(cache, k, v, slots, backend="reference")
             done.append(sorted(available_backends()))
             done.append(register_backend(Fake("late", priority=1)).name)
 
@@ -446,14 +446,14 @@ def test_auto_backends_restricts_auto_only(isolated, monkeypatch):
     sel = select_backend(req(), "cpu")
     assert sel.backend.name == "reference"
     assert sel.reasons == {"fast": "not in FP8KV_AUTO_BACKENDS=reference"}
-    fp8kv.write_kv(cache, k, v, slots)
+    fp8kv.write_kv_one_shot(cache, k, v, slots)
     assert calls == [] and writes == []  # a backend left out is not even asked
     assert select_backend(req(), "cpu", backend="fast").backend.name == "fast"  # forcing is not affected
     monkeypatch.setenv("FP8KV_BACKEND", "fast")
     assert select_backend(req(), "cpu").backend.name == "fast"
     monkeypatch.delenv("FP8KV_BACKEND")
     monkeypatch.setenv("FP8KV_AUTO_BACKENDS", " fast, reference ,")  # a change between calls takes effect
-    fp8kv.write_kv(cache, k, v, slots)
+    fp8kv.write_kv_one_shot(cache, k, v, slots)
     assert writes == ["fast"]
     monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "")  # empty: any backend
     assert select_backend(req(), "cpu").backend.name == "fast"
@@ -463,7 +463,7 @@ def test_auto_backends_restricts_auto_only(isolated, monkeypatch):
     with pytest.raises(fp8kv.errors.Unsupported, match=r"fast: not in FP8KV_AUTO_BACKENDS=ghost; reference: not in "
                        r"FP8KV_AUTO_BACKENDS=ghost \(FP8KV_AUTO_BACKENDS names backends that are not installed: "
                        r"ghost\)"):
-        fp8kv.write_kv(cache, k, v, slots)
+        fp8kv.write_kv_one_shot(cache, k, v, slots)
     monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "auto,reference")
     with pytest.raises(fp8kv.errors.InvalidArgument, match="FP8KV_AUTO_BACKENDS: got 'auto,reference'"):
         select_backend(req(), "cpu")

@@ -44,14 +44,14 @@ def test_auto_prefers_it_to_the_reference_on_the_cpu(monkeypatch):
     monkeypatch.delenv("FP8KV_BACKEND", raising=False)
     monkeypatch.setenv("FP8KV_AUTO_BACKENDS", "torch,reference")
     cache = fp8kv.KVCache.allocate(4, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="token_head")
-    sel = select_backend(fp8kv.Request.for_attention(cache.spec, torch.float32), "cpu")
+    sel = select_backend(fp8kv.plugins.Request.for_attention(cache.spec, torch.float32), "cpu")
     assert sel.backend.name == "torch"
     assert sel.reasons["reference"].startswith("can serve, lower priority")
 
 
 def test_refuses_gpu_tensors_by_name():
     cache = fp8kv.KVCache.allocate(4, 16, 2, 64, kv_dtype="fp8_e4m3", scale_granularity="token_head")
-    req = fp8kv.Request.for_attention(cache.spec, torch.float32)
+    req = fp8kv.plugins.Request.for_attention(cache.spec, torch.float32)
     req = type(req)(req.op, req.kv_dtype, req.layout, req.scale_granularity, req.head_size, req.io_dtype, "cuda")
     reason = available_backends()["torch"].check_supports(fp8kv.probe("cpu"), req)
     assert reason and "CPU tensors only" in reason
@@ -70,7 +70,7 @@ def test_one_index_per_step_rebuilt_after_an_update(pytorch_path, monkeypatch):
     g = torch.Generator().manual_seed(0)
     k, v = (torch.randn(16, 2, 16, generator=g) for _ in range(2))
     for c in caches:
-        fp8kv.write_kv(c, k, v, torch.arange(16), backend="reference")
+        fp8kv.write_kv_one_shot(c, k, v, torch.arange(16), backend="reference")
     tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     meta = fp8kv.plan_attention(caches[0], num_q_heads=4, query_dtype=torch.float32, block_tables=tables,
                                 seq_lens=torch.tensor([9, 5], dtype=torch.int32), max_seq_len=12, backend="torch")
@@ -80,7 +80,8 @@ def test_one_index_per_step_rebuilt_after_an_update(pytorch_path, monkeypatch):
     meta.update(block_tables=tables, seq_lens=torch.tensor([12, 7], dtype=torch.int32))
     after = fp8kv.paged_attention(q, caches[0], meta)
     assert len(built) == 2
-    want = fp8kv.paged_attention(q, caches[0], tables, torch.tensor([12, 7], dtype=torch.int32), backend="reference")
+    want = fp8kv.paged_attention_one_shot(q, caches[0], tables, torch.tensor([12, 7], dtype=torch.int32),
+                                          backend="reference")
     torch.testing.assert_close(after, want, atol=1e-6, rtol=1e-5)
     assert not torch.equal(after, outs[0])
 
@@ -96,7 +97,8 @@ def test_inference_mode_metadata_is_supported():
                                 query_start_loc=torch.tensor([0, 6], dtype=torch.int32), backend="torch")
     fp8kv.write_kv(cache, k, k, meta)
     got = fp8kv.paged_attention(k, cache, meta)
-    want = fp8kv.paged_attention(k, cache, meta.block_tables, meta.seq_lens, query_start_loc=meta.query_start_loc,
+    want = fp8kv.paged_attention_one_shot(k, cache, meta.block_tables, meta.seq_lens,
+                                          query_start_loc=meta.query_start_loc,
                                  backend="reference")
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
@@ -107,7 +109,7 @@ def _decode_case(scale_granularity="tensor", k_scale=None, seq_lens=(9, 5), g=2)
     kw = {} if k_scale is None else {"k_scale": k_scale, "v_scale": 1.0}
     cache = fp8kv.KVCache.allocate(8, 4, 2, 16, kv_dtype="fp8_e4m3", scale_granularity=scale_granularity, **kw)
     k, v = (torch.randn(24, 2, 16, generator=gen) * 100 for _ in range(2))
-    fp8kv.write_kv(cache, k, v, torch.arange(24), backend="reference")
+    fp8kv.write_kv_one_shot(cache, k, v, torch.arange(24), backend="reference")
     tables = torch.tensor([[0, 1, 2], [3, 4, 5]], dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     q = torch.randn(2, 2 * g, 16, generator=gen)
@@ -115,8 +117,8 @@ def _decode_case(scale_granularity="tensor", k_scale=None, seq_lens=(9, 5), g=2)
 
 
 def _both(cache, q, tables, lens, **kw):
-    got = fp8kv.paged_attention(q, cache, tables, lens, backend="torch", **kw)
-    want = fp8kv.paged_attention(q, cache, tables, lens, backend="reference", **kw)
+    got = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="torch", **kw)
+    want = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="reference", **kw)
     return got, want
 
 
@@ -142,7 +144,7 @@ def test_float32_path_serves_plain_steps(pytorch_path, monkeypatch, granularity)
         cache = fp8kv.KVCache.allocate(8, 4, 2, 16, kv_dtype="fp8_e4m3", scale_granularity="head",
                                        k_scale=torch.tensor([0.5, 2.0]), v_scale=torch.tensor([3.0, 0.25]))
         gen = torch.Generator().manual_seed(5)
-        fp8kv.write_kv(cache, *(torch.randn(24, 2, 16, generator=gen) for _ in range(2)), torch.arange(24),
+        fp8kv.write_kv_one_shot(cache, *(torch.randn(24, 2, 16, generator=gen) for _ in range(2)), torch.arange(24),
                        backend="reference")
     got, want = _both(cache, q, tables, lens)
     _assert_within_tolerance(got, want, cache, q, tables, lens)
@@ -229,8 +231,8 @@ def test_k_and_v_as_one_tensor_or_two_give_the_same_bytes_and_outputs(storage, l
     gen = torch.Generator().manual_seed(11)
     k, v = (torch.randn(20, H, D, generator=gen) * 3 for _ in range(2))
     slots = torch.tensor([*range(17), -1, 23, 21])  # a padding slot, the last block
-    fp8kv.write_kv(cache, k, v, slots, backend="torch")
-    fp8kv.write_kv(ref, k, v, slots, backend="reference")
+    fp8kv.write_kv_one_shot(cache, k, v, slots, backend="torch")
+    fp8kv.write_kv_one_shot(ref, k, v, slots, backend="reference")
     for a, b in ((cache.key_cache, ref.key_cache), (cache.value_cache, ref.value_cache)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     if granularity == "token_head":
@@ -238,8 +240,8 @@ def test_k_and_v_as_one_tensor_or_two_give_the_same_bytes_and_outputs(storage, l
     q = torch.randn(2, 4, D, generator=gen)
     tables = torch.tensor([[0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]], dtype=torch.int32)
     lens = torch.tensor([23, 9], dtype=torch.int32)
-    got = fp8kv.paged_attention(q, cache, tables, lens, backend="torch")
-    want = fp8kv.paged_attention(q, ref, tables, lens, backend="reference")
+    got = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="torch")
+    want = fp8kv.paged_attention_one_shot(q, ref, tables, lens, backend="reference")
     _assert_within_tolerance(got, want, ref, q, tables, lens)
 
 
@@ -284,13 +286,13 @@ def test_native_decode_is_the_reference_within_tolerance(native_only, granularit
     cache = fp8kv.KVCache.allocate(nb, bs, H, D, layout=layout, scale_granularity=granularity, **kw)
     gen = torch.Generator().manual_seed(3)
     k, v = (torch.randn(nb * bs, H, D, generator=gen) * 2 for _ in range(2))
-    fp8kv.write_kv(cache, k, v, torch.arange(nb * bs), backend="reference")
+    fp8kv.write_kv_one_shot(cache, k, v, torch.arange(nb * bs), backend="reference")
     tables = torch.tensor([[0, 1, 2, 3], [6, 5, -1, 4], [3, 2, 1, 0]], dtype=torch.int32)
     lens = torch.tensor([14, 16, 0], dtype=torch.int32)
     q = torch.randn(3, Hq, D, generator=gen).to(query_dtype)
     opts = {"sliding_window": window, "validate": False}
-    got, lse = fp8kv.paged_attention(q, cache, tables, lens, backend="torch", return_lse=True, **opts)
-    want, ref_lse = fp8kv.paged_attention(q, cache, tables, lens, backend="reference", return_lse=True, **opts)
+    got, lse = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="torch", return_lse=True, **opts)
+    want, ref_lse = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="reference", return_lse=True, **opts)
     bounds = paged_attention_bounds(q, cache, tables, lens, sliding_window=window)
     assert_attention_close(got, want, **bounds)
     assert_lse_close(lse, ref_lse, **bounds)
@@ -342,8 +344,8 @@ def test_writes_extreme_values_bit_exactly(path, kv_dtype, granularity, dtype):
     caches = [fp8kv.KVCache.allocate(4, 4, H, D, kv_dtype=kv_dtype, scale_granularity=granularity, **kw)
               for _ in range(2)]
     slots = torch.tensor([3, 0, 7, -1, 12, 9, 15, 1, 4])
-    fp8kv.write_kv(caches[0], k, v, slots, backend="torch")
-    fp8kv.write_kv(caches[1], k, v, slots, backend="reference")
+    fp8kv.write_kv_one_shot(caches[0], k, v, slots, backend="torch")
+    fp8kv.write_kv_one_shot(caches[1], k, v, slots, backend="reference")
     got, want = caches
     for a, b in ((got.key_cache, want.key_cache), (got.value_cache, want.value_cache)):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

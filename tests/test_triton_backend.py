@@ -29,7 +29,7 @@ from write_checks import FAST_SCALES, SLOW_SCALES, assert_same_bytes, stress_cas
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
-from fp8kv.hookspecs import Request
+from fp8kv.plugins import Request
 from fp8kv.probe import simulated, triton_interpreter
 from fp8kv.testing import assert_attention_close, paged_attention_bounds
 
@@ -149,8 +149,8 @@ def _write_case(fmt: str, gran: str, layout: str, dtype: torch.dtype, bs: int = 
 def test_write_is_byte_identical_with_the_reference(fmt, gran, layout, dtype):
     cache, key, value, slots = _write_case(fmt.name, gran, layout, dtype)
     want = cache.clone()
-    fp8kv.write_kv(want, key, value, slots, backend="reference")
-    fp8kv.write_kv(cache, key, value, slots.to(torch.int32), backend="triton")
+    fp8kv.write_kv_one_shot(want, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(cache, key, value, slots.to(torch.int32), backend="triton")
     assert_same_bytes(cache, want)
 
 
@@ -165,8 +165,8 @@ def test_write_division_is_exact_on_every_half_pattern(fmt, gran, dtype, scales)
     ``token_head`` rows span every binade, so their scales cross that range's lower edge."""
     cache, key, value, slots = stress_case(fmt, gran, dtype, FAST_SCALES if scales == "fast" else SLOW_SCALES)
     want = cache.clone()
-    fp8kv.write_kv(want, key, value, slots, backend="reference")
-    fp8kv.write_kv(cache, key, value, slots, backend="triton")
+    fp8kv.write_kv_one_shot(want, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(cache, key, value, slots, backend="triton")
     assert_same_bytes(cache, want)
 
 
@@ -205,8 +205,8 @@ def test_markstein_division_is_correctly_rounded():
 def test_write_with_a_block_size_that_is_not_a_power_of_two():
     cache, key, value, slots = _write_case("fp8_e4m3", "token_head", "HND", torch.bfloat16, bs=3)
     want = cache.clone()
-    fp8kv.write_kv(want, key, value, slots, backend="reference")
-    fp8kv.write_kv(cache, key, value, slots, backend="triton")
+    fp8kv.write_kv_one_shot(want, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(cache, key, value, slots, backend="triton")
     assert cache.same_bytes(want)
 
 
@@ -215,7 +215,7 @@ def test_negative_nan_keeps_its_sign():
     x = torch.full((300, 1, 16), math.nan).to(torch.bfloat16)
     assert int(x.view(torch.int16)[0, 0, 0]) == -1
     cache = fp8kv.KVCache.allocate(20, 16, 1, 16)
-    fp8kv.write_kv(cache, x, x, torch.arange(300), backend="triton")
+    fp8kv.write_kv_one_shot(cache, x, x, torch.arange(300), backend="triton")
     assert bool((cache.key_cache.view(torch.uint8)[:18, :12] == 0xFF).all())
 
 
@@ -244,7 +244,7 @@ def _attention_case(*, fmt="fp8_e4m3", gran="tensor", layout="NHD", dtype=torch.
     mag = torch.logspace(-2, 1, len(slots))[torch.randperm(len(slots), generator=g)][:, None, None]
     key = torch.randn(len(slots), H, D, generator=g) * 3 * mag
     value = torch.randn(len(slots), H, D, generator=g) * mag
-    fp8kv.write_kv(cache, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(cache, key, value, slots, backend="reference")
     query = torch.randn(sum(q_lens), H * group, D, generator=g).to(dtype)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     return cache, query, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl
@@ -267,7 +267,7 @@ def _check_attention(case, *, causal=True, window=None, cap=None, config=None):
         cfg = replace(base, **config)
     paged_attention(query, cache, tables, lens, qsl, max_q, scale, causal, window, cap, out,
                     decode_mode=integer_decoder(cache.kv_dtype), interpret=True, config=cfg)
-    ref = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, causal=causal,
+    ref = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, causal=causal,
                                 sliding_window=window, logits_soft_cap=cap, backend="reference")
     bounds = paged_attention_bounds(query, cache, tables, lens, qsl, causal=causal, sliding_window=window,
                                     logits_soft_cap=cap)
@@ -319,13 +319,13 @@ def test_token_head_tiles_of_zero_vectors_far_below_the_max_stay_finite():
     k[:50] *= -3
     k[0] = 5
     v[60:] = 0  # zero vectors: scale 2^-126
-    fp8kv.write_kv(cache, k, v, torch.arange(100), backend="reference")
+    fp8kv.write_kv_one_shot(cache, k, v, torch.arange(100), backend="reference")
     q = torch.randn(1, 4, D, generator=g) * 3
     tables = torch.arange(25, dtype=torch.int32)[None]
     lens = torch.tensor([100], dtype=torch.int32)
-    out = fp8kv.paged_attention(q, cache, tables, lens, backend="triton")
+    out = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="triton")
     assert not bool(out.isnan().any())
-    ref = fp8kv.paged_attention(q, cache, tables, lens, backend="reference")
+    ref = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="reference")
     assert_attention_close(out, ref, **paged_attention_bounds(q, cache, tables, lens))
 
 
@@ -456,7 +456,7 @@ def test_kernels_in_the_interpreter_with_the_amd_codec_policy(fmt):
         choice = codec_for(arch, FORMATS[fmt], interpret=False)
         cache, key, value, slots = _write_case(fmt, gran, "NHD", torch.bfloat16)
         want = cache.clone()
-        fp8kv.write_kv(want, key, value, slots, backend="reference")
+        fp8kv.write_kv_one_shot(want, key, value, slots, backend="reference")
         write_kv(cache, key, value, slots, encoder=choice.encoder, arch=arch)
         for a, b in ((cache.key_cache, want.key_cache), (cache.value_cache, want.value_cache),
                      (cache.k_scale, want.k_scale), (cache.v_scale, want.v_scale)):
@@ -471,7 +471,7 @@ def test_kernels_in_the_interpreter_with_the_amd_codec_policy(fmt):
         scale = query.shape[-1] ** -0.5
         paged_attention(query, cache, tables, lens, qsl, max_q, scale, True, None, None, out,
                         decode_mode=choice.decoder, interpret=True, config=cfg)
-        ref = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, backend="reference")
+        ref = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, backend="reference")
         assert_attention_close(out, ref, **paged_attention_bounds(query, cache, tables, lens, qsl))
 
 
@@ -506,7 +506,7 @@ def test_codec_override(monkeypatch):
 def test_registered_and_selected_on_the_cpu():
     info = fp8kv.available_backends()["triton"].info
     assert (info.name, info.priority, info.fast) == ("triton", 100, True)
-    sel = fp8kv.select_backend(_req(device_type="cpu"), "cpu")
+    sel = fp8kv.plugins.select_backend(_req(device_type="cpu"), "cpu")
     assert sel.backend.name == "triton"
     from fp8kv_triton.capabilities import describe
 

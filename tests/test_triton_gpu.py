@@ -202,8 +202,8 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype):
     ref.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
     ref.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
     gpu = cache_to(ref, "cuda")
-    fp8kv.write_kv(ref, key, value, slots, backend="reference")
-    fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
+    fp8kv.write_kv_one_shot(ref, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
     assert_same_bytes(gpu, ref)
 
 
@@ -217,8 +217,8 @@ def test_write_division_is_exact_on_every_half_pattern(fmt, gran, scales, dtype)
     division's range (``tests/write_checks.py``), byte-identical to the CPU reference."""
     ref, key, value, slots = stress_case(fmt.name, gran, dtype, FAST_SCALES if scales == "fast" else SLOW_SCALES)
     gpu = cache_to(ref, "cuda")
-    fp8kv.write_kv(ref, key, value, slots, backend="reference")
-    fp8kv.write_kv(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
+    fp8kv.write_kv_one_shot(ref, key, value, slots, backend="reference")
+    fp8kv.write_kv_one_shot(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="triton")
     assert_same_bytes(gpu, ref)
 
 
@@ -262,7 +262,7 @@ def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str,
                        for i, n in enumerate(lens)])
     key = torch.randn(len(slots), H, D, generator=g) * 3
     value = torch.randn(len(slots), H, D, generator=g)
-    fp8kv.write_kv(cache, key.cuda().bfloat16(), value.cuda().bfloat16(), slots.cuda(), backend="triton")
+    fp8kv.write_kv_one_shot(cache, key.cuda().bfloat16(), value.cuda().bfloat16(), slots.cuda(), backend="triton")
     return cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
 
 
@@ -286,8 +286,8 @@ def test_attention_at_real_sizes(case):
     query = torch.randn(T, Hq, D, device="cuda").to(dtype)
     out = torch.full_like(query, math.nan)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
-    fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="triton", **kw)
-    ref = fp8kv.paged_attention(query, cache, tables, lens, query_start_loc=qsl, backend="reference", **kw)
+    fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="triton", **kw)
+    ref = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, backend="reference", **kw)
     bounds = paged_attention_bounds(query, cache, tables, lens, qsl, sliding_window=window,
                                     logits_soft_cap=cap)
     assert_attention_close(out, ref, **bounds)
@@ -339,8 +339,8 @@ def test_cuda_graph_capture_matches_eager(gran, monkeypatch):
     qsl = torch.arange(0, 4 * new + 1, new, dtype=torch.int32, device="cuda")
 
     def step(c, out):
-        fp8kv.write_kv(c, key, value, slots, backend="triton")
-        fp8kv.paged_attention(query, c, tables2, lens2, query_start_loc=qsl, max_query_len=new, out=out,
+        fp8kv.write_kv_one_shot(c, key, value, slots, backend="triton")
+        fp8kv.paged_attention_one_shot(query, c, tables2, lens2, query_start_loc=qsl, max_query_len=new, out=out,
                               backend="triton")
 
     eager, out_eager = big.clone(), torch.empty_like(query)
@@ -371,7 +371,7 @@ def test_graph_of_a_planned_step_replays_after_an_in_place_refill():
     g = torch.Generator(device="cuda").manual_seed(5)
     for c in caches:
         k = torch.randn(nb * bs, H, D, device="cuda", generator=g)
-        fp8kv.write_kv(c, k, -k, torch.arange(nb * bs, device="cuda"), backend="triton")
+        fp8kv.write_kv_one_shot(c, k, -k, torch.arange(nb * bs, device="cuda"), backend="triton")
 
     def step_tensors(seed):
         gen = torch.Generator().manual_seed(seed)

@@ -68,7 +68,7 @@ def bytes_of(t: torch.Tensor) -> torch.Tensor:
 def test_write_stores_quantized_values_and_touches_nothing_else(c):
     cache = make_cache(c)
     before = cache.clone()
-    fp8kv.write_kv(cache, c["key"], c["value"], c["slot_mapping"], backend="reference")
+    fp8kv.write_kv_one_shot(cache, c["key"], c["value"], c["slot_mapping"], backend="reference")
     valid = c["slot_mapping"] >= 0
     slots = c["slot_mapping"][valid].long()
     for which, x in (("key", c["key"][valid]), ("value", c["value"][valid])):
@@ -100,7 +100,7 @@ def test_write_stores_quantized_values_and_touches_nothing_else(c):
 def test_round_trip_error_is_half_an_fp8_ulp(c):
     """dequantize(cache) is within half an ulp of the format of x/scale (saturation aside)."""
     cache = make_cache(c, poison=False)
-    fp8kv.write_kv(cache, c["key"], c["value"], c["slot_mapping"], backend="reference")
+    fp8kv.write_kv_one_shot(cache, c["key"], c["value"], c["slot_mapping"], backend="reference")
     valid = c["slot_mapping"] >= 0
     slots = c["slot_mapping"][valid].long()
     fmt = cache.fmt
@@ -125,7 +125,7 @@ def test_nhd_and_hnd_hold_the_same_tokens(fmt):
     caches = []
     for layout in ("NHD", "HND"):
         cache = fp8kv.KVCache.allocate(6, 4, 2, 16, kv_dtype=fmt, layout=layout, scale_granularity="token_head")
-        fp8kv.write_kv(cache, key, value, slots, backend="reference")
+        fp8kv.write_kv_one_shot(cache, key, value, slots, backend="reference")
         caches.append(cache)
     nhd, hnd = caches
     assert hnd.key_cache.shape == (6, 2, 4, 16) and nhd.key_cache.shape == (6, 4, 2, 16)
@@ -137,14 +137,14 @@ def test_nhd_and_hnd_hold_the_same_tokens(fmt):
 def test_nan_stays_nan_and_inf_saturates():
     cache = fp8kv.KVCache.allocate(1, 4, 1, 4, kv_dtype="fp8_e5m2")
     key = torch.tensor([[[float("nan"), float("inf"), -float("inf"), 1e30]]]).expand(1, 1, 4).contiguous()
-    fp8kv.write_kv(cache, key, key.clone(), torch.tensor([2]), backend="reference")
+    fp8kv.write_kv_one_shot(cache, key, key.clone(), torch.tensor([2]), backend="reference")
     back = cache.token_view("key")[2, 0].float()
     assert torch.isnan(back[0]) and back[1:].tolist() == [57344.0, -57344.0, 57344.0]
 
 
 def test_token_head_scale_of_zero_vector_is_defined():
     cache = fp8kv.KVCache.allocate(1, 2, 2, 8, scale_granularity="token_head")
-    fp8kv.write_kv(cache, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([1]), backend="reference")
+    fp8kv.write_kv_one_shot(cache, torch.zeros(1, 2, 8), torch.zeros(1, 2, 8), torch.tensor([1]), backend="reference")
     assert cache.k_scale[0, 1].tolist() == [MIN_DYNAMIC_SCALE] * 2
     assert bool((cache.dequantized("key")[1] == 0).all())
 

@@ -39,7 +39,7 @@ from collections.abc import Callable
 
 import torch
 
-from fp8kv.hookspecs import Request
+from fp8kv.plugins import Request
 from fp8kv.probe import DeviceInfo
 
 from .variants import WGMMA_PREFILL_FORMATS, mma_arch_serves

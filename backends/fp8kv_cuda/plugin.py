@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo
 
 from . import __version__

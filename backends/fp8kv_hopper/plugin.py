@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo, probe, triton_interpreter
 
 from . import __version__

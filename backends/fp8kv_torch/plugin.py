@@ -10,7 +10,7 @@ block tables' width themselves.
 
 from __future__ import annotations
 
-from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo
 
 from . import __version__

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 from fp8kv import settings
 from fp8kv.formats import Fp8Format
-from fp8kv.hookspecs import Request
+from fp8kv.plugins import Request
 from fp8kv.probe import DeviceInfo, triton_interpreter
 
 from .modes import DEC_NATIVE, ENC_INTEGER, ENC_NATIVE, integer_decoder

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from fp8kv.formats import FORMATS
-from fp8kv.hookspecs import BackendInfo, Request, hookimpl
+from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo, triton_interpreter
 
 from . import __version__

@@ -108,10 +108,11 @@ class KVCachePlan:
             raise Fp8KVError(f"layer: got {layer!r}, expected a layer this plan has k/v scales for ({why})")
         return self.k_scales[layer], self.v_scales[layer]
 
-    def cache_arguments(
-        self, layer: int | None, *, kv_dtype=None, scale_granularity=None, k_scale=None, v_scale=None,
-    ) -> tuple[str, str, torch.Tensor | None, torch.Tensor | None]:
-        """``(kv_dtype, scale_granularity, k_scale, v_scale)`` for :meth:`KVCache.allocate`.
+    def cache_kwargs(
+        self, layer: int | None = None, *, kv_dtype=None, scale_granularity=None, k_scale=None, v_scale=None,
+    ) -> dict:
+        """The keywords ``kv_dtype``, ``scale_granularity``, ``k_scale``, ``v_scale`` of
+        :meth:`fp8kv.KVCache.allocate` for ``layer``: ``KVCache.allocate(N, B, H, D, **plan.cache_kwargs(layer))``.
 
         Explicit arguments must agree with the plan; a conflicting one raises Fp8KVError.
         """
@@ -128,7 +129,7 @@ class KVCachePlan:
                 want = ("None (dynamic scales)" if planned is None
                         else f"None or the plan's {planned.tolist()}")
                 raise Fp8KVError(f"{name}: got {given!r}, expected {want}")
-        return self.kv_dtype, self.scale_granularity, ks, vs
+        return {"kv_dtype": self.kv_dtype, "scale_granularity": self.scale_granularity, "k_scale": ks, "v_scale": vs}
 
     def fp8_attention_scales(self, layer: int, device: torch.device | str | None = None) -> dict:
         """``layer``'s checkpoint ``q_scale`` and ``prob_scale`` as keywords of the FP8 attention mode

@@ -20,91 +20,25 @@ what would work):
 from __future__ import annotations
 
 import dataclasses
-import os
-import stat
 import warnings
-from pathlib import Path
 
 import torch
 
 from ..cache import CacheSpec, check_layout
-from ..errors import Fp8KVError, InvalidArgument, bad_argument
+from ..errors import Fp8KVError, bad_argument
 from ..formats import FNUZ_PLATFORMS, FORMATS, Fp8Format, get_format
-from ..hookspecs import Request
 from ..probe import SIMULATED, DeviceInfo, probe, simulated
 from ..registry import Backend, registry, select_backend
-from .config import CheckpointConfig, parse_config, show
-from .files import read_json
+from ..request import Request
+from .config import CheckpointConfig
 from .plan import KVCachePlan
 from .scales_plan import build_scales
-from .tensors import ScaleEntry, ScaleScan, scan
+from .source import Checkpoint
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
 FNUZ_TWIN = {"fp8_e4m3": "fp8_e4m3fnuz", "fp8_e5m2": "fp8_e5m2fnuz"}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
           "float32": torch.float32, "float": torch.float32}
-
-
-class _Checkpoint:
-    """A loaded checkpoint: its parsed config, and its scale tensors if it is a directory."""
-
-    def __init__(self, checkpoint) -> None:
-        self.directory: Path | None = None
-        self.scan: ScaleScan | None = None
-        self.label = "none"
-        self.warnings: list[str] = []
-        extra, source, extra_source = None, "config", "hf_quant_config.json"
-        if checkpoint is None:
-            config: dict = {}
-        elif isinstance(checkpoint, dict):
-            config, self.label = checkpoint, "config dict"
-        elif isinstance(checkpoint, str | os.PathLike):
-            path = Path(checkpoint)
-            try:
-                st = os.stat(path)
-            except FileNotFoundError:
-                raise InvalidArgument(f"checkpoint: got {str(path)!r}, expected a model directory, a config.json "
-                                      "path or a config dict (no such file or directory)") from None
-            except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
-                raise InvalidArgument(f"checkpoint: got {str(path)!r}, expected a model directory, a config.json "
-                                      f"path or a config dict ({exc})") from None
-            if stat.S_ISDIR(st.st_mode):
-                self.directory, self.label = path, str(path)
-                source = str(path / "config.json")
-                config = read_json(path / "config.json", "the config.json of the model directory")
-                hf_quant = path / "hf_quant_config.json"
-                if os.path.lexists(hf_quant):
-                    extra_source = str(hf_quant)
-                    extra = read_json(hf_quant, "hf_quant_config.json")
-            else:
-                source = str(path)
-                config, self.label = read_json(path, "a config JSON"), f"{path} (config only)"
-        else:
-            raise bad_argument("checkpoint", show(checkpoint),
-                               "a model directory, a config JSON path, a config dict or None")
-        self.config: CheckpointConfig = parse_config(config, extra, source=source, extra_source=extra_source)
-        if self.directory is not None:
-            self.scan = scan(self.directory, self.config.num_layers)
-            if not self.scan.files:
-                self.label += " (config only: no *.safetensors)"
-                self.scan = None
-                # listed by name only: fp8kv never unpickles
-                others = sorted(p.name for p in self.directory.glob("*.bin")) + sorted(
-                    p.name for p in self.directory.glob("*.pt"))
-                if others:
-                    self.warnings.append(f"only *.safetensors are read for scales; {', '.join(others[:3])} "
-                                         "not inspected, so the config alone decides")
-
-    @property
-    def kv_entries(self) -> list[ScaleEntry]:
-        return [e for e in self.scan.entries if e.role in ("k", "v", "kv")] if self.scan else []
-
-    def stores_static_scales(self) -> bool:
-        """Whether the checkpoint stores static FP8 KV scales (tensors if inspected, else declared)."""
-        if self.scan is not None:
-            return bool(self.kv_entries)
-        kv = self.config.kv
-        return kv.declared and not kv.dynamic and kv.unsupported is None
 
 
 def _device(device) -> DeviceInfo:
@@ -220,7 +154,7 @@ def _select(reqs: tuple[Request, Request], dev: DeviceInfo, warns: list[str]) ->
     return names[0], names[1]
 
 
-def _no_fp8(requested: str, ck: _Checkpoint, dev: DeviceInfo, reasons: list[str],
+def _no_fp8(requested: str, ck: Checkpoint, dev: DeviceInfo, reasons: list[str],
             warns: list[str]) -> KVCachePlan:
     cfg = ck.config
     return KVCachePlan(requested, "auto", None, "none", device=_device_label(dev),
@@ -239,7 +173,7 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
             ``"fp8_e4m3fnuz"`` or ``"fp8_e5m2fnuz"``.
         checkpoint: a model directory (``config.json`` + ``*.safetensors``), a path to a
             config JSON, a config dict, or None (no checkpoint).
-        device: a :class:`fp8kv.DeviceInfo`, a simulated device name (``"sm80"``), a torch
+        device: a :class:`fp8kv.plugins.DeviceInfo`, a simulated device name (``"sm80"``), a torch
             device, or None (``fp8kv.probe()``, which honours ``simulate_device``).
         layout: the cache layout the backend is selected for (``"NHD"`` or ``"HND"``).
     Returns:
@@ -254,7 +188,7 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
         raise bad_argument("layout", repr(layout), "'NHD' or 'HND'")
     check_layout(layout)
     dev = _device(device)
-    ck = _Checkpoint(checkpoint)
+    ck = Checkpoint(checkpoint)
     cfg, kv = ck.config, ck.config.kv
     reasons: list[str] = []
     warns: list[str] = list(ck.warnings)

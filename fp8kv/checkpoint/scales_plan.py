@@ -27,7 +27,7 @@ from ..formats import Fp8Format
 from .tensors import ScaleEntry, adjust, ranges, read, shape_scale
 
 if TYPE_CHECKING:
-    from .resolve import _Checkpoint
+    from .source import Checkpoint
 
 
 @dataclass
@@ -85,7 +85,7 @@ def _pick(entries: list[ScaleEntry], values: dict[ScaleEntry, torch.Tensor], war
     return best
 
 
-def build_scales(ck: _Checkpoint, fmt: Fp8Format, granularity: str, stores: bool, factor: float,
+def build_scales(ck: Checkpoint, fmt: Fp8Format, granularity: str, stores: bool, factor: float,
                  warns: list[str]) -> Scales:
     """Per-layer scales for a plan in ``fmt`` (checkpoint scales multiplied by ``factor``)."""
     cfg = ck.config
@@ -102,7 +102,7 @@ def build_scales(ck: _Checkpoint, fmt: Fp8Format, granularity: str, stores: bool
     return _load(ck, fmt, granularity, factor, warns)
 
 
-def _load(ck: _Checkpoint, fmt: Fp8Format, granularity: str, factor: float, warns: list[str]) -> Scales:
+def _load(ck: Checkpoint, fmt: Fp8Format, granularity: str, factor: float, warns: list[str]) -> Scales:
     cfg = ck.config
     entries = list(ck.scan.entries)  # layer indices already bounded by the scan
     values = read(entries)

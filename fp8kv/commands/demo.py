@@ -94,9 +94,10 @@ def run(args: argparse.Namespace) -> int:
         cache = fp8kv.KVCache.allocate(num_blocks, bs, H, D, kv_dtype=fmt, scale_granularity=gran, device=device,
                                        **static)
         t0 = time.perf_counter()
-        fp8kv.write_kv(cache, key.to(**to), value.to(**to), slot_mapping.to(**to), backend=args.backend)
+        fp8kv.write_kv_one_shot(cache, key.to(**to), value.to(**to), slot_mapping.to(**to), backend=args.backend)
         t1 = time.perf_counter()
-        out = fp8kv.paged_attention(query.to(**to), cache, block_tables.to(**to), lens.to(torch.int32).to(**to),
+        out = fp8kv.paged_attention_one_shot(query.to(**to), cache, block_tables.to(**to),
+                                             lens.to(torch.int32).to(**to),
                                     backend=args.backend)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -108,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
                      rel(out.float().cpu(), exact), (t1 - t0) * 1e3, (t2 - t1) * 1e3))
         bar.step(f"{fmt} {gran}")
     bar.close()
-    sel = fp8kv.select_backend(fp8kv.Request.for_attention(cache.spec, torch.float32), device, args.backend)
+    sel = fp8kv.plugins.select_backend(fp8kv.plugins.Request.for_attention(cache.spec, torch.float32), device,
+                                       args.backend)
     print(f"fp8kv {fp8kv.__version__} demo on {fp8kv.probe(device).name}, backend {sel.backend.name}: "
           f"{args.seqs} seqs, lengths {lens.tolist()}, H={H}, Hq={Hq}, D={D}, block {bs}")
     print("errors are relative RMS vs the unquantized float32 values; attention is one decode step")

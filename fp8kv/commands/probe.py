@@ -20,9 +20,9 @@ import torch
 from .. import settings
 from ..cli import device_arg
 from ..formats import FORMATS
-from ..hookspecs import OPS, Request
 from ..probe import SIMULATED, DeviceInfo, probe, simulate_device
 from ..registry import Registry, registry
+from ..request import OPS, Request
 
 NAME = "probe"
 HELP = "show the device, which backend can serve what (and why not), and what 'auto' picks"

@@ -31,7 +31,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from ..api import paged_attention, write_kv
 from ..cache import KVCache
 from ..errors import Fp8KVError, bad_argument
-from ..metadata import AttentionMetadata, plan_attention
+from ..metadata import AttentionMetadata
+from ..planning import plan_attention
 from ..scales import GRANULARITIES, calibrate
 from ..transforms import KVTransform
 from ._paging import BlockPool, StepPlan

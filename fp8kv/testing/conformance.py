@@ -48,13 +48,13 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 
 from .. import reference
-from ..api import paged_attention, write_kv
+from ..api import paged_attention_one_shot, write_kv_one_shot
 from ..cache import CacheSpec, KVCache
 from ..errors import Fp8KVError
-from ..hookspecs import OPS, Request
-from ..metadata import plan_attention
+from ..planning import plan_attention
 from ..probe import DeviceInfo, probe
 from ..registry import Backend, registry, unregister_backend
+from ..request import OPS, Request
 from .safety import as_bits, check_memory_safety
 from .strategies import Workload, workloads
 from .tolerance import (
@@ -136,7 +136,7 @@ def check_write(backend: Backend, wl: Workload, device: torch.device) -> None:
     reference.write_kv(want, t.key, t.value, t.slot_mapping)
     got = wl.allocate_cache(device)
     before = got.clone()
-    write_kv(got, t.key, t.value, t.slot_mapping, backend=backend.name)
+    write_kv_one_shot(got, t.key, t.value, t.slot_mapping, backend=backend.name)
     where = f"backend {backend.name!r}, {wl.request('write_kv', device.type).describe()}: "
     if not (torch.equal(as_bits(key0), as_bits(t.key)) and torch.equal(as_bits(value0), as_bits(t.value))):
         raise AssertionError(where + "write_kv modified its key/value inputs")
@@ -169,7 +169,7 @@ def check_attention(backend: Backend, wl: Workload, device: torch.device) -> Non
     reference.write_kv(cache, t.key, t.value, t.slot_mapping)
     snapshot = cache.clone()
     out = torch.full_like(t.query, float("nan"))
-    res, lse = paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
+    res, lse = paged_attention_one_shot(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
                                out=out, return_lse=True, backend=backend.name, **wl.attention_kwargs(),
                                **wl.fp8_kwargs(device))
     where = f"backend {backend.name!r}, {wl.request('paged_attention', device.type).describe()}: "
@@ -204,9 +204,9 @@ def check_refusal(backend: Backend, wl: Workload, device: torch.device, op: str,
     where = f"backend {backend.name!r} refuses {wl.request(op, device.type).describe()} ({reason!r}) but "
     try:
         if op == "write_kv":
-            write_kv(cache, t.key, t.value, t.slot_mapping, backend=backend.name)
+            write_kv_one_shot(cache, t.key, t.value, t.slot_mapping, backend=backend.name)
         else:
-            paged_attention(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
+            paged_attention_one_shot(t.query, cache, t.block_tables, t.seq_lens, query_start_loc=t.query_start_loc,
                             backend=backend.name, **wl.attention_kwargs(), **wl.fp8_kwargs(device))
     except Fp8KVError as exc:
         if reason not in str(exc):

@@ -26,7 +26,7 @@ import torch
 from .. import reference
 from ..cache import KVCache
 from ..formats import FORMATS
-from ..metadata import plan_attention
+from ..planning import plan_attention
 
 __all__ = ["as_bits", "check_memory_safety"]
 

@@ -36,8 +36,8 @@ from hypothesis import strategies as st
 
 from ..cache import CacheSpec, KVCache
 from ..formats import FORMATS
-from ..hookspecs import Request
 from ..metadata import AttentionOptions
+from ..request import Request
 
 __all__ = ["POISONS", "Workload", "WorkloadTensors", "workloads"]
 
@@ -254,12 +254,12 @@ class Workload:
 
         Uses finite K/V (``specials`` off): this is the cache attention is checked on.
         """
-        from ..api import write_kv
+        from ..api import write_kv_one_shot
 
         cache = self.allocate_cache(device)
         key, value = self.without_specials().key_value(device)
         slots = torch.tensor(self.write_slots, dtype=getattr(torch, self.slot_dtype), device=device)
-        write_kv(cache, key, value, slots, backend=backend)
+        write_kv_one_shot(cache, key, value, slots, backend=backend)
         return cache
 
 
