@@ -102,7 +102,7 @@ import math
 import torch
 
 from .fp8_accumulator import exponent
-from .tolerance import U32, ulp, worst_violation
+from .units import U32, ulp, worst_violation
 
 U_FP8_DOT = 2.0**-13
 """The quantum of an FP8 tensor-core step relative to its largest term (``accumulator="hopper"``,

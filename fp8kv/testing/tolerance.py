@@ -88,16 +88,8 @@ import math
 import torch
 
 from ..precision import FULL_P_KEYS
-
-U32 = 2.0**-24
-"""Unit roundoff of float32 (round to nearest)."""
-
-_ULP = {
-    # dtype: (mantissa bits, log2 of the smallest subnormal)
-    torch.float32: (23, -149),
-    torch.float16: (10, -24),
-    torch.bfloat16: (7, -133),
-}
+from .fp8_tolerance import U_FP8_DOT, assert_fp8_attention_close, fp8_attention_tolerance, fp8_probability_envelope
+from .units import U32, ulp, worst_violation
 
 __all__ = [
     "FULL_P_KEYS",
@@ -117,23 +109,6 @@ __all__ = [
 ]
 
 Scalar = float | int | torch.Tensor
-
-
-def ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Unit in the last place of ``dtype`` at magnitude ``|x|``, as float64 (same shape as ``x``).
-
-    ``2^(floor(log2|x|) - mantissa_bits)``, floored at the dtype's smallest subnormal
-    (so 0 and subnormal magnitudes get that); ``inf`` for infinite ``x``, NaN for NaN.
-    """
-    if dtype not in _ULP:
-        raise ValueError(f"out_dtype: got {dtype}, expected one of {list(_ULP)}")
-    mant, emin = _ULP[dtype]
-    a = x.detach().to(torch.float64).abs()
-    _, e = torch.frexp(a)  # a = m * 2^e with m in [0.5, 1): floor(log2 a) = e - 1
-    exp = torch.where(a > 0, e.to(torch.int64) - 1 - mant, torch.full_like(e, emin, dtype=torch.int64))
-    out = torch.ldexp(torch.ones_like(a), exp.clamp_min(emin))
-    out = torch.where(torch.isinf(a), torch.full_like(a, math.inf), out)
-    return torch.where(torch.isnan(a), a, out)
 
 
 def _as64(x: Scalar, like: torch.Tensor) -> torch.Tensor:
@@ -225,13 +200,6 @@ def assert_attention_close(
         f"num_keys={at(num_keys):g}, logit_bound={at(logit_bound):.6g}, v_absmax={at(v_absmax):.6g}, "
         f"head_size={head_size}, soft_cap={soft_cap}, out_dtype={out_dtype}"
     )
-
-
-def worst_violation(ok: torch.Tensor, diff: torch.Tensor, tol: torch.Tensor) -> tuple[float, tuple[int, ...]]:
-    """The largest ``diff / tol`` among the elements that are not ``ok`` and its index (``ok``'s shape)."""
-    ratio = torch.where(ok, torch.zeros_like(diff), torch.nan_to_num(diff / tol, nan=math.inf, posinf=math.inf))
-    worst = int(torch.argmax(ratio.flatten()))
-    return float(ratio.flatten()[worst]), tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), ok.shape))
 
 
 def _logit_error(head_size: int, L: torch.Tensor, soft_cap: float | None, u: float) -> tuple[torch.Tensor, ...]:
@@ -348,13 +316,3 @@ def paged_attention_bounds(
         vmax[lo:hi, :, 0] = va.amax(dim=-1) if seq_len else 0.0
     return {"out_dtype": query.dtype, "head_size": D, "num_keys": num_keys, "logit_bound": lbound,
             "v_absmax": vmax, "soft_cap": logits_soft_cap}
-
-
-# ------------------------------------------------------------------------------ FP8 mode
-# The FP8 attention mode's tolerance lives in fp8kv.testing.fp8_tolerance; re-exported here.
-from .fp8_tolerance import (  # noqa: E402  (after U32 and ulp, which it imports)
-    U_FP8_DOT,
-    assert_fp8_attention_close,
-    fp8_attention_tolerance,
-    fp8_probability_envelope,
-)
