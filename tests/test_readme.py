@@ -1,5 +1,5 @@
-"""The README's promises: its test command is what CI runs, its API example works, and it lists
-exactly the environment variables fp8kv reads."""
+"""The README's promises: its test command is what CI runs, its API example works, and the
+configuration doc it links lists exactly the environment variables fp8kv reads."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import fp8kv.settings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 
 
 def code_blocks(lang: str) -> list[str]:
@@ -28,8 +29,8 @@ def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_test_one():
     assert test_command in ci.splitlines()
 
 
-def section(title: str) -> str:
-    return README.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+def section(title: str, text: str = README) -> str:
+    return text.split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
 
 
 def test_readme_api_example_runs(capsys):
@@ -45,8 +46,12 @@ def test_readme_api_example_runs(capsys):
 TESTS_ONLY_VARIABLES = {"FP8KV_GPU_EXAMPLES"}  # read by the test suite, never by fp8kv
 
 
-def test_readme_lists_every_environment_variable_fp8kv_reads():
-    table = section("Environment variables")
+def test_readme_links_the_configuration_doc():
+    assert "(docs/configuration.md)" in README
+
+
+def test_configuration_doc_lists_every_environment_variable_fp8kv_reads():
+    table = section("Environment variables", CONFIGURATION)
     listed = re.findall(r"^\| `([A-Z][A-Z0-9_]*)` \|", table, flags=re.M)
     assert sorted(listed) == sorted(fp8kv.settings.VARIABLES)
     for name in fp8kv.settings.VARIABLES:
@@ -56,3 +61,13 @@ def test_readme_lists_every_environment_variable_fp8kv_reads():
 def test_readme_names_no_variable_fp8kv_does_not_read():
     named = set(re.findall(r"\bFP8KV_[A-Z0-9_]+", README)) - TESTS_ONLY_VARIABLES
     assert named <= set(fp8kv.settings.VARIABLES), sorted(named - set(fp8kv.settings.VARIABLES))
+
+
+def test_configuration_doc_names_only_variables_read_by_fp8kv_or_its_tests():
+    table = section("Environment variables", CONFIGURATION)  # compile-time macros are named outside it
+    named = set(re.findall(r"\bFP8KV_[A-Z0-9_]+", table)) - TESTS_ONLY_VARIABLES
+    assert named <= set(fp8kv.settings.VARIABLES), sorted(named - set(fp8kv.settings.VARIABLES))
+
+
+def test_readme_performance_section_points_to_the_results_doc():
+    assert "See [docs/performance.md](docs/performance.md)." in section("Performance")
