@@ -195,9 +195,9 @@ def test_tensor_core_decode_splits_for_the_fewest_keys_per_sm(monkeypatch):
 
 @pytest.mark.parametrize("num_tokens,expected", [(32, (4, 2, 1)), (48, (3, 2, 1)), (64, (2, 3, 1)),
                                                  (128, None), (24, (4, 2, 1)), (16, None), (8, None)])
-@pytest.mark.parametrize("token_scales,fp8_mode", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("token_scales,fp8_attention", [(False, False), (True, False), (False, True)])
 def test_decode_grids_of_more_ctas_than_sms_take_the_wave_tiles_on_sm90(monkeypatch, num_tokens, expected,
-                                                                         token_scales, fp8_mode):
+                                                                         token_scales, fp8_attention):
     """mma_wave_config (H100: 132 SMs, 228 KiB an SM), GQA 32/8 at head size 128, one split: 192 or 256
     CTAs (B=24, 32) are two an SM, 4 warps x 2 stages x 1 sub-tile; 384 (B=48) three, 3 x 2 x 1; 512
     (B=64) four, 2 x 3 x 1; 1024 (B=128, eight an SM) and at most one CTA an SM (B=16, B=8) keep the
@@ -212,15 +212,15 @@ def test_decode_grids_of_more_ctas_than_sms_take_the_wave_tiles_on_sm90(monkeypa
     monkeypatch.setattr(attention, "_smem_limits", lambda index: attention.ARCH_SMEM[90])
     dev = torch.device("cuda", 0)
     ctas = num_tokens * 8
-    assert attention.mma_wave_config(dev, 128, ctas, token_scales, fp8_mode) == expected
+    assert attention.mma_wave_config(dev, 128, ctas, token_scales, fp8_attention) == expected
     if expected is not None:
         warps, stages, nsub = expected
-        smem = attention.mma_cta_smem(128, warps, token_scales, stages, nsub, fp8_mode)
+        smem = attention.mma_cta_smem(128, warps, token_scales, stages, nsub, fp8_attention)
         per_sm = min(attention.ARCH_SMEM[90][1] // (smem + attention.CTA_RESERVED_SMEM),
                      attention.MMA_TILES[128][1] // warps)
         assert per_sm * 132 >= ctas
     p = attention.plan_mma(dev, num_tokens=num_tokens, num_kv_heads=8, group=4, head_size=128, max_keys=4096,
-                           num_splits=1, token_scales=token_scales, fp8_mode=fp8_mode)
+                           num_splits=1, token_scales=token_scales, fp8_attention=fp8_attention)
     if expected is not None:
         assert (p.warps, p.stages, p.nsub) == expected
     else:
@@ -461,16 +461,16 @@ def test_the_sm90_wgmma_kernels_are_the_prefill_defaults():
 
 
 def test_the_fp8_mode_decode_refuses_what_it_cannot_run_before_any_launch():
-    """fp8kv_cuda.attention.paged_attention(fp8=...): a plan that is not a plan_mma one, or a cache whose K/V
+    """fp8kv_cuda.attention.paged_attention(fp8_attention=...): a plan that is not a plan_mma one, or a cache whose K/V
     rows are not 16-byte aligned (head size 40), raises InvalidArgument naming the argument, launching nothing
     (CPU tensors: a launch would fail differently) and leaving the cache unchanged."""
-    from fp8kv_cuda.attention import AttnPlan, Fp8Mode, paged_attention
+    from fp8kv_cuda.attention import AttnPlan, Fp8Attention, paged_attention
 
     from fp8kv.errors import InvalidArgument
 
-    fp8 = Fp8Mode(None, (0, 0), 1.0)
+    fp8 = Fp8Attention(None, (0, 0), 1.0)
     for D, plan_, name in ((128, AttnPlan(128, 4, 32, 1, 1, 64, mma=True, prefill=True, row_tiles=1), "plan_"),
-                           (40, AttnPlan(40, 8, 16, 1, 1, 64, mma=True), "fp8")):
+                           (40, AttnPlan(40, 8, 16, 1, 1, 64, mma=True), "fp8_attention")):
         cache = fp8kv.KVCache.allocate(4, 16, 2, D, kv_dtype="fp8_e4m3", scale_granularity="tensor")
         fp8kv.write_kv_one_shot(cache, torch.randn(64, 2, D), torch.randn(64, 2, D), torch.arange(64))
         before = cache.key_cache.view(torch.uint8).clone(), cache.value_cache.view(torch.uint8).clone()
@@ -479,7 +479,7 @@ def test_the_fp8_mode_decode_refuses_what_it_cannot_run_before_any_launch():
         with pytest.raises(InvalidArgument, match=f"^{name}: got "):
             paged_attention(q, cache, torch.arange(8, dtype=torch.int32).view(2, 4), one * 20,
                             torch.arange(3, dtype=torch.int32), D**-0.5, True, None, None, torch.empty_like(q), None,
-                            plan_=plan_, fp8=fp8)
+                            plan_=plan_, fp8_attention=fp8)
         assert torch.equal(cache.key_cache.view(torch.uint8), before[0])
         assert torch.equal(cache.value_cache.view(torch.uint8), before[1])
 
@@ -487,7 +487,7 @@ def test_the_fp8_mode_decode_refuses_what_it_cannot_run_before_any_launch():
 @pytest.mark.parametrize("sm,head_size,default,fp8", [(90, 64, 6, 6), (90, 128, 6, 6), (90, 256, 4, 4),
                                                       (89, 128, 6, 6), (89, 256, 4, None)])
 def test_the_fp8_modes_static_shared_memory_counts_when_planning_warps(monkeypatch, sm, head_size, default, fp8):
-    """mma_warps counts the FP8 mode's static query fragment (fp8_mode_static_smem: 16 bytes a dimension)
+    """mma_warps counts the FP8 mode's static query fragment (fp8_attention_static_smem: 16 bytes a dimension)
     on top of the ring: on sm90 it changes no choice; with an sm89's 99 KiB a block, the FP8 mode's head
     size 256 (96 KiB of ring and 4 KiB of fragment) does not fit (the Triton kernel would take it)."""
     from fp8kv_cuda import attention, runtime
@@ -497,5 +497,5 @@ def test_the_fp8_modes_static_shared_memory_counts_when_planning_warps(monkeypat
     monkeypatch.setattr(attention, "_smem_limits", lambda index: attention.ARCH_SMEM[sm])
     dev = torch.device("cuda", 0)
     assert attention.mma_warps(dev, head_size) == default
-    assert attention.mma_warps(dev, head_size, fp8_mode=True) == fp8
-    assert attention.fp8_mode_static_smem(head_size) == head_size // 16 * 32 * 8
+    assert attention.mma_warps(dev, head_size, fp8_attention=True) == fp8
+    assert attention.fp8_attention_static_smem(head_size) == head_size // 16 * 32 * 8

@@ -148,14 +148,14 @@ def test_the_fp8_mode_decode_rounds_query_and_probabilities_to_e4m3():
     from fp8kv_cuda import compile as cc
     from fp8kv_cuda.variants import attention_mma_variant
 
-    ptx = cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 90, fp8_mode=True), "sm90")
+    ptx = cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 90, fp8_attention=True), "sm90")
     body = ptx.split(".entry fp8kv_paged_attention_mma", 1)[1].split(".entry", 1)[0]
     assert "cvt.rn.satfinite.e4m3x2.f32" in body and "cvt.rn.f16x2.e4m3x2" in body
     assert "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32" in body and ".bf16" not in body
     default = cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 90), "sm90")
     assert "satfinite.e4m3x2" not in default
     with pytest.raises(RuntimeError, match="FP8 mode"):
-        cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 80, fp8_mode=True), "sm80")
+        cc.compile_ptx(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, 80, fp8_attention=True), "sm80")
 
 
 @pytest.mark.parametrize("head_size,warps,token_scales,sm,stages", [

@@ -503,7 +503,7 @@ def test_wgmma_prefill_with_hostile_metadata_stays_in_its_cache(layout):
         assert torch.equal(a, b)
 
 
-# ---- FP8-mode decode on the CUDA backend's tensor-core decode (fp8kv_cuda.attention.Fp8Mode; "auto"'s
+# ---- FP8-mode decode on the CUDA backend's tensor-core decode (fp8kv_cuda.attention.Fp8Attention; "auto"'s
 # pick for decode steps) ----
 
 _QS = {None: None, "tensor": lambda H, HQ: torch.tensor(0.02, device=DEV),
@@ -568,7 +568,7 @@ def test_cuda_decode_wave_tiles(seqs):
     from fp8kv_cuda import attention as cuda_attention
 
     ctas, sms = seqs * 8, torch.cuda.get_device_properties(DEV).multi_processor_count
-    assert (cuda_attention.mma_wave_config(DEV, 128, ctas, fp8_mode=True) is not None) == (sms < ctas <= 4 * sms)
+    assert (cuda_attention.mma_wave_config(DEV, 128, ctas, fp8_attention=True) is not None) == (sms < ctas <= 4 * sms)
     _wgmma_check(_case(seqs, 1, 100, granularity="tensor", seed=11), kernel="cuda", prob_scale=0.5)
 
 

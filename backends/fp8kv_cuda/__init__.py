@@ -6,6 +6,7 @@ Triton does not serve), through CuPy's NVRTC: the ``.cu`` sources in ``csrc/`` a
 for the device's architecture the first time a variant is launched, and cached (in the process
 and in CuPy's on-disk kernel cache). Modules:
 
+* :mod:`~fp8kv_cuda.kernels`: the public module other backends build on;
 * :mod:`~fp8kv_cuda.capabilities`: what is served where, and which CUDA toolkit a device needs;
 * :mod:`~fp8kv_cuda.variants`: kernel variants (macros), sources and NVRTC options;
 * :mod:`~fp8kv_cuda.runtime`: compile-and-cache through CuPy, launches on torch's stream;
@@ -17,15 +18,9 @@ and in CuPy's on-disk kernel cache). Modules:
 CuPy is imported only when a kernel is launched, so the plugin loads (and says why it cannot
 serve) where CuPy is missing.
 
-Public for other in-tree backends (the Hopper backend's CUDA kernel uses them): in
-:mod:`~fp8kv_cuda.runtime`, ``compile_source`` (NVRTC through CuPy), ``module`` (compile once per
-process and device), ``launch_struct`` (a kernel whose one parameter is a struct, on torch's stream),
-``device_index`` and ``tensor_map_uint8``; :mod:`~fp8kv_cuda.tma`'s ``paged_cache_maps``; in
-:mod:`~fp8kv_cuda.compile`, ``compile_text`` and ``parse_ptxas`` (CPU compile cells through NVRTC 12
-from PyPI); in :mod:`~fp8kv_cuda.attention`, ``Fp8Mode``, ``fp8_decode_why_not``,
-``plan_mma`` and ``paged_attention`` (the FP8 attention mode's decode, which the Hopper backend plans once
-per step and runs); in
-:mod:`~fp8kv_cuda.variants`, ``inline_headers``. Everything else is private.
+Public for other backends: :mod:`~fp8kv_cuda.kernels` (NVRTC build and launch, the public
+headers, TMA descriptors of a paged cache, the FP8 attention mode's decode). Everything else is
+private.
 """
 
 from fp8kv._version import __version__

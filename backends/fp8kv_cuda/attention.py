@@ -107,18 +107,18 @@ def mma_smem_bytes(head_size: int, warps: int, token_scales: bool = False, stage
 
 
 def mma_serves(device: torch.device, query_dtype: torch.dtype, head_size: int, token_scales: bool,
-               fmt: str, fp8_mode: bool = False) -> bool:
+               fmt: str, fp8_attention: bool = False) -> bool:
     """Whether the tensor-core kernel serves this step (before the launch's alignment check): float16/
     bfloat16 queries, :func:`fp8kv_cuda.variants.mma_arch_serves` for the GPU (bfloat16 from sm80,
-    float16 from sm75), and a CTA that fits its shared memory (:func:`mma_warps`; ``fp8_mode``: the FP8
+    float16 from sm75), and a CTA that fits its shared memory (:func:`mma_warps`; ``fp8_attention``: the FP8
     mode's build)."""
     if device.type != "cuda" or query_dtype not in MMA_QUERY_DTYPES:
         return False
     return (mma_arch_serves(_sm(device), fmt, head_size, _IO[query_dtype])
-            and mma_warps(device, head_size, token_scales, fp8_mode) is not None)
+            and mma_warps(device, head_size, token_scales, fp8_attention) is not None)
 
 
-def fp8_mode_static_smem(head_size: int) -> int:
+def fp8_attention_static_smem(head_size: int) -> int:
     """Static shared memory of the FP8 mode's build of the tensor-core kernel: its query fragment, which
     the CTA's warps quantize a share each and exchange (``q_frag``: ``head_size / 16`` k steps x 32 lanes
     x 8 bytes)."""
@@ -149,24 +149,25 @@ def _smem_limits_for(index: int, sm: int) -> tuple[int, int]:
 
 
 def mma_cta_smem(head_size: int, warps: int, token_scales: bool, stages: int, nsub: int | None = None,
-                 fp8_mode: bool = False) -> int:
+                 fp8_attention: bool = False) -> int:
     """Shared memory a CTA of the tensor-core kernel takes: its dynamic part (:func:`mma_smem_bytes`)
-    and, in the FP8 mode's build, its static query fragment (:func:`fp8_mode_static_smem`)."""
-    static = fp8_mode_static_smem(head_size) if fp8_mode else 0
+    and, in the FP8 mode's build, its static query fragment (:func:`fp8_attention_static_smem`)."""
+    static = fp8_attention_static_smem(head_size) if fp8_attention else 0
     return mma_smem_bytes(head_size, warps, token_scales, stages, nsub) + static
 
 
-def mma_warps(device: torch.device, head_size: int, token_scales: bool = False, fp8_mode: bool = False) -> int | None:
+def mma_warps(device: torch.device, head_size: int, token_scales: bool = False,
+              fp8_attention: bool = False) -> int | None:
     """Warps per CTA of the tensor-core kernel on ``device``: 6 where two such CTAs fit an SM's
     shared memory (measured best on sm90), else 4 where two fit, else the larger that fits one
-    CTA; None when none fits (the CUDA-core kernel serves). ``fp8_mode``: the FP8 mode's build, whose
-    static shared memory (:func:`fp8_mode_static_smem`) counts too."""
+    CTA; None when none fits (the CUDA-core kernel serves). ``fp8_attention``: the FP8 mode's build, whose
+    static shared memory (:func:`fp8_attention_static_smem`) counts too."""
     index = runtime.device_index(device)
     per_block, per_sm = _smem_limits(index)
     stages = mma_stages(runtime.device_sm(index), head_size)
     for need in (2, 1):
         for warps in (6, 4):
-            smem = mma_cta_smem(head_size, warps, token_scales, stages, fp8_mode=fp8_mode)
+            smem = mma_cta_smem(head_size, warps, token_scales, stages, fp8_attention=fp8_attention)
             if smem <= per_block and need * smem <= per_sm:
                 return warps
     return None
@@ -177,7 +178,7 @@ CTA_RESERVED_SMEM = 1 << 10
 
 
 def mma_wave_config(device: torch.device, head_size: int, ctas: int, token_scales: bool = False,
-                    fp8_mode: bool = False, fmt: str = "fp8_e4m3") -> tuple[int, int, int] | None:
+                    fp8_attention: bool = False, fmt: str = "fp8_e4m3") -> tuple[int, int, int] | None:
     """``(warps, stages, nsub)`` of the tensor-core decode for a grid of ``ctas`` CTAs where it has more
     CTAs than SMs, on sm90 at the head sizes of :data:`MMA_WAVE_TILES`: its tile for ceil(ctas / SMs)
     CTAs an SM, when shared memory and the register budget of ``MMA_TILES`` (the native conversion's,
@@ -192,7 +193,7 @@ def mma_wave_config(device: torch.device, head_size: int, ctas: int, token_scale
         return None
     warps, stages, nsub = MMA_WAVE_TILES[head_size][per_wave]
     per_block, per_sm = _smem_limits(index)
-    smem = mma_cta_smem(head_size, warps, token_scales, stages, nsub, fp8_mode)
+    smem = mma_cta_smem(head_size, warps, token_scales, stages, nsub, fp8_attention)
     budget = MMA_TILES[head_size][2 if "fnuz" in fmt else 1]  # (warps an SM the registers are budgeted for)
     held = min(per_sm // (smem + CTA_RESERVED_SMEM), budget // warps)
     return (warps, stages, nsub) if smem <= per_block and held >= per_wave else None
@@ -217,7 +218,7 @@ def mma_splits(units: int, sms: int, max_splits: int) -> int:
 
 def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group: int, head_size: int,
              max_keys: int, num_splits: int | None = None, warps: int | None = None,
-             token_scales: bool = False, stages: int | None = None, fp8_mode: bool = False,
+             token_scales: bool = False, stages: int | None = None, fp8_attention: bool = False,
              nsub: int | None = None, fmt: str = "fp8_e4m3") -> AttnPlan:
     """Head chunks, KV split and warps per CTA of the tensor-core kernel. Without ``num_splits``/
     ``warps``: 6-warp CTAs, two per SM, where the shared memory allows (:func:`mma_warps`; 4- and
@@ -233,10 +234,10 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
         num_splits = mma_splits(units, sms, min(max(1, max_keys // MMA_SPLIT_KEYS), MAX_SPLITS))
     splits, kps = _split_keys(max_keys, num_splits, MMA_SPLIT_KEYS)
     if warps is None and stages is None and nsub is None:
-        warps, stages, nsub = (mma_wave_config(device, head_size, units * splits, token_scales, fp8_mode, fmt)
+        warps, stages, nsub = (mma_wave_config(device, head_size, units * splits, token_scales, fp8_attention, fmt)
                                or (None, None, None))
     if warps is None:
-        warps = mma_warps(device, head_size, token_scales, fp8_mode) or 4
+        warps = mma_warps(device, head_size, token_scales, fp8_attention) or 4
     return AttnPlan(head_size, MMA_HEADS, MMA_SPLIT_KEYS, chunks, splits, kps, mma=True, warps=warps, sm=_sm(device),
                     stages=stages or 0, nsub=nsub or 0)
 
@@ -423,7 +424,7 @@ def _vec(cache: KVCache, D: int) -> int:
 
 
 @dataclass(frozen=True)
-class Fp8Mode:
+class Fp8Attention:
     """The FP8 attention mode's arguments (docs/fp8_attention.md) for :func:`paged_attention`'s decode on
     the tensor-core kernel (``csrc/attention_mma.cu`` built with ``FP8KV_FP8_MODE``). Public: the Hopper
     backend's FP8-mode decode runs through it (:func:`fp8_decode_why_not` says where it can)."""
@@ -457,7 +458,7 @@ def fp8_decode_why_not(query: torch.Tensor, cache: KVCache, out: torch.Tensor, l
         (cache.fmt.name == "fp8_e4m3" and cache.scale_granularity in ("tensor", "head"),
          "an e4m3 cache with tensor or head scales"),
         (query.dtype in MMA_QUERY_DTYPES and out.dtype == query.dtype, "float16/bfloat16 queries, out alike"),
-        (on_gpu and mma_serves(query.device, query.dtype, D, False, cache.fmt.name, fp8_mode=True),
+        (on_gpu and mma_serves(query.device, query.dtype, D, False, cache.fmt.name, fp8_attention=True),
          "a head size the tensor-core decode takes (64, 128, 256) in the shared memory"),
         (_vec(cache, D) == 16, "16-byte aligned K/V rows and strides"),
         (all(t.dtype == torch.int32 and t.is_contiguous() for t in (block_tables, seq_lens, query_start_loc)),
@@ -472,12 +473,12 @@ def fp8_decode_why_not(query: torch.Tensor, cache: KVCache, out: torch.Tensor, l
 def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                     query_start_loc: torch.Tensor, softmax_scale: float, causal: bool, sliding_window: int | None,
                     logits_soft_cap: float | None, out: torch.Tensor, lse: torch.Tensor | None,
-                    plan_: AttnPlan | None = None, fp8: Fp8Mode | None = None) -> None:
+                    plan_: AttnPlan | None = None, fp8_attention: Fp8Attention | None = None) -> None:
     """Paged attention of ``query [T, Hq, D]`` over ``cache`` into ``out`` (and ``lse [T, Hq]`` float32).
 
     ``block_tables [S, max_blocks]``, ``seq_lens [S]``, ``query_start_loc [S + 1]``: int32, contiguous
     (the metadata's own). Memory-safe whatever their values (see ``csrc/attention.cu``).
-    ``fp8``: the FP8 attention mode's decode on the tensor-core kernel (where :func:`fp8_decode_why_not`
+    ``fp8_attention``: the FP8 attention mode's decode on the tensor-core kernel (where :func:`fp8_decode_why_not`
     finds nothing against it; a plan, if given, must be a :func:`plan_mma` one).
     """
     T, HQ, D = query.shape
@@ -494,9 +495,9 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
     vec = _vec(cache, D)
     fmt = cache.fmt.name
     # without a plan: T bounds every query's length; T == S is taken for decode
-    if fp8 is not None:
+    if fp8_attention is not None:
         p = plan_ or plan_mma(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys,
-                              fp8_mode=True)
+                              fp8_attention=True)
         if not p.mma or p.prefill:
             raise InvalidArgument(f"plan_: got {p!r}, expected a plan_mma plan (the FP8 mode's decode)")
     else:
@@ -504,8 +505,9 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
                           query_dtype=query.dtype, token_scales=token_scales, fmt=fmt,
                           max_query_len=1 if T == S else T, num_seqs=S)
     if p.mma and not (vec == 16 and query.dtype in MMA_QUERY_DTYPES):  # (the plan checked the rest)
-        if fp8 is not None:
-            raise InvalidArgument(f"fp8: got a cache with {vec}-byte aligned K/V rows and {query.dtype} queries, "
+        if fp8_attention is not None:
+            raise InvalidArgument(f"fp8_attention: got a cache with {vec}-byte aligned K/V rows and {query.dtype} "
+                                  "queries, "
                                   "expected 16-byte aligned rows and float16/bfloat16 queries (the FP8 mode's decode)")
         p = plan(query.device, num_tokens=T, num_kv_heads=H, group=group, head_size=D, max_keys=max_keys)
     # softmax_scale (times log2(e) unless soft-capped: then log2(e) comes after the cap) as a
@@ -521,7 +523,8 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
         entry = "fp8kv_prefill_mma"
     elif p.mma:
         variant = attention_mma_variant(cache.fmt.name, _IO[query.dtype], D, p.warps, token_scales, p.sm,
-                                        fp8_mode=fp8 is not None, stages=p.stages or None, nsub=p.nsub or None)
+                                        fp8_attention=fp8_attention is not None, stages=p.stages or None,
+                                        nsub=p.nsub or None)
         entry = "fp8kv_paged_attention_mma"
     else:
         variant = attention_variant(cache.fmt.name, _IO[query.dtype], token_scales, p.d_pad, p.gpad, p.block_n, vec)
@@ -569,10 +572,11 @@ def paged_attention(query: torch.Tensor, cache: KVCache, block_tables: torch.Ten
             runtime.launch(variant, entry, dev, grid, threads, pargs, shared_mem=smem)
         runtime.launch(variant, exact, dev, grid, threads, pargs, shared_mem=smem)
     elif p.mma:
-        if fp8 is not None:
-            qs = fp8.q_scale if fp8.q_scale is not None else cache.k_scale  # (unused when dynamic)
-            args += [r.ptr(qs), r.i32(fp8.qs_strides[0]), r.i32(fp8.qs_strides[1]), r.i32(int(fp8.q_scale is None)),
-                     r.f32(fp8.prob_scale), r.f32(1.0 / fp8.prob_scale)]
+        if fp8_attention is not None:
+            qs = fp8_attention.q_scale if fp8_attention.q_scale is not None else cache.k_scale  # (unused when dynamic)
+            args += [r.ptr(qs), r.i32(fp8_attention.qs_strides[0]), r.i32(fp8_attention.qs_strides[1]),
+                     r.i32(int(fp8_attention.q_scale is None)),
+                     r.f32(fp8_attention.prob_scale), r.f32(1.0 / fp8_attention.prob_scale)]
         runtime.launch(variant, entry, dev, grid, 32 * p.warps, args,
                        shared_mem=mma_smem_bytes(D, p.warps, token_scales, p.stages or mma_stages(p.sm, D),
                                                  p.nsub or None))

@@ -203,7 +203,7 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
             if mma_arch_serves(sm, fmt, d, io):
                 out.append(attention_mma_variant(fmt, io, d, w, tok, sm))
         if sm >= FP8_MODE_MIN_SM:  # the FP8 attention mode's decode (the Hopper backend's)
-            out.append(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, sm, fp8_mode=True))
+            out.append(attention_mma_variant("fp8_e4m3", "bfloat16", 128, 6, False, sm, fp8_attention=True))
         for fmt, io in (("fp8_e4m3", "bfloat16" if sm >= 80 else "float16"), ("fp8_e5m2fnuz", "float16")):
             if prefill_arch_serves(sm, fmt, 128, io):
                 out.append(prefill_variant(fmt, io, 128, sm))
@@ -222,7 +222,7 @@ def variants(set_name: str = "representative", arch: str = "sm90") -> list[Varia
                     tiles = [(w, None, None) for w in MMA_WARPS] + waves
                     out += [attention_mma_variant(fmt, io, d, w, tok, sm, stages=s, nsub=n) for w, s, n in tiles]
                     if fmt == "fp8_e4m3" and not tok and sm >= FP8_MODE_MIN_SM:
-                        out += [attention_mma_variant(fmt, io, d, w, False, sm, fp8_mode=True, stages=s, nsub=n)
+                        out += [attention_mma_variant(fmt, io, d, w, False, sm, fp8_attention=True, stages=s, nsub=n)
                                 for w, s, n in tiles]
                 if not tok and prefill_arch_serves(sm, fmt, d, io):
                     out.append(prefill_variant(fmt, io, d, sm))

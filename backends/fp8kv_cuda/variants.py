@@ -133,12 +133,12 @@ def mma_stages(sm: int, head_size: int) -> int:
 
 
 def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 4,
-                          token_scales: bool = False, sm: int = BF16_MMA_MIN_SM, fp8_mode: bool = False,
+                          token_scales: bool = False, sm: int = BF16_MMA_MIN_SM, fp8_attention: bool = False,
                           stages: int | None = None, nsub: int | None = None) -> Variant:
     """The tensor-core attention kernels (decode + merge) for one format, float16/bfloat16 queries,
     a head size of 64, 128 or 256, ``warps`` warps per CTA, static or per-token-head scales, and
     the ring depth of architecture ``sm`` (:func:`mma_stages`; every sm80+ shares one variant).
-    ``fp8_mode``: the FP8 attention mode's decode (``FP8KV_FP8_MODE``: an e4m3 cache with static
+    ``fp8_attention``: the FP8 attention mode's decode (``FP8KV_FP8_MODE``: an e4m3 cache with static
     scales, sm89+; :data:`FP8_MODE_MIN_SM`). ``stages``: a ring depth other than :func:`mma_stages`'s;
     ``nsub``: 16-key sub-tiles a warp step other than the kernel's (2, 1 at head size 256)."""
     _, sm_warps_native, sm_warps_bits = MMA_TILES[head_size]
@@ -148,12 +148,12 @@ def attention_mma_variant(fmt: str, io_dtype: str, head_size: int, warps: int = 
                                           ("FP8KV_D", head_size), ("FP8KV_STAGES", stages or mma_stages(sm, head_size)),
                                           ("FP8KV_MMA_WARPS", warps), ("FP8KV_SM_WARPS_NATIVE", sm_warps_native),
                                           ("FP8KV_SM_WARPS_BITS", sm_warps_bits), ("FP8KV_FULL_P_KEYS", FULL_P_KEYS),
-                                          *((("FP8KV_FP8_MODE", 1),) if fp8_mode else ()),
+                                          *((("FP8KV_FP8_MODE", 1),) if fp8_attention else ()),
                                           *((("FP8KV_NSUB", nsub),) if nsub else ())))
 
 
 FP8_MODE_MIN_SM = 89
-"""The FP8 attention mode's decode (``attention_mma_variant(fp8_mode=True)``) rounds the query and the
+"""The FP8 attention mode's decode (``attention_mma_variant(fp8_attention=True)``) rounds the query and the
 probabilities to e4m3 with ``cvt.rn.satfinite.e4m3x2.f32`` and widens them with ``cvt.rn.f16x2.e4m3x2``
 (sm89+)."""
 

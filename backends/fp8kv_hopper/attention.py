@@ -62,7 +62,7 @@ LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30
 
 if TYPE_CHECKING:
-    from fp8kv_cuda.attention import AttnPlan
+    from fp8kv_cuda.kernels import AttnPlan
 
 
 @triton.jit
@@ -285,8 +285,8 @@ class Fp8AttnConfig:
     kernel: str = "auto"
     """``"wgmma"``: the warp-specialized CUDA kernel of :mod:`fp8kv_hopper.wgmma` (prefill on sm90;
     InvalidArgument where it does not serve); ``"cuda"``: the CUDA backend's tensor-core decode built
-    for the mode (:class:`fp8kv_cuda.attention.Fp8Mode`; decode steps; InvalidArgument where
-    :func:`fp8kv_cuda.attention.fp8_decode_why_not` finds a reason); ``"triton"``: this module's
+    for the mode (:class:`fp8kv_cuda.kernels.Fp8Attention`; decode steps; InvalidArgument where
+    :func:`fp8kv_cuda.kernels.fp8_decode_why_not` finds a reason); ``"triton"``: this module's
     kernel; ``"auto"`` (the default): the CUDA kernel of the step's kind (prefill: ``"wgmma"``,
     decode: ``"cuda"``) where it serves (host facts only), else Triton. Measured on the H100:
     docs/fp8_attention.md."""
@@ -390,17 +390,17 @@ def paged_attention_fp8(
     if config.kernel not in ("auto", "triton", "wgmma", "cuda"):
         raise InvalidArgument(f"config.kernel: got {config.kernel!r}, expected 'auto', 'triton', 'wgmma' or 'cuda'")
     if config.kernel in ("auto", "cuda") and (config.kernel == "cuda" or max_query_len <= 1):
-        from fp8kv_cuda import attention as cuda_attention
+        from fp8kv_cuda import kernels as cuda_kernels
 
-        why = "Triton's CPU interpreter" if interpret else cuda_attention.fp8_decode_why_not(
+        why = "Triton's CPU interpreter" if interpret else cuda_kernels.fp8_decode_why_not(
             query, cache, out, lse, max_query_len, block_tables, seq_lens, query_start_loc, q_scale)
         if why and config.kernel == "cuda":
             raise InvalidArgument(f"config.kernel: 'cuda' does not serve this call ({why})")
         if why is None:
-            cuda_attention.paged_attention(
+            cuda_kernels.paged_attention(
                 query, cache, block_tables, seq_lens, query_start_loc, softmax_scale, causal, sliding_window,
                 logits_soft_cap, out, lse, plan_=decode_plan,
-                fp8=cuda_attention.Fp8Mode(q_scale, (qs_kv, qs_q), float(prob_scale)))
+                fp8_attention=cuda_kernels.Fp8Attention(q_scale, (qs_kv, qs_q), float(prob_scale)))
             return
     use_wgmma = False
     if config.kernel != "triton":

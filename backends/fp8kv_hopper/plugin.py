@@ -19,7 +19,7 @@ from fp8kv.probe import DeviceInfo, probe, triton_interpreter
 from . import __version__
 
 if TYPE_CHECKING:
-    from fp8kv_cuda.attention import AttnPlan
+    from fp8kv_cuda.kernels import AttnPlan
 
     from fp8kv.metadata import AttentionMetadata
 
@@ -33,7 +33,7 @@ GRANULARITIES = ("tensor", "head")
 have to enter P before its e4m3 rounding."""
 
 
-def fp8_mode(request: Request) -> bool:
+def fp8_attention(request: Request) -> bool:
     """Whether ``request`` asks for the FP8 attention mode."""
     return "fp8_attention" in request.features
 
@@ -55,7 +55,7 @@ def supports(device: DeviceInfo, request: Request) -> str | None:
         from fp8kv_triton.kernels import supports as triton_supports
 
         return triton_supports(device, request)
-    if not fp8_mode(request):
+    if not fp8_attention(request):
         return "default-mode attention (16/32-bit math) is the triton backend's; hopper serves fp8_attention=True"
     if request.kv_dtype != "fp8_e4m3":
         return f"fp8_attention over {request.kv_dtype}: needs an fp8_e4m3 cache (e4m3 x e4m3 tensor cores)"
@@ -97,11 +97,11 @@ def _decode_plan(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: 
     spec = metadata.spec
     if spec.device.type != "cuda" or not probe(spec.device).cupy:
         return None
-    from fp8kv_cuda import attention as cuda_attention
+    from fp8kv_cuda import kernels as cuda_kernels
 
-    return cuda_attention.plan_mma(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
+    return cuda_kernels.plan_mma(spec.device, num_tokens=metadata.num_tokens, num_kv_heads=spec.num_kv_heads,
                                    group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,
-                                   max_keys=metadata.block_tables.shape[1] * spec.block_size, fp8_mode=True)
+                                   max_keys=metadata.block_tables.shape[1] * spec.block_size, fp8_attention=True)
 
 
 def _prefill_schedule(metadata: AttentionMetadata, config: Fp8AttnConfig, interpret: bool,

@@ -6,7 +6,7 @@ issuing it and offers no warp specialization on sm90, so its kernel is latency-b
 FlashInfer's FA3 (docs/fp8_attention.md). This kernel gives a producer warpgroup the loads (TMA,
 one box per page, where :func:`tma_maps` can describe the cache; else cp.async) and the V transpose
 (so ``p8 @ v8`` runs on e4m3 tensor cores too) and two consumer warpgroups the products and the
-softmax, and is compiled through the CUDA backend's public runtime (:mod:`fp8kv_cuda.runtime`: NVRTC
+softmax, and is compiled through the CUDA backend's public runtime (:mod:`fp8kv_cuda.kernels`: NVRTC
 through CuPy, cached per process; ``sm_90a``, which ``wgmma`` needs; TMA descriptors from its
 ``tensor_map_uint8``).
 
@@ -76,7 +76,7 @@ class Params(_ParamFields):
 @functools.cache
 def source() -> str:
     """The kernel's source with the CUDA backend's ``wgmma_common.cuh`` inlined (its public helpers)."""
-    from fp8kv_cuda.variants import inline_headers
+    from fp8kv_cuda.kernels import inline_headers
 
     return inline_headers(resources.files("fp8kv_hopper").joinpath("csrc/fp8_prefill.cu").read_text())
 
@@ -94,11 +94,11 @@ def options(query_dtype: torch.dtype, pingpong: bool = False, stages: int = STAG
 
 def function(entry: str, query_dtype: torch.dtype, device: torch.device, pingpong: bool = False, tma: bool = True):
     """The compiled ``entry`` for ``query_dtype`` on ``device`` (sm_90a cubin, built on first use)."""
-    from fp8kv_cuda import runtime
+    from fp8kv_cuda import kernels as cuda_kernels
 
     opts = options(query_dtype, pingpong, tma=tma)
-    index = runtime.device_index(device)
-    mod = runtime.module(("fp8kv_hopper.fp8_prefill", opts), lambda: runtime.compile_source(
+    index = cuda_kernels.device_index(device)
+    mod = cuda_kernels.module(("fp8kv_hopper.fp8_prefill", opts), lambda: cuda_kernels.compile_source(
         source(), "fp8_prefill.cu", opts, "sm_90a"), (ENTRY, LAYOUT_TEST), index)
     return mod.get_function(entry)
 
@@ -132,11 +132,11 @@ def why_not(query: torch.Tensor, out: torch.Tensor, max_query_len: int, logits_s
 
 def tma_maps(cache) -> tuple[bytes, bytes, int, int] | None:
     """TMA descriptors of the K and V caches for the kernel (``tmap_k``, ``tmap_v``, ``head_inner``,
-    ``box_rows``: :func:`fp8kv_cuda.tma.paged_cache_maps` for 128-key tiles), or None where TMA cannot
+    ``box_rows``: :func:`fp8kv_cuda.kernels.paged_cache_maps` for 128-key tiles), or None where TMA cannot
     describe them (the kernel then copies with cp.async): a page that neither divides 128 keys nor is
     a multiple of them, K and V with their head and key strides in different orders, or addresses and
     strides that are not multiples of 16 bytes."""
-    from fp8kv_cuda.tma import paged_cache_maps
+    from fp8kv_cuda.kernels import paged_cache_maps
 
     return paged_cache_maps(cache, BLOCK_N)
 
@@ -151,7 +151,7 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
     (the launcher's choice: :attr:`fp8kv_hopper.attention.Fp8AttnConfig.wgmma_ctas`). ``schedule``: with
     ``ctas > 0``, which items each CTA takes (:func:`fp8kv_hopper.schedule.balanced`, int32 ``[rows, grid]``
     on the query's device); None: the snake deal (``csrc/fp8_prefill.cu``'s ``cta_item``)."""
-    from fp8kv_cuda import runtime
+    from fp8kv_cuda import kernels as cuda_kernels
     from fp8kv_triton.kernels import cache_strides, scale_strides
 
     T, HQ, _ = query.shape
@@ -196,14 +196,14 @@ def launch(query, cache, block_tables, seq_lens, query_start_loc, max_query_len:
         p.tmap_k[:], p.tmap_v[:], p.head_inner, p.box_rows = maps
     fn = function(ENTRY, query.dtype, query.device, pingpong, tma=maps is not None)
     if grid > 0:
-        runtime.launch_struct(fn, runtime.device_index(query.device), (grid, 1, 1), THREADS, p, smem_bytes())
+        cuda_kernels.launch_struct(fn, cuda_kernels.device_index(query.device), (grid, 1, 1), THREADS, p, smem_bytes())
 
 
 def layout_test(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, p_scale: float):
     """Run the kernel's layouts and both wgmma forms on e4m3 codes ``a [64, 128]``, ``b [128, 128]``,
     ``v [128, 128]`` (uint8, CUDA): returns ``(s, p8, o)``, ``s = a b^T`` (float32), ``p8 =
     e4m3(s * p_scale)`` (uint8) and ``o = p8 v`` (float32)."""
-    from fp8kv_cuda import runtime
+    from fp8kv_cuda import kernels as cuda_kernels
 
     s = torch.empty(64, 128, dtype=torch.float32, device=a.device)
     p8 = torch.empty(64, 128, dtype=torch.uint8, device=a.device)
@@ -214,5 +214,5 @@ def layout_test(a: torch.Tensor, b: torch.Tensor, v: torch.Tensor, p_scale: floa
         _fields_ = [(n, ctypes.c_void_p) for n in ("a", "b", "v", "s", "p8", "o")] + [("p_scale", ctypes.c_float)]
 
     args = Args(a.data_ptr(), b.data_ptr(), v.data_ptr(), s.data_ptr(), p8.data_ptr(), o.data_ptr(), p_scale)
-    runtime.launch_struct(fn, runtime.device_index(a.device), (1, 1, 1), 128, args, smem_bytes())
+    cuda_kernels.launch_struct(fn, cuda_kernels.device_index(a.device), (1, 1, 1), 128, args, smem_bytes())
     return s, p8, o
