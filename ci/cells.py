@@ -118,7 +118,7 @@ def claims(cell: str) -> list[Claim]:
 
 def _answer(backend, device, request) -> str | None:
     """The backend's own answer for the cell's device, as on that machine: Triton's CPU interpreter
-    (``TRITON_INTERPRET``, set in this repository's test session) is not the cell's environment."""
+    (``TRITON_INTERPRET``, set while this repository's tests run) is not the cell's environment."""
     import os
 
     saved = os.environ.pop("TRITON_INTERPRET", None)

@@ -1,4 +1,4 @@
-"""Test session set-up: Hypothesis profiles and the Triton interpreter on CPU-only machines.
+"""Test set-up: Hypothesis profiles and the Triton interpreter on CPU-only machines.
 
 Profiles (``HYPOTHESIS_PROFILE``, default ``ci``):
 

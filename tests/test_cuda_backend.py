@@ -259,7 +259,7 @@ def test_plan_prefill_tiles_rows_and_splits_short_chunks(monkeypatch):
 
 def test_plan_prefill_for_the_wgmma_kernel_fills_one_wave(monkeypatch):
     """A step planned for sm90's wgmma prefill (one CTA an SM) splits into as many pieces as fit one
-    wave, never spilling into a second (measured: benchmarks/results/cuda_prefill/iterations/w12_*)."""
+    wave, never spilling into a second (measured on the H100)."""
     from fp8kv_cuda import attention
 
     monkeypatch.setattr(attention, "_num_sms", lambda index: 132)

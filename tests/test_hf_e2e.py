@@ -68,7 +68,7 @@ def test_batched_left_padded_generation_matches_single_prompts(smollm2):
         assert batched[i, enc.input_ids.shape[1]:].tolist() == single[0, one.input_ids.shape[1]:].tolist(), p
 
 
-# The issue's gates (issue 16), on teacher-forced statistics pooled over 4 windows x 512 tokens.
+# The precision gates, on teacher-forced statistics pooled over 4 windows x 512 tokens.
 KL_MAX = {"fp8kv-e4m3-token_head": 0.0075, "fp8kv-e5m2-token_head": 0.03}
 TOP1_MIN = {"fp8kv-e4m3-token_head": 0.94, "fp8kv-e5m2-token_head": 0.90}
 CACHES = ("none", "hf-fp8", "fp8kv-e4m3-token_head", "fp8kv-e4m3-head", "fp8kv-e4m3-tensor",

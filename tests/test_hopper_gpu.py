@@ -96,7 +96,7 @@ def test_cuda_graph_replay_is_bit_identical():
 
 
 def test_the_kernel_uses_fp8_wgmma():
-    """The compiled Triton kernel's PTX has e4m3 x e4m3 wgmma (SASS: QGMMA; benchmarks/results/hopper_*)."""
+    """The compiled Triton kernel's PTX has e4m3 x e4m3 wgmma (SASS: QGMMA)."""
     import dataclasses
 
     from fp8kv_hopper import attention

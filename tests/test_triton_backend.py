@@ -353,10 +353,10 @@ def test_supports_on_simulated_devices():
     from fp8kv_triton.capabilities import supports
 
     assert supports(simulated("sm70"), _req()) == "sm70: needs sm80+ (bf16 tensor-core dots)"
-    # AMD: served (integer-bit codec), but not while TRITON_INTERPRET is set (this test session)
+    # AMD: served (integer-bit codec), but not while TRITON_INTERPRET is set (as in this test run)
     assert "TRITON_INTERPRET" in supports(simulated("gfx942"), _req())
     assert "head_size 512" in supports(simulated("sm90"), _req(D=512))
-    # a GPU request while TRITON_INTERPRET is set (this test session) is refused with the reason
+    # a GPU request while TRITON_INTERPRET is set (as in this test run) is refused with the reason
     assert "TRITON_INTERPRET" in supports(simulated("sm90"), _req())
     for fmt in FORMATS:
         assert supports(simulated("cpu"), _req(fmt=fmt, device_type="cpu")) is None

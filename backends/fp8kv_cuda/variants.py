@@ -91,12 +91,11 @@ MMA_WAVE_TILES = {128: {2: (4, 2, 1), 3: (3, 2, 1), 4: (2, 3, 1)}}
 """sm90, per head size: the tensor-core decode's (warps, ring stages, 16-key sub-tiles a warp step) for
 grids of more CTAs than SMs, by the CTAs an SM must hold for one wave, ceil(CTAs / SMs);
 ``fp8kv_cuda.attention.mma_wave_config``. About eight warps an SM in one wave, each on 16-key steps.
-Medians of five alternated rounds on the H100, GQA 32/8, against the tiles tried before
-(``benchmarks/results/hopper_h100/session23/tiles_ab.json``): 256 CTAs (B=32 L=4096) 97.6 us at
+Medians of five alternated rounds on the H100, GQA 32/8, against other tiles: 256 CTAs (B=32 L=4096) 97.6 us at
 4 x 2 x 1 against 100.1 at 4 x 3 x 2 (6 x 2 x 2: 103.8 in another run); 384 (B=48 L=2048) 76.4 at
 3 x 2 x 1 against 78.3 at 2 x 3 x 2; 512 (B=64 L=2048) 98.4 at 2 x 3 x 1 against 99.9 at 2 x 3 x 2
 (6 x 2 x 2: 105.7); the FP8 mode alike. Grids that need more than four CTAs an SM keep the default
-6 x 2 x 2: at 1024 CTAs (B=128) 3 x 2 x 1 was 1.6% faster at L=1k in an alternated A/B, but 3-4.6%
+6 x 2 x 2: at 1024 CTAs (B=128) 3 x 2 x 1 was 1.6% faster at L=1k in alternated rounds, but 3-4.6%
 slower at L >= 4k (and in 5 of 6 L=1k cells) between two decode sweeps on two machines. With at most
 one CTA an SM, 6 x 2 x 2 stays best (B=8, B=1, B=16 L=8192; 16-key steps lose there). Not measured
 elsewhere: other head sizes and GPUs keep their tiles."""

@@ -288,13 +288,11 @@ class Fp8AttnConfig:
     for the mode (:class:`fp8kv_cuda.kernels.Fp8Attention`; decode steps; InvalidArgument where
     :func:`fp8kv_cuda.kernels.fp8_decode_why_not` finds a reason); ``"triton"``: this module's
     kernel; ``"auto"`` (the default): the CUDA kernel of the step's kind (prefill: ``"wgmma"``,
-    decode: ``"cuda"``) where it serves (host facts only), else Triton. Measured on the H100:
-    docs/fp8_attention.md."""
+    decode: ``"cuda"``) where it serves (host facts only), else Triton."""
     wgmma_pingpong: bool = False
     """``"wgmma"`` only: the two consumer warpgroups take turns issuing their products (FA3's schedule). Off
-    by default since the conditional rescaling shortened the softmax (H100, 2026-11-27, three runs of
-    ``benchmarks/hopper_prefill.py``: 645-662 us without it against 656-681 with it on 4 x 2048 over 2048,
-    better or equal in each run; 2926-3074 against 2940-2991 on 1 x 16384 causal)."""
+    by default: with the conditional rescaling the softmax is short enough that taking turns gains nothing
+    (on the H100 it was slower or equal at 4 x 2048 over 2048 and at 1 x 16384 causal)."""
     wgmma_ctas: int = 0
     """``"wgmma"`` only: 0 launches a CTA per work item (query block, KV head); ``n > 0`` a persistent grid of
     at most ``n`` CTAs (one per SM: :func:`choose_config` gives the SM count), each taking items in turn, its
@@ -305,7 +303,7 @@ def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len
                   num_sms: int, interpret: bool = False) -> Fp8AttnConfig:
     """Tiles from host-known sizes (no sync).
 
-    Prefill, from the H100 sweep (benchmarks/results/hopper_prefill_h100.json; 4 x 2048 over 2048,
+    Prefill, from a tile sweep on the H100 (4 x 2048 over 2048,
     GQA 32/8, D=128): 128 rows x 128 keys, 8 warps (two warpgroups of wgmma), 3 stages, ``v_mode=2``
     (P and V widened exactly to float16 for ``p @ v``: 1410-1486 us against 2112-2221 us for the
     e4m3 ``p @ v``, whose V operand Triton transposes through shared memory byte by byte, and

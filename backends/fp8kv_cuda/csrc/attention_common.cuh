@@ -129,7 +129,7 @@ __device__ __forceinline__ void scale_factors(float x, float g_mant, i32 g_exp, 
 // The decode CTA's query token t, KV head h and head chunk: grid (T * H * head_chunks, 1, num_splits)
 // (fp8kv_cuda.attention.decode_grid), x = (t * H + h) * head_chunks + chunk, so that the CTAs of one
 // token's KV heads are launched side by side (they read the same blocks' rows: on the H100 a read-only
-// gather of the decode shapes ran up to 4% faster so, benchmarks/results/hopper_h100/session23/).
+// gather of the decode shapes ran up to 4% faster so: benchmarks/profiles/decode_gather_ceiling.py).
 // The CTAs a token has (H * head_chunks) come from the grid itself, so h < H whatever HQ and group are.
 __device__ __forceinline__ void decode_cta(int T, int head_chunks, int& t, int& h, int& chunk) {
     const int units = (int)gridDim.x / T;  // (T >= 1: the launcher launches nothing for T == 0)

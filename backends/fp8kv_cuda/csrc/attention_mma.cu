@@ -8,7 +8,7 @@
 // Each warp copies its steps into its own part of a shared-memory ring with cp.async (STAGES - 1
 // steps in flight): 8 lanes a whole 128-byte line of K or V rows, so that every copy instruction
 // reads whole lines (a copy of the fragments' own chunks read half lines of K and ran 7-13% below
-// this at every decode shape on the H100, compute left out: benchmarks/results/hopper_h100/session22/);
+// this at every decode shape on the H100, with the products and softmax left out);
 // the lanes then read their fragments back (swz: conflict-free both ways) after a __syncwarp, the
 // loop's only synchronization. The warps' states are merged once at the end.
 //
@@ -540,7 +540,7 @@ __device__ __forceinline__ void key_loop(Pipe pp, bool split_p, const q_t* query
     static_assert(KE == 5 && NATIVE, "FP8 mode: float16 K, the native order");
     // Every warp of the CTA holds the same fragment: warp w quantizes k steps w, w + KWARPS, ... and the
     // warps exchange them through shared memory (the IEEE divisions were most of the mode's extra time:
-    // 0.6-1.6% of a decode step on the H100, benchmarks/results/cuda_decode/h100_fp8_query_share/).
+    // 0.6-1.6% of a decode step on the H100 when every warp divided its own).
     __shared__ uint2 q_frag[KW][32];
     for (int ks = warp; ks < KW; ks += KWARPS) {  // (k_native order: bytes 0, 1 | 2, 3)
         const i64 q0 = qrow + k_dim(c, ks);
@@ -737,7 +737,7 @@ extern "C" __global__ void __launch_bounds__(KNT, FP8KV_MIN_CTAS) fp8kv_paged_at
     // split plans: the merge (fp8kv_merge, a programmatic dependent launch on sm90) may be scheduled once
     // every CTA has passed here; its CTAs then wait on the SMs in griddepcontrol.wait, which returns when this
     // grid is done and its writes are visible. Here rather than at the kernel's start: merge CTAs resident
-    // from the start slowed B=1 L=4096 by 4% (benchmarks/results/hopper_h100/session25/)
+    // from the start slowed B=1 L=4096 by 4% on the H100
     if (split) asm volatile("griddepcontrol.launch_dependents;");
 #endif
 
