@@ -118,4 +118,4 @@ def torch_native() -> bool:
 
 VARIABLES = ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_CHECK", "FP8KV_SIMULATE_DEVICE",
              "FP8KV_TRITON_CODEC", "FP8KV_TORCH_NATIVE", "FP8KV_CUDA_ARCH", "TRITON_INTERPRET")
-"""Every variable read (the README lists them; tests check the two agree)."""
+"""Every variable read (docs/configuration.md lists them; tests check the two agree)."""

@@ -111,8 +111,9 @@ class KVCachePlan:
     def cache_kwargs(
         self, layer: int | None = None, *, kv_dtype=None, scale_granularity=None, k_scale=None, v_scale=None,
     ) -> dict:
-        """The keywords ``kv_dtype``, ``scale_granularity``, ``k_scale``, ``v_scale`` of
-        :meth:`fp8kv.KVCache.allocate` for ``layer``: ``KVCache.allocate(N, B, H, D, **plan.cache_kwargs(layer))``.
+        """The keywords ``kv_dtype``, ``scale_granularity``, ``layout``, ``k_scale``, ``v_scale`` of
+        :meth:`fp8kv.KVCache.allocate` for ``layer``:
+        ``KVCache.allocate(num_blocks, block_size, num_kv_heads, head_size, **plan.cache_kwargs(layer))``.
 
         Explicit arguments must agree with the plan; a conflicting one raises Fp8KVError.
         """
@@ -129,7 +130,8 @@ class KVCachePlan:
                 want = ("None (dynamic scales)" if planned is None
                         else f"None or the plan's {planned.tolist()}")
                 raise Fp8KVError(f"{name}: got {given!r}, expected {want}")
-        return {"kv_dtype": self.kv_dtype, "scale_granularity": self.scale_granularity, "k_scale": ks, "v_scale": vs}
+        return {"kv_dtype": self.kv_dtype, "scale_granularity": self.scale_granularity, "layout": self.layout,
+                "k_scale": ks, "v_scale": vs}
 
     def fp8_attention_scales(self, layer: int, device: torch.device | str | None = None) -> dict:
         """``layer``'s checkpoint ``q_scale`` and ``prob_scale`` as keywords of the FP8 attention mode
