@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from fake_backends import ReferenceOps
 from fp8_tiled import TiledFP8
 from hypothesis import given, settings
 
@@ -95,7 +96,7 @@ def test_assert_attention_close_names_the_worst_element():
 # -- fakes: one correct re-implementation and deliberately broken ones -------------------
 
 
-class Fake:
+class Fake(ReferenceOps):
     """A backend delegating to the reference, for tests. Subclasses break one thing."""
 
     name = "fake"
@@ -110,14 +111,6 @@ class Fake:
     @hookimpl
     def fp8kv_supports(self, device, request):
         return None
-
-    @hookimpl
-    def fp8kv_write_kv(self, cache, key, value, slot_mapping):
-        reference.write_kv(cache, key, value, slot_mapping)
-
-    @hookimpl
-    def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
-        reference.paged_attention(query, cache, metadata, out, lse)
 
 
 class Flash32(Fake):

@@ -28,17 +28,6 @@ EXPECTED = {  # arch: (vendor, native FP8, triton, cupy, fp8 alias)
 }
 
 
-@pytest.fixture
-def isolated(monkeypatch):
-    """A registry holding only the reference (whatever else is installed), restored afterwards."""
-    reg = Registry(loaded=True)
-    reg.add(reference.ReferenceBackend(), distribution="fp8kv")
-    monkeypatch.setattr(registry_mod, "_REGISTRY", reg)
-    for var in ("FP8KV_BACKEND", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE", "FP8KV_AUTO_BACKENDS"):
-        monkeypatch.delenv(var, raising=False)
-    return reg
-
-
 def test_every_documented_device_can_be_simulated():
     assert set(SIMULATED) == set(EXPECTED)
 

@@ -13,6 +13,7 @@ import warnings
 import pluggy
 import pytest
 import torch
+from fake_backends import ReferenceOps
 
 import fp8kv
 import fp8kv.registry as registry_mod
@@ -22,7 +23,6 @@ from fp8kv.registry import (
     RESERVED_NAMES,
     BackendFailure,
     DuplicateBackendError,
-    Registry,
     ReservedNameError,
     available_backends,
     faults,
@@ -32,18 +32,7 @@ from fp8kv.registry import (
 )
 
 
-@pytest.fixture
-def isolated(monkeypatch):
-    """A registry holding only the reference (whatever else is installed), restored afterwards."""
-    reg = Registry(loaded=True)
-    reg.add(reference.ReferenceBackend(), distribution="fp8kv")
-    monkeypatch.setattr(registry_mod, "_REGISTRY", reg)
-    for var in ("FP8KV_BACKEND", "FP8KV_AUTO_BACKENDS", "FP8KV_STRICT", "FP8KV_SIMULATE_DEVICE"):
-        monkeypatch.delenv(var, raising=False)
-    return reg
-
-
-class Fake:
+class Fake(ReferenceOps):
     """A configurable backend that delegates to the reference."""
 
     def __init__(self, name="fake", priority=50, refuse=None, fast=True, calls=None):
@@ -58,14 +47,6 @@ class Fake:
     def fp8kv_supports(self, device, request):
         self.calls.append((device, request))
         return self.refuse(device, request) if self.refuse else None
-
-    @hookimpl
-    def fp8kv_write_kv(self, cache, key, value, slot_mapping):
-        reference.write_kv(cache, key, value, slot_mapping)
-
-    @hookimpl
-    def fp8kv_paged_attention(self, query, cache, metadata, out, lse):
-        reference.paged_attention(query, cache, metadata, out, lse)
 
 
 def req(op="write_kv", kv_dtype="fp8_e4m3", device_type="cpu", **kw) -> Request:
