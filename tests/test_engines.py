@@ -215,6 +215,19 @@ def _flashinfer_slots(kv_indptr, kv_indices, batch_indices, positions, page_size
     """The recipe's translation (docs/engines.md) of FlashInfer's append inputs into slots."""
     return kv_indices[kv_indptr[batch_indices] + positions // page_size] * page_size + positions % page_size
 
+def _flashinfer_paged_step(cache, twin, backend, page, heads, dtype, g, **options):
+    """One FlashInfer-style step (CSR page table, ``qo_indptr``, appended slots) through :func:`_step`;
+    returns each new token's ``(page, entry)`` address and the slots it was written to."""
+    kv_indptr, kv_indices, kv_last_page_len, qo_indptr = _flashinfer_step()
+    batch_indices, positions, addresses = _flashinfer_append(kv_indptr, kv_indices, kv_last_page_len, qo_indptr,
+                                                             page)
+    slot_mapping = _flashinfer_slots(kv_indptr, kv_indices, batch_indices, positions, page)
+    q, k, v = _qkv(len(addresses), *heads, dtype, g)
+    _step(cache, twin, q, k, v, backend, kv_indptr=kv_indptr, kv_indices=kv_indices,
+          kv_last_page_len=kv_last_page_len, query_start_loc=qo_indptr, slot_mapping=slot_mapping, **options)
+    return addresses, slot_mapping
+
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -230,15 +243,10 @@ def test_flashinfer_paged_kv_cache_recipe(kv_layout, backend):
     assert cache.value_cache.data_ptr() == paged_kv_cache[:, 1].data_ptr()
     twin = _twin(cache)
 
-    kv_indptr, kv_indices, kv_last_page_len, qo_indptr = _flashinfer_step()
-    batch_indices, positions, addresses = _flashinfer_append(kv_indptr, kv_indices, kv_last_page_len, qo_indptr,
-                                                             page)
-    slot_mapping = _flashinfer_slots(kv_indptr, kv_indices, batch_indices, positions, page)
-    q, k, v = _qkv(len(addresses), Hq, H, D, torch.float16, g)
     before = paged_kv_cache.view(torch.uint8).clone()
-    _step(cache, twin, q, k, v, backend, kv_indptr=kv_indptr, kv_indices=kv_indices,
-          kv_last_page_len=kv_last_page_len, query_start_loc=qo_indptr, slot_mapping=slot_mapping,
-          window_left=5)  # FlashInfer's window_left: W - 1 keys left of the query (-1: no window)
+    # FlashInfer's window_left: W - 1 keys left of the query (-1: no window)
+    addresses, slot_mapping = _flashinfer_paged_step(cache, twin, backend, page, (Hq, H, D), torch.float16, g,
+                                                     window_left=5)
 
     placements = []
     for i, (p, e) in enumerate(addresses):
@@ -269,14 +277,9 @@ def test_flashinfer_kv_pair_with_different_paddings(backend):
     assert cache.key_cache.data_ptr() == k_alloc.data_ptr() and cache.value_cache.data_ptr() == v_cache.data_ptr()
     twin = _twin(cache)
 
-    kv_indptr, kv_indices, kv_last_page_len, qo_indptr = _flashinfer_step()
-    batch_indices, positions, addresses = _flashinfer_append(kv_indptr, kv_indices, kv_last_page_len, qo_indptr,
-                                                             page)
-    slot_mapping = _flashinfer_slots(kv_indptr, kv_indices, batch_indices, positions, page)
-    q, k, v = _qkv(len(addresses), Hq, H, D, torch.float32, g)
     before = [t.view(torch.uint8).clone() for t in (k_alloc, v_alloc)]
-    _step(cache, twin, q, k, v, backend, kv_indptr=kv_indptr, kv_indices=kv_indices,
-          kv_last_page_len=kv_last_page_len, query_start_loc=qo_indptr, slot_mapping=slot_mapping, window_left=-1)
+    addresses, slot_mapping = _flashinfer_paged_step(cache, twin, backend, page, (Hq, H, D), torch.float32, g,
+                                                     window_left=-1)
 
     for alloc, old, which in ((k_alloc, before[0], "key"), (v_alloc, before[1], "value")):
         placements = []
