@@ -202,12 +202,17 @@ class RejectingWrite(Fake):
         raise fp8kv.Fp8KVError("slot_mapping: got int16, expected int32")
 
 
-def test_a_backend_that_claims_support_and_fails_is_named(isolated):
-    register_backend(FailingWrite("flaky", priority=90), distribution="flaky-dist")
+@pytest.mark.parametrize("make,failure", [
+    (lambda: FailingWrite("flaky", priority=90), "RuntimeError: kernel launch failed"),
+    (lambda: ExitingWrite("flaky", priority=90), "SystemExit: plugin called sys.exit"),  # SystemExit too
+])
+def test_a_backend_that_claims_support_and_fails_is_named(isolated, make, failure):
+    register_backend(make(), distribution="flaky-dist")
     cache, k, v, slots = small_cache()
     with pytest.raises(BackendFailure, match=r"backend 'flaky' \(flaky-dist\) claimed support and failed in "
-                       "fp8kv_write_kv: RuntimeError: kernel launch failed"):
+                       f"fp8kv_write_kv: {failure}"):
         fp8kv.write_kv_one_shot(cache, k, v, slots)
+    fp8kv.write_kv_one_shot(cache, k, v, slots, backend="reference")
     unregister_backend("flaky")
     register_backend(RejectingWrite("strict", priority=90))
     with pytest.raises(fp8kv.Fp8KVError, match=r"backend 'strict' \(<runtime>\) in fp8kv_write_kv: slot_"):
@@ -329,15 +334,6 @@ def test_system_exit_from_a_support_check_is_a_refusal_and_a_fault(isolated):
     assert sel.backend.name == "reference" and sel.reasons["quitter"] == "fp8kv_supports raised SystemExit: 3"
     with pytest.raises(fp8kv.Fp8KVError, match="cannot serve .*fp8kv_supports raised SystemExit: 3"):
         select_backend(req(), "cpu", backend="quitter")
-
-
-def test_system_exit_from_an_op_hook_is_a_backend_failure(isolated):
-    register_backend(ExitingWrite("exits", priority=90), distribution="exits-dist")
-    cache, k, v, slots = small_cache()
-    with pytest.raises(BackendFailure, match=r"backend 'exits' \(exits-dist\) claimed support and failed in "
-                       "fp8kv_write_kv: SystemExit: plugin called sys.exit"):
-        fp8kv.write_kv_one_shot(cache, k, v, slots)
-    fp8kv.write_kv_one_shot(cache, k, v, slots, backend="reference")
 
 
 def test_keyboard_interrupt_in_a_support_check_propagates_and_is_not_cached(isolated):
