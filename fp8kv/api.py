@@ -164,31 +164,24 @@ def paged_attention_one_shot(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     *,
-    query_start_loc: torch.Tensor | None = None,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-    softmax_scale: float | None = None,
-    causal: bool = True,
-    sliding_window: int | None = None,
-    window_left: int | None = None,
-    logits_soft_cap: float | None = None,
-    fp8_attention: bool = False,
-    q_scale: torch.Tensor | None = None,
-    prob_scale: float | None = None,
-    validate: bool | None = None,
-    backend: str = "auto",
     out: torch.Tensor | None = None,
     return_lse: bool = False,
+    **step,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`paged_attention` without a plan: plans the step (checks, selection) in this call.
 
     Args:
         query, cache, out, return_lse: as :func:`paged_attention`.
         block_tables / seq_lens: ``[num_seqs, max_blocks]`` and ``[num_seqs]`` int32/int64.
-        query_start_loc: ``[num_seqs + 1]`` offsets for chunked prefill; None: decode, one query
-            per sequence.
-        The other keywords: as :func:`fp8kv.plan_attention`.
+        step: keywords of :func:`fp8kv.plan_attention` for the step and its options
+            (``query_start_loc`` for chunked prefill, else decode with one query per sequence;
+            ``max_query_len``, ``softmax_scale``, ``causal``, ``sliding_window``, ``window_left``,
+            ``logits_soft_cap``, ``fp8_attention``, ``q_scale``, ``prob_scale``, ``validate``,
+            ``backend``, ...). The query gives ``num_q_heads``, ``query_dtype`` and ``num_tokens``.
     """
+    for name in _FROM_THE_CALL:
+        if name in step:
+            raise bad_argument(name, "given", "nothing: the one-shot call takes it from its arguments")
     if not isinstance(query, torch.Tensor):
         raise bad_argument("query", type(query).__name__, "a torch.Tensor")
     if not isinstance(cache, KVCache):
@@ -208,16 +201,18 @@ def paged_attention_one_shot(
                            "fp8kv.paged_attention(query, cache, metadata))")
     if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() != 1:
         raise bad_argument("seq_lens", f"shape {tuple(seq_lens.shape)}", "1 dimension [num_seqs]")
-    if query_start_loc is None and query.shape[0] != getattr(seq_lens, "shape", (None,))[0]:
+    if step.get("query_start_loc") is None and query.shape[0] != getattr(seq_lens, "shape", (None,))[0]:
         raise bad_argument("query", f"{query.shape[0]} tokens", "one per sequence for decode; pass "
                                                                  "query_start_loc for prefill")
     meta = plan_attention(cache, block_tables=block_tables, seq_lens=seq_lens, num_q_heads=query.shape[1],
-                          query_dtype=query.dtype, num_tokens=query.shape[0], query_start_loc=query_start_loc,
-                          max_query_len=max_query_len, max_seq_len=max_seq_len, softmax_scale=softmax_scale,
-                          causal=causal, sliding_window=sliding_window, window_left=window_left,
-                          logits_soft_cap=logits_soft_cap, fp8_attention=fp8_attention, q_scale=q_scale,
-                          prob_scale=prob_scale, validate=validate, backend=backend)
+                          query_dtype=query.dtype, num_tokens=query.shape[0], **step)
     return _attend(query, cache, meta, out, return_lse)
+
+
+_FROM_THE_CALL = ("num_q_heads", "query_dtype", "num_tokens", "slot_mapping", "kv_indptr", "kv_indices",
+                  "kv_last_page_len")
+"""plan_attention keywords a one-shot attention call does not take: the query gives the first three;
+the page table is the padded one; no slots (the write is its own call)."""
 
 
 def _attend(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor | None,
