@@ -28,20 +28,19 @@ GPU_TEST_OF = {"triton": "tests/test_triton_gpu.py", "hopper": "tests/test_hoppe
 CPU_BACKENDS = ("reference", "torch")
 COMPILER_OF = {"cuda": "cuda", "triton": "triton"}
 
-DECODE = "benchmarks/results/hopper_h100/session25/decode_fp8_mode_session25_run{}.json"
-DECODE_RUNS = ((1, True), (2, False), (3, False), (4, False), (5, False))  # (run, FlashInfer timed in it)
+DECODE = "benchmarks/results/decode_h100.json"  # python benchmarks/decode.py on an H100 (FlashInfer timed in it)
+PREFILL = "benchmarks/results/prefill_h100.json"  # python benchmarks/prefill.py on an H100
 DECODE_SHAPES = ((32, 4096), (8, 32768), (64, 2048), (1, 131072))
 DECODE_KERNELS = (("cuda_mma", "cuda"), ("fp8_mode_cuda", "hopper FP8 mode"))  # (row, label): sm90 decode
 DECODE_TARGETS = (("frac_roofline", "fraction of the FP8 roofline", 0.80, ""),
                   ("vs:flashinfer_fp8_tc", "speed-up vs FlashInfer FP8", 1.20, "x"),
                   ("vs:sdpa_bf16", "speed-up vs SDPA bf16", 1.80, "x"))
 TARGETS = [  # (what, file, how to read the measured value, target, unit); ratios > target are met
-    *[(f"decode B={B} L={L} ({label}, run {r}): {name}", DECODE.format(r), (row, B, L, field), target, unit)
-      for field, name, target, unit in DECODE_TARGETS for row, label in DECODE_KERNELS for B, L in DECODE_SHAPES
-      for r, flashinfer in DECODE_RUNS if flashinfer or "flashinfer" not in field],
-    *[("prefill 4x2048/2048, FP8 mode (hopper wgmma, per-head q_scale): speed-up vs FlashInfer bf16",
-       f"benchmarks/results/hopper_h100/session20/final/prefill_session20_run{r}.json",
-       ("hopper fp8 head-q wgmma (CUDA)", "4x2048 over 2048", "flashinfer"), 1.30, "x") for r in (1, 2, 3, 4)],
+    *[(f"decode B={B} L={L} ({label}): {name}", DECODE, (row, B, L, field), target, unit)
+      for field, name, target, unit in DECODE_TARGETS for row, label in DECODE_KERNELS for B, L in DECODE_SHAPES],
+    *[(f"prefill 4x2048/2048, FP8 mode (hopper wgmma, {q} q_scale): speed-up vs FlashInfer bf16", PREFILL,
+       (f"hopper fp8 {tag} wgmma (CUDA)", "4x2048 over 2048", "flashinfer"), 1.30, "x")
+      for q, tag in (("per-head", "head-q"), ("dynamic", "dyn-q"))],
 ]
 
 

@@ -188,9 +188,8 @@ def run_part(cell: Cell, part: str, out: Path, budget: float, shard: int | None 
                            log=out / f"{tests}.log"))
         junit[tests] = _junit_counts(xml)
         if cell.name == "sm90" and (shard or 1) == cell.gpu_shards:  # the last shard runs the benchmark
-            steps.append(_step("hopper prefill benchmark", [py, "benchmarks/hopper_prefill.py", "--grid", "none",
-                                                            "--shapes", "4x2048+2048", "--json",
-                                                            str(out / "bench_hopper_prefill.json")],
+            steps.append(_step("hopper prefill benchmark", [py, "benchmarks/prefill.py", "--shapes", "4x2048+2048",
+                                                            "--json", str(out / "bench_hopper_prefill.json")],
                                deadline, log=out / "bench.log"))
     else:
         raise SystemExit(f"part: got {part!r}, expected cpu, compile or gpu")

@@ -297,26 +297,6 @@ def test_an_empty_nvrtc_log_leaves_python_s_cached_bytes_alone():
     assert memoryview(b" ")[0] == 32  # (the cached object's content; b" "[0] is folded to 32 at compile time)
 
 
-def test_the_ablation_benchmark_finds_its_patch_points(monkeypatch):
-    """benchmarks/hopper_wgmma_ablation.py removes parts of the kernel by replacing source text: every
-    text any variant replaces is in the kernel's source (else it would fail on the GPU only)."""
-    import importlib.util
-    from pathlib import Path
-
-    from fp8kv_hopper import wgmma
-
-    root = Path(__file__).parents[1]
-    monkeypatch.syspath_prepend(str(root / "tests"))  # (it imports test_hopper_gpu's case builder)
-    spec = importlib.util.spec_from_file_location("ablation", root / "benchmarks" / "hopper_wgmma_ablation.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    source = wgmma.source()
-    for name, (_, _, patches, _) in bench.VARIANTS.items():
-        for old, _ in patches:
-            assert old in source, (name, old)
-    assert source.count(bench.F64DIV[0]) == 1 and source.count(bench.CONSUME) == 1
-
-
 def test_the_query_division_through_a_float64_reciprocal_rounds_as_ieee_division():
     """fp8_prefill.cu's div_by_scale: ``(float)((double)x * (1.0 / (double)qs))`` is ``x / qs`` rounded to
     float32 (torch's float32 division, IEEE) for every finite bfloat16 and float16 ``x`` and scales across

@@ -1,7 +1,7 @@
 """Precision statistics that hold: teacher-forced KL, top-1, perplexity change, greedy agreement.
 
-Shared by ``fp8kv eval``, ``benchmarks/hf_generate.py``, ``benchmarks/hf_candidates.py`` and the
-e2e test. Importing it does not import transformers.
+Shared by ``fp8kv eval``, ``benchmarks/hf_precision.py``, ``benchmarks/hf_speed.py`` and the e2e
+test. Importing it does not import transformers.
 
 Why these statistics: the perplexity change of an FP8 cache over a few hundred tokens is mostly
 float noise (the same code lands anywhere from +0.2% to +1% on one text), and greedy agreement
@@ -188,6 +188,47 @@ def standard_makers(model, names: Iterable[str], backend: str, calibration_ids: 
         attn = "fp8kv" if spec.kind == "fp8kv" else "sdpa"
         out.append(Maker(name, cm, attn))
     return out
+
+
+TRANSFORMS = {  # name -> FP8PagedCache arguments beyond the format (the shipped transforms, fp8kv.transforms)
+    "": {},
+    "sink1": {"sink_tokens": 1},
+    "kcenter": {"k_centering": "prefill"},
+    "sink1+kcenter": {"sink_tokens": 1, "k_centering": "prefill"},
+    "sink1+kcenter(calibrated)": {"sink_tokens": 1, "k_centering": "calibrated"},
+    "sink4+kcenter": {"sink_tokens": 4, "k_centering": "prefill"},
+    "static": {"static": True, "max_cache_len": 1024},
+    "sink1+kcenter+static": {"sink_tokens": 1, "k_centering": "prefill", "static": True, "max_cache_len": 1024},
+}
+"""``FP8PagedCache(sink_tokens=, k_centering=, static=)`` variants: ``sink1`` keeps each row's first token
+unquantized, ``kcenter`` stores K minus a per-row, per-channel mean (from the prefill, or ``calibrated``
+on another text), ``static`` the CUDA-graph-ready cache."""
+
+
+def transform_maker(model, name: str, backend: str, k_means=None) -> Maker:
+    """A maker of fp8kv caches ``"<e4m3|e5m2>[ <variant of TRANSFORMS>]"`` with per-token-head scales;
+    ``k_means``: :func:`calibrated_key_means` for the ``(calibrated)`` variants."""
+    from fp8kv.integrations.transformers import FP8PagedCache, register
+
+    register()
+    fmt, _, variant = name.partition(" ")
+    kw = dict(TRANSFORMS[variant])
+    if kw.get("k_centering") == "calibrated":
+        kw["k_means"] = k_means
+    return Maker(name, lambda: FP8PagedCache(model.config, kv_dtype="fp8_" + fmt, backend=backend, **kw), "fp8kv")
+
+
+@torch.inference_mode()
+def calibrated_key_means(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Per-layer key means of the unquantized model over ``ids [1, T]`` (position 0, the sink, left out)."""
+    from transformers.cache_utils import DynamicCache
+
+    from fp8kv.transforms import calibrate_key_means
+
+    model.set_attn_implementation("sdpa")
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return calibrate_key_means([layer.keys for layer in cache.layers], skip_first=1)
 
 
 # ------------------------------------------------------------------------------------ teacher forcing

@@ -70,10 +70,10 @@ def smem(entry: str, warps: int, stages: int, pages: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fp8kv_bench.results import add_output_options
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="JSON to write (required unless --plot)")
-    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results JSON")
-    ap.add_argument("--shapes", default="", help="B:L,... (default: the bench's four)")
+    add_output_options(ap, "JSON to write (required unless --plot)", shapes=True)
     ap.add_argument("--warps", default="4,8")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--heads", action="store_true",

@@ -3,7 +3,7 @@
 # default mode and in the FP8 attention mode (dynamic q_scale), at one decode shape (default B=64 L=2048;
 # GQA 32/8, D=128, block 16, e4m3 per-tensor cache, bf16 queries): DRAM and L2 throughput, issue activity,
 # pipe utilisation, stall reasons per issued instruction, and a source page (warp-state samples by SASS
-# line) of each, to find where the FP8 mode's 1.5-3 us over the default mode go.
+# line) of each: where the FP8 mode's time over the default mode goes.
 # Usage: bash benchmarks/profiles/decode_ncu.sh OUT_DIR [B:L]
 set -uo pipefail
 out=$1
@@ -21,9 +21,9 @@ sm__warps_active.avg.pct_of_peak_sustained_active"
 for mode in default fp8_dynamic_q; do
   ncu --kernel-name fp8kv_paged_attention_mma --launch-skip 1 --launch-count 1 --print-details all \
     --section SpeedOfLight --section SourceCounters --metrics "$metrics" \
-    python benchmarks/cuda_decode_ab.py --profile "$mode" --shapes "$shape" > "$out/ncu_decode_${mode}.txt" 2>&1
+    python benchmarks/decode.py --profile "$mode" --shapes "$shape" > "$out/ncu_decode_${mode}.txt" 2>&1
   ncu --kernel-name fp8kv_paged_attention_mma --launch-skip 1 --launch-count 1 --section SourceCounters \
     --section WarpStateStats --section InstructionStats -f -o "/tmp/decode_${mode}" \
-    python benchmarks/cuda_decode_ab.py --profile "$mode" --shapes "$shape" > /dev/null 2>&1
+    python benchmarks/decode.py --profile "$mode" --shapes "$shape" > /dev/null 2>&1
   ncu -i "/tmp/decode_${mode}.ncu-rep" --page source --csv --print-source sass | gzip > "$out/ncu_decode_${mode}_sass.csv.gz"
 done

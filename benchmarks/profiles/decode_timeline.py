@@ -91,10 +91,10 @@ def timeline(B: int, L: int, mode: str, calls: int, device) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from fp8kv_bench.results import add_output_options
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", help="JSON to write (required unless --plot)")
-    ap.add_argument("--plot", metavar="JSON", help="only draw the PNG of a results JSON (runs anywhere)")
-    ap.add_argument("--shapes", default="", help="B:L,... (default: the bench's four)")
+    add_output_options(ap, "JSON to write (required unless --plot)", shapes=True)
     ap.add_argument("--modes", default="default,fp8_dynamic_q")
     ap.add_argument("--calls", type=int, default=10)
     args = ap.parse_args(argv)
@@ -142,7 +142,7 @@ def plot(path: str) -> int:
         for k, label in ((1, "key loop ends"), (2, "CTA ends")):
             ax.plot(sorted((x[k] - t0) / 1e3 for x in r["raw_ns"]), label=label)
         ax.axhline(r["graph_us_per_call"], color="grey", ls="--", lw=0.8, label="graph time a call")
-        tag = "PDL launch\n" if r.get("pdl") else ""  # (session 24's A/B of programmatic dependent launch)
+        tag = "PDL launch\n" if r.get("pdl") else ""  # (rows timed as a programmatic dependent launch)
         ax.set_title(f"{tag}B={r['B']} L={r['L']} {r['mode']}", fontsize=8)
         ax.set_xlabel("CTAs, sorted")
     axes[0][0].set_ylabel("us after the first CTA started")

@@ -20,6 +20,6 @@ l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,l1tex__data_bank_conflicts_pipe_l
 sm__warps_active.avg.pct_of_peak_sustained_active"
 sections="--section SpeedOfLight --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis"
 ncu --kernel-name fp8kv_prefill_wgmma --launch-skip 1 --launch-count 1 --print-details all $sections \
-  --metrics "$metrics" python benchmarks/cuda_prefill.py --profile --shapes 1x16384+0 > "$out/ncu_cuda_wgmma_16k_causal.txt" 2>&1
+  --metrics "$metrics" python benchmarks/prefill.py --profile default --shapes 1x16384+0 > "$out/ncu_cuda_wgmma_16k_causal.txt" 2>&1
 ncu --kernel-name fp8kv_fp8_prefill --launch-skip 1 --launch-count 1 --print-details all $sections \
-  --metrics "$metrics" python benchmarks/hopper_prefill.py --profile --shapes 4x2048+2048 > "$out/ncu_hopper_fp8_4x2048.txt" 2>&1
+  --metrics "$metrics" python benchmarks/prefill.py --profile fp8 --shapes 4x2048+2048 > "$out/ncu_hopper_fp8_4x2048.txt" 2>&1

