@@ -75,26 +75,25 @@ def exit_code(exc: BaseException) -> int:
 # -- argparse types: a bad value is a usage error (exit 2) naming the flag, before any work ---------------
 
 
+def _parsed(text: str, parse, what: str, ok) -> int | float:
+    """``parse(text)``, refused as ``what`` unless ``ok(value)``: a usage error naming the value."""
+    try:
+        value = parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected {what}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"got {value if isinstance(value, int) else repr(text)}, expected {what}")
+    return value
+
+
 def positive_int(text: str) -> int:
     """``type=`` for counts and sizes: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a positive integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"got {value}, expected a positive integer (>= 1)")
-    return value
+    return _parsed(text, int, "a positive integer (>= 1)", lambda v: v >= 1)
 
 
 def positive_float(text: str) -> float:
     """``type=`` for factors: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a positive number") from None
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected a finite number > 0")
-    return value
+    return _parsed(text, float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)
 
 
 def device_arg(text: str) -> str:
