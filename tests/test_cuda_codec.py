@@ -25,6 +25,7 @@ import subprocess
 import numpy as np
 import pytest
 import torch
+from write_checks import codec_inputs
 
 from fp8kv.formats import FORMATS, quantize_scaled
 
@@ -77,23 +78,6 @@ def _call(lib, fn: str, src: np.ndarray, out_dtype) -> np.ndarray:
     getattr(lib, fn)(src.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                      ctypes.c_long(src.size))
     return out
-
-
-def codec_inputs(fmt) -> torch.Tensor:
-    """Every fp16/bf16 value, the format's ties and their neighbours, specials, random float32 bits."""
-    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
-    halves = torch.cat([bits.view(torch.float16).float(), bits.view(torch.bfloat16).float()])
-    codes = torch.arange(0, 128, dtype=torch.int32).to(torch.uint8)
-    vals = codes.view(fmt.torch_dtype).double()
-    vals = vals[torch.isfinite(vals)].unique().sort().values
-    mids = ((vals[1:] + vals[:-1]) / 2).float()
-    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf))
-    near = torch.cat([mids, up, down])
-    over = torch.tensor([fmt.max * 1.0625, fmt.max * 1.25, fmt.max * 2, 3.0e38, math.inf, 1e-45, 0.0, math.nan])
-    x = torch.cat([near, vals.float(), over])
-    g = torch.Generator().manual_seed(7)
-    rnd = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), generator=g, dtype=torch.int64).to(torch.int32)
-    return torch.cat([halves, x, -x, rnd.view(torch.float32)])
 
 
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])

@@ -29,7 +29,7 @@ import zlib
 
 import pytest
 import torch
-from write_checks import assert_same_bytes, cache_to
+from write_checks import assert_same_bytes, cache_to, codec_inputs
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -72,21 +72,6 @@ ALL = list(FORMATS.values())
 
 
 # ------------------------------------------------------------------------------------ codec
-
-
-def codec_inputs(fmt) -> torch.Tensor:
-    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
-    halves = torch.cat([bits.view(torch.float16).float(), bits.view(torch.bfloat16).float()])
-    codes = torch.arange(0, 128, dtype=torch.int32).to(torch.uint8)
-    vals = codes.view(fmt.torch_dtype).double()
-    vals = vals[torch.isfinite(vals)].unique().sort().values
-    mids = ((vals[1:] + vals[:-1]) / 2).float()
-    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf))
-    over = torch.tensor([fmt.max * 1.0625, fmt.max * 2, 3.0e38, math.inf, 1e-45, 0.0])
-    x = torch.cat([mids, up, down, vals.float(), over])
-    g = torch.Generator().manual_seed(7)
-    rnd = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), generator=g, dtype=torch.int64).to(torch.int32)
-    return torch.cat([halves, x, -x, rnd.view(torch.float32)])
 
 
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])

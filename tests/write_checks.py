@@ -9,6 +9,7 @@ scales whose reciprocals round badly and at the edges of the fast path's scale r
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -82,3 +83,20 @@ def assert_same_bytes(got: fp8kv.KVCache, want: fp8kv.KVCache) -> None:
         a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
         b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
         assert torch.equal(a, b), f"{name}: {int((a != b).sum())} elements differ at {(a != b).nonzero()[:3].tolist()}"
+
+
+def codec_inputs(fmt) -> torch.Tensor:
+    """Every fp16/bf16 value, the format's ties and their neighbours, specials, random float32 bits."""
+    bits = torch.arange(65536, dtype=torch.int32).to(torch.int16)
+    halves = torch.cat([bits.view(torch.float16).float(), bits.view(torch.bfloat16).float()])
+    codes = torch.arange(0, 128, dtype=torch.int32).to(torch.uint8)
+    vals = codes.view(fmt.torch_dtype).double()
+    vals = vals[torch.isfinite(vals)].unique().sort().values
+    mids = ((vals[1:] + vals[:-1]) / 2).float()
+    up, down = torch.nextafter(mids, torch.tensor(math.inf)), torch.nextafter(mids, torch.tensor(-math.inf))
+    near = torch.cat([mids, up, down])
+    over = torch.tensor([fmt.max * 1.0625, fmt.max * 1.25, fmt.max * 2, 3.0e38, math.inf, 1e-45, 0.0, math.nan])
+    x = torch.cat([near, vals.float(), over])
+    g = torch.Generator().manual_seed(7)
+    rnd = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), generator=g, dtype=torch.int64).to(torch.int32)
+    return torch.cat([halves, x, -x, rnd.view(torch.float32)])
