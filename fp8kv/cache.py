@@ -206,6 +206,11 @@ def paired(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     return a.as_strided((2, *a.shape), (delta, *a.stride()), a.storage_offset())
 
 
+def _of_spec(name: str) -> property:
+    """A read-only attribute of a cache that is its spec's ``name``."""
+    return property(lambda self: getattr(self.spec, name), doc=f"The spec's ``{name}``.")
+
+
 @dataclass(frozen=True)
 class KVCache:
     """One layer's paged FP8 K and V cache with its scales. Frozen; validated when built.
@@ -476,29 +481,12 @@ class KVCache:
     def kv_dtype(self) -> str:
         return self.fmt.name
 
-    @property
-    def num_blocks(self) -> int:
-        return self.spec.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        return self.spec.block_size
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.spec.num_kv_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.spec.head_size
-
-    @property
-    def num_slots(self) -> int:
-        return self.spec.num_slots
-
-    @property
-    def device(self) -> torch.device:
-        return self.spec.device
+    num_blocks = _of_spec("num_blocks")
+    block_size = _of_spec("block_size")
+    num_kv_heads = _of_spec("num_kv_heads")
+    head_size = _of_spec("head_size")
+    num_slots = _of_spec("num_slots")
+    device = _of_spec("device")
 
     # -- memory accounting --------------------------------------------------------
     @property

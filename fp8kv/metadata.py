@@ -105,6 +105,11 @@ def _fields(spec: CacheSpec) -> tuple:
             spec.head_size, spec.device)
 
 
+def _of_options(name: str) -> property:
+    """A read-only attribute of the metadata that is its options' ``name``."""
+    return property(lambda self: getattr(self.options, name), doc=f"The options' ``{name}``.")
+
+
 @dataclass
 class AttentionMetadata:
     """One step's attention metadata, shared by every layer (see the module docstring).
@@ -155,21 +160,10 @@ class AttentionMetadata:
         """The name of the backend that serves this metadata's attention."""
         return self.attention.backend.name
 
-    @property
-    def softmax_scale(self) -> float:
-        return self.options.softmax_scale
-
-    @property
-    def causal(self) -> bool:
-        return self.options.causal
-
-    @property
-    def sliding_window(self) -> int | None:
-        return self.options.sliding_window
-
-    @property
-    def logits_soft_cap(self) -> float | None:
-        return self.options.logits_soft_cap
+    softmax_scale = _of_options("softmax_scale")
+    causal = _of_options("causal")
+    sliding_window = _of_options("sliding_window")
+    logits_soft_cap = _of_options("logits_soft_cap")
 
     def check_cache(self, cache) -> KVCache:
         """``cache`` has this metadata's spec (else a named error)."""

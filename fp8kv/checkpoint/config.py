@@ -76,54 +76,36 @@ class Fields:
     def bad(self, key: object, expected: str) -> InvalidArgument:
         return bad_argument(self.name(key), show(self.data.get(key)), expected)
 
-    def integer(self, key: str, lo: int, hi: int) -> int | None:
+    def _checked(self, key: object, ok, expected: str):
+        """The value at ``key`` (None if absent) when ``ok(value)``, else a named error."""
         v = self.data.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise self.bad(key, f"an int in [{lo}, {hi}]")
+        if v is not None and not ok(v):
+            raise self.bad(key, expected)
         return v
+
+    def integer(self, key: str, lo: int, hi: int) -> int | None:
+        return self._checked(key, lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi,
+                             f"an int in [{lo}, {hi}]")
 
     def number(self, key: str, lo: float, hi: float) -> int | float | None:
-        v = self.data.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, int | float) or isinstance(v, bool) or not lo <= v <= hi:
-            raise self.bad(key, f"a number in [{lo:g}, {hi:g}]")
-        return v
+        return self._checked(key, lambda v: isinstance(v, int | float) and not isinstance(v, bool) and lo <= v <= hi,
+                             f"a number in [{lo:g}, {hi:g}]")
 
     def string(self, key: str, max_chars: int = MAX_NAME_CHARS) -> str | None:
-        v = self.data.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, str) or len(v) > max_chars:
-            raise self.bad(key, f"a string of at most {max_chars} characters")
-        return v
+        return self._checked(key, lambda v: isinstance(v, str) and len(v) <= max_chars,
+                             f"a string of at most {max_chars} characters")
 
     def flag(self, key: str) -> bool | None:
-        v = self.data.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, bool):
-            raise self.bad(key, "true or false")
-        return v
+        return self._checked(key, lambda v: isinstance(v, bool), "true or false")
 
     def obj(self, key: object) -> Fields | None:
-        v = self.data.get(key)
-        if v is None:
-            return None
-        if not isinstance(v, dict):
-            raise self.bad(key, "a JSON object")
-        return Fields(v, self.source, f"{self.path}{key}.")
+        v = self._checked(key, lambda v: isinstance(v, dict), "a JSON object")
+        return None if v is None else Fields(v, self.source, f"{self.path}{key}.")
 
     def strings(self, key: str, max_items: int, max_chars: int = MAX_NAME_CHARS) -> list[str] | None:
-        v = self.data.get(key)
-        if v is None:
-            return None
-        if (not isinstance(v, list) or len(v) > max_items
-                or not all(isinstance(x, str) and len(x) <= max_chars for x in v)):
-            raise self.bad(key, f"a list of at most {max_items} strings of at most {max_chars} characters")
-        return v
+        return self._checked(key, lambda v: isinstance(v, list) and len(v) <= max_items
+                             and all(isinstance(x, str) and len(x) <= max_chars for x in v),
+                             f"a list of at most {max_items} strings of at most {max_chars} characters")
 
 
 WEIGHT_ONLY_METHODS = ("awq", "gptq", "bitsandbytes", "awq_marlin", "gptq_marlin", "marlin", "hqq",
