@@ -13,13 +13,15 @@ from pathlib import Path
 
 import tomllib
 
+from fp8kv.cache import LAYOUTS
+from fp8kv.formats import FORMATS as ALL_FORMATS
+from fp8kv.scales import GRANULARITIES
+
 ROOT = Path(__file__).resolve().parent.parent
 MATRIX = Path(__file__).resolve().parent / "matrix.toml"
 KINDS = ("cpu", "compile", "run")
 COMPILERS = ("cuda", "triton")
-FORMATS = ("fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
-LAYOUTS = ("NHD", "HND")
-GRANULARITIES = ("tensor", "head", "token_head")
+FORMATS = tuple(ALL_FORMATS)
 MODES = ("default", "fp8_attention")
 
 
