@@ -121,11 +121,7 @@ def claims(cell: str) -> list[Claim]:
 def _answer(backend, device, request) -> str | None:
     """The backend's own answer for the cell's device, as on that machine: Triton's CPU interpreter
     (``TRITON_INTERPRET``, set while this repository's tests run) is not the cell's environment."""
-    import os
+    from fp8kv.probe import interpreter_ignored
 
-    saved = os.environ.pop("TRITON_INTERPRET", None)
-    try:
+    with interpreter_ignored():
         return backend.supports(device, request)
-    finally:
-        if saved is not None:
-            os.environ["TRITON_INTERPRET"] = saved

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fp8kv.plugins import hookimpl
+from fp8kv.plugins import BackendInfo, hookimpl
 
 
 class ReferenceOps:
@@ -19,3 +19,14 @@ class ReferenceOps:
         from fp8kv import reference
 
         reference.paged_attention(query, cache, metadata, out, lse)
+
+
+class TestBackend:
+    """A test backend's info hook: set ``name`` and ``priority`` on the subclass (not "fast": a fake)."""
+
+    name = "test_backend"
+    priority = 1
+
+    @hookimpl
+    def fp8kv_backend_info(self):
+        return BackendInfo(self.name, "0", priority=self.priority, description="test", fast=False)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from fake_backends import TestBackend
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -33,10 +35,8 @@ def test_claims_come_from_the_registry(monkeypatch):
 def test_a_backend_that_changes_its_claims_changes_the_matrix(monkeypatch):
     import fp8kv
 
-    class Extra:
-        @fp8kv.plugins.hookimpl
-        def fp8kv_backend_info(self):
-            return fp8kv.plugins.BackendInfo("ci_probe_extra", "0", priority=5, description="test", fast=False)
+    class Extra(TestBackend):
+        name, priority = "ci_probe_extra", 5
 
         @fp8kv.plugins.hookimpl
         def fp8kv_supports(self, device, request):

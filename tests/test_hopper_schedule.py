@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from fake_backends import TestBackend
 from fp8kv_hopper import schedule, wgmma
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -211,10 +212,8 @@ def test_update_asks_the_backend_to_bring_its_plan_up_to_date():
     host lengths were replaced; a backend without the hook keeps its plan."""
     calls = []
 
-    class Probe:
-        @fp8kv.plugins.hookimpl
-        def fp8kv_backend_info(self):
-            return fp8kv.plugins.BackendInfo("schedule_probe", "0", priority=1, description="test", fast=False)
+    class Probe(TestBackend):
+        name = "schedule_probe"
 
         @fp8kv.plugins.hookimpl
         def fp8kv_supports(self, device, request):
