@@ -223,7 +223,7 @@ def write_summary(out: Path) -> None:
         lines += [f"## {title}: {'passed' if rec['passed'] else 'FAILED'}", "",
                   f"device {dev['name']} ({dev['arch']}), driver {dev['driver']}, CUDA {dev['cuda']}; "
                   f"torch {ver['torch']}, triton {ver['triton']}, cupy {ver['cupy']}, fp8kv {ver['fp8kv']}; "
-                  f"commit {rec['commit']}; {rec['date']}; budget {rec['budget_s']} s"
+                  f"{rec['date']}; budget {rec['budget_s']} s"
                   + (f"; Hypothesis {rec['hypothesis']}" if rec.get("hypothesis") else ""), "",
                   "| step | exit | timed out | seconds |", "|---|---|---|---|"]
         lines += [f"| {s['name']} | {s['rc']} | {s['timed_out']} | {s['seconds']} |" for s in rec["steps"]]
