@@ -38,7 +38,7 @@ import torch
 
 import fp8kv
 from fp8kv import reference
-from fp8kv.hookspecs import hookimpl
+from fp8kv.plugins import BackendInfo, hookimpl, register_backend
 
 
 class NullBackend:
@@ -46,7 +46,7 @@ class NullBackend:
 
     @hookimpl
     def fp8kv_backend_info(self):
-        return fp8kv.BackendInfo("null", "0", priority=-1, description="does nothing (benchmark)", fast=False)
+        return BackendInfo("null", "0", priority=-1, description="does nothing (benchmark)", fast=False)
 
     @hookimpl
     def fp8kv_supports(self, device, request):
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     for var in ("FP8KV_BACKEND", "FP8KV_SIMULATE_DEVICE", "FP8KV_STRICT", "FP8KV_CHECK"):
         os.environ.pop(var, None)
     dev = torch.device(args.device)
-    fp8kv.register_backend(NullBackend())
+    register_backend(NullBackend())
 
     H, group, D, bs, L = 9, 3, 64, 16, 40
     cache = fp8kv.KVCache.allocate(8, bs, H, D, kv_dtype="fp8_e4m3", scale_granularity="token_head", device=dev)
