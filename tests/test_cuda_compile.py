@@ -8,7 +8,7 @@ A compile error fails, and so does any spill in a hot kernel (ptxas -v; sm90's w
 the mma prefill kernels are compiled and their spills reported: see ``fp8kv_cuda.compile.HOT_KERNELS``).
 ~60 s on 2 cores.
 The full set is ``python -m fp8kv_cuda.compile --set full`` (the CI matrix's compile cells;
-results in ci/reports/compile/cuda_full.json).
+results in ci/reports/<cell>/cuda_compile.json).
 """
 
 from __future__ import annotations

@@ -440,7 +440,7 @@ def test_amd_launch_choices_fit_64_wide_wavefronts():
         assert write_launch(128, arch) == (128, 32, 4)
     nv = choose_config(cpu, group=8, head_size=128, num_seqs=4, num_kv_heads=8, max_query_len=1, max_keys=4096,
                        interpret=False, arch="sm90")
-    # NVIDIA decode: 128 keys, 4 warps, 2 stages, V in registers (benchmarks/results/decode_tune_h100.json)
+    # NVIDIA decode: 128 keys, 4 warps, 2 stages, V in registers (H100: benchmarks/profiles/triton_decode_tune.py)
     assert (nv.block_n, nv.num_warps, nv.num_stages, nv.decode, nv.v_regs) == (128, 4, 2, True, True)
 
 
