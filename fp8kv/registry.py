@@ -39,7 +39,7 @@ another distribution than fp8kv wins ``auto``, the ``fp8kv`` logger says so at I
 
 Selections are cached per (device, request, forced name, auto allowlist), and so is every
 ``fp8kv_supports`` answer, so dispatch costs microseconds
-(``benchmarks/dispatch_overhead.py``).
+(``benchmarks/profiles/dispatch_overhead.py``).
 """
 
 from __future__ import annotations

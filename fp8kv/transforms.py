@@ -1,6 +1,6 @@
 """Exact-at-read-time KV transforms that lower the FP8 error: attention-sink tokens and K centering.
 
-Measured on SmolLM2 (``benchmarks/hf_transforms.py``, docs/transformers.md): the FP8 error that
+Measured on SmolLM2 (``benchmarks/hf_precision.py``, docs/transformers.md): the FP8 error that
 matters is in K, and two near-free changes attack it together:
 
 * **sink tokens** (``sink_tokens = S``): the first ``S`` tokens of every sequence (its first

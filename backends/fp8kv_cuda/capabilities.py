@@ -25,7 +25,7 @@ decodes by bit operations, and on sm89+ the tensor-core kernel widens e4m3/e5m2 
 the GPU by tests/test_cuda_gpu.py).
 
 Priority: 90, below Triton (100), except :func:`priority`: decode-only attention on sm90 that the
-tensor-core kernel serves, measured faster than Triton there (``benchmarks/cuda_decode.py``).
+tensor-core kernel serves, measured faster than Triton there (``benchmarks/decode.py``).
 
 Toolkit: CUDA 13's NVRTC refuses ``sm_70`` (and sm72), so Volta needs CuPy for CUDA 12
 (``cupy-cuda12x``); sm75+ works with CUDA 12 or 13.

@@ -38,7 +38,7 @@ SEARCH_ITEMS_PER_CTA = 32
 fraction of a percent of the mean and a search round costs more)."""
 SEARCH_ROUNDS = 32
 """At most this many rounds of the local search (each round pairs every busy CTA with an idle one; the
-shapes of ``benchmarks/hopper_schedule.py`` settle in 3-6)."""
+shapes of ``benchmarks/profiles/prefill_schedule.py`` settle in 3-6)."""
 SETTLED = 1.005
 """No local search where the sorted snake's busiest CTA is within this factor of the mean load."""
 END = 2**31 - 1
