@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
-from fp8kv_triton.attention import _tanh  # noqa: E402  (the kernel's own helper, tested directly)
+from fp8kv_triton.tiles import _tanh  # noqa: E402  (the kernels' own helper, tested directly)
 
 U = 2.0**-24
 

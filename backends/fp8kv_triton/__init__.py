@@ -8,7 +8,10 @@ Registered through the ``fp8kv.backends`` entry point as ``triton``
   the integer-bit encoder) each architecture and format uses;
 * :mod:`~fp8kv_triton.codec`: the ``@triton.jit`` encoder/decoders;
 * :mod:`~fp8kv_triton.write`: the fused quantize-and-scatter kernel;
-* :mod:`~fp8kv_triton.attention`: paged attention (decode, chunked prefill, split-KV);
+* :mod:`~fp8kv_triton.tiles`: the ``@triton.jit`` building blocks of both attention kernels;
+* :mod:`~fp8kv_triton.attention`: paged attention (the general kernel: chunked prefill, and
+  decode on AMD; the split-KV merge; the launcher and its tile choice);
+* :mod:`~fp8kv_triton.decode`: the decode kernel (one query token per sequence, NVIDIA);
 * :mod:`~fp8kv_triton.kernels`: the **public** kernel module other in-tree backends import
   (write kernel, attention launcher, codec policy and building blocks); everything else is
   private to this backend.

@@ -2,8 +2,10 @@
 
 Steps with one query token per sequence run the decode kernel on NVIDIA
 (:mod:`fp8kv_triton.decode`, chosen by :func:`choose_config`, launched by :func:`paged_attention`
-with the same arguments); it reuses this module's building blocks (:func:`_logits`,
-:func:`_softmax_pv`, the scale and saturation helpers) and the split-KV merge ``_reduce_kernel``.
+with the same arguments) and the split-KV merge ``_reduce_kernel``. Both kernels are built from
+the ``@triton.jit`` building blocks of :mod:`fp8kv_triton.tiles` (:func:`~fp8kv_triton.tiles._logits`,
+:func:`~fp8kv_triton.tiles._softmax_pv`, the scale and saturation helpers); this module holds the
+general kernel, the merge and the launcher.
 
 Kernel structure (``_attn_kernel``), grid ``(num_seqs * q_blocks, H, num_splits)``:
 
@@ -83,7 +85,26 @@ import triton.language as tl
 from fp8kv.cache import KVCache
 from fp8kv.precision import FULL_P_KEYS
 
-from .codec import codec_args, decode, in_registers
+from .codec import codec_args
+from .decode import _decode_kernel
+from .tiles import (
+    UNSPECIALIZED,
+    _finish,
+    _key_loops,
+    _key_range,
+    _load_codes,
+    _load_query,
+    _logits,
+    _lse,
+    _online_state,
+    _program_rows,
+    _query_span,
+    _saturate_out,
+    _scale_factors,
+    _softmax_pv,
+    _tile_at,
+    _tile_blocks,
+)
 from .write import cache_strides, scale_strides
 
 LOG2E = 1.4426950408889634
@@ -94,471 +115,51 @@ NO_WINDOW = 1 << 30
 
 
 @triton.jit
-def _tanh(x):
-    """float32 tanh to a few ulps: an odd Taylor polynomial below 0.55, else from exp."""
-    ax = tl.abs(x)
-    x2 = x * x
-    # tanh x = x + x^3 P(x^2), P the Taylor series' first 8 terms: ~1.2 ulp for |x| < 0.55
-    p = 0.0005900274263694882
-    p = p * x2 - 0.0014558343682438135
-    p = p * x2 + 0.0035921279340982437
-    p = p * x2 - 0.0088632358238101
-    p = p * x2 + 0.021869488060474396
-    p = p * x2 - 0.05396825447678566
-    p = p * x2 + 0.13333334028720856
-    p = p * x2 - 0.3333333432674408
-    small = x + x * x2 * p
-    e = tl.exp(-2.0 * ax)
-    big = tl.math.div_rn(1.0 - e, 1.0 + e)
-    big = tl.where(x < 0, -big, big)
-    return tl.where(ax < 0.55, small, big)
-
-
-@triton.jit
-def _pow2(e):
-    """``2^e`` as a float32, for integer ``e`` in [-126, 127] (built from the exponent bits)."""
-    return ((e + 127) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _saturate(x, hi: tl.constexpr):
-    """``x`` clamped to ``[-hi, hi]``; NaN stays NaN."""
-    return tl.minimum(tl.maximum(x, -hi, propagate_nan=tl.PropagateNan.ALL), hi, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _saturate_out(o, OUT_TY: tl.constexpr):
-    """``o`` clamped to the finite range of the output dtype ``OUT_TY`` (NaN stays NaN)."""
-    if OUT_TY == tl.float16:
-        o = _saturate(o, 65504.0)
-    elif OUT_TY == tl.bfloat16:
-        o = _saturate(o, 3.3895313892515355e38)
-    else:
-        o = _saturate(o, 3.4028234663852886e38)
-    return o
-
-
-@triton.jit
-def _scale_factors(x, g_mant, g_exp):
-    """Two float32 factors ``(f1, f2)`` with ``f1 * f2 = x * g_mant * 2^g_exp`` (``x`` a float32
-    scale of any magnitude, subnormal included; ``g_mant`` in [1, 2)), on the same side of 1, each
-    a normal float32: ``(s * f1) * f2`` overflows or underflows only if ``s * x * g`` does.
-
-    ``x`` is split with integer operations only (no subnormal arithmetic, which a GPU may flush).
-    The total exponent is clamped to [-250, 250]: beyond it every logit ``s * f`` (``|s|`` in
-    [2^-149, 2^126]) saturates or is far below any logit that matters. Zero, inf and NaN scales
-    keep their own value in ``f1``.
-    """
-    bits = x.to(tl.int32, bitcast=True)
-    eb = (bits >> 23) & 0xFF
-    sub = eb == 0
-    # a subnormal scale is (its 23 mantissa bits, an exact integer) * 2^-149
-    m_int = (bits & 0x007FFFFF).to(tl.float32)
-    xn = tl.where(sub, tl.where(bits < 0, -m_int, m_int), x)
-    nbits = xn.to(tl.int32, bitcast=True)
-    mant = ((nbits & -2139095041) | 0x3F800000).to(tl.float32, bitcast=True) * g_mant  # sign kept; [1, 4)
-    e = ((nbits >> 23) & 0xFF) - 127 + tl.where(sub, -149, 0) + g_exp
-    e = tl.minimum(tl.maximum(e, -250), 250)
-    e1 = tl.minimum(tl.maximum(e, -125), 125)
-    f1 = mant * _pow2(e1)
-    f2 = _pow2(e - e1)
-    special = (eb == 255) | (x == 0)
-    f1 = tl.where(special, x * g_mant, f1)
-    f2 = tl.where(special, 1.0, f2)
-    return f1, f2
-
-
-@triton.jit
-def _lse(m, l_sum):
-    """Natural-log log-sum-exp from the base-2 online-softmax state: ``(m + log2 l) ln 2``.
-
-    ``m`` is the row max of the logits the kernel holds, which are the (scaled, soft-capped)
-    logits times ``log2(e)`` whatever the scale granularity or soft-cap, and ``l`` the sum of
-    ``2^(s - m)``; rows without a visible key (``l == 0``) get ``-inf``.
-    """
-    l_safe = tl.where(l_sum > 0, l_sum, 1.0)
-    return tl.where(l_sum > 0, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-
-
-@triton.jit
-def _pv_dot(w, v, acc, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr):
-    """``acc + w @ v`` for float32 ``w [M, N]`` (entries in [0, 1]) and exact ``v [N, D]``.
-
-    float16 ``w`` has a relative error of at most 2^-12 (2^-25 absolute below 2^-14);
-    ``PV_SPLIT`` adds the product with the rounding remainder ``w - fp16(w)`` (~2^-22).
-    """
-    if PV_F32:
-        acc = tl.dot(w, v, acc, input_precision="ieee")
-    else:
-        hi = w.to(tl.float16)
-        acc = tl.dot(hi, v, acc)
-        if PV_SPLIT:
-            lo = (w - hi.to(tl.float32)).to(tl.float16)
-            acc = tl.dot(lo, v, acc)
-    return acc
-
-
-@triton.jit
-def _tile_blocks(start, offs_n, hi, bt_row, page, page_shift, PAGE_POW2: tl.constexpr):
-    """Block ids (int32, from the block table; 0 past ``hi``) of the keys of the tile at ``start``."""
-    n = start + offs_n
-    if PAGE_POW2:
-        page_idx = n >> page_shift
-    else:
-        page_idx = n // page
-    return tl.load(bt_row + page_idx, mask=n < hi, other=0)
-
-
-@triton.jit
-def _tile_at(
-    start, blk, offs_n, hi, page, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2: tl.constexpr
-):
-    """Key positions ``n`` of the tile at ``start`` with block ids ``blk`` (:func:`_tile_blocks`),
-    their mask, block ids and offsets in block (int64), the byte offsets of their rows in the K and V
-    caches (from the kv_head's row), and whether the tile has a hole: a key below ``hi`` whose block
-    id is outside ``[0, num_blocks)`` (masked out of ``kmask``: never loaded, never visible)."""
-    n = start + offs_n
-    inside = n < hi
-    if PAGE_POW2:
-        tib = n & (page - 1)
-    else:
-        tib = n % page
-    present = (blk >= 0) & (blk < num_blocks)
-    kmask = inside & present
-    hole = tl.max((inside & ~present).to(tl.int32), axis=0) != 0
-    blk = blk.to(tl.int64)
-    tib = tib.to(tl.int64)
-    k_off = blk * stride_kb + tib * stride_kt
-    v_off = blk * stride_vb + tib * stride_vt
-    return n, kmask, blk, tib, k_off, v_off, hole
-
-
-@triton.jit
-def _tile(
-    start, offs_n, hi, bt_row, page, page_shift, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt,
-    PAGE_POW2: tl.constexpr
-):
-    """:func:`_tile_at` of the tile at ``start``, its block ids gathered here."""
-    blk = _tile_blocks(start, offs_n, hi, bt_row, page, page_shift, PAGE_POW2)
-    return _tile_at(start, blk, offs_n, hi, page, num_blocks, stride_kb, stride_kt, stride_vb, stride_vt, PAGE_POW2)
-
-
-@triton.jit
-def _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D: tl.constexpr):
-    """FP8 codes of a tile: K as ``[BLOCK_D, BLOCK_N]`` (``q @ k`` operand), V as ``[BLOCK_N, BLOCK_D]``."""
-    if EVEN_D:
-        mask_t = kmask[None, :] & (d[:, None] >= 0)
-        mask = kmask[:, None] & (d[None, :] >= 0)
-    else:
-        mask_t = kmask[None, :] & dmask[:, None]
-        mask = kmask[:, None] & dmask[None, :]
-    kc = tl.load(KC + k_off[None, :] + d[:, None], mask=mask_t, other=0)
-    vc = tl.load(VC + v_off[:, None] + d[None, :], mask=mask, other=0)
-    return kc, vc
-
-
-@triton.jit
-def _load_query(Q, q_off, qmask, Q_BITS: tl.constexpr, QK_DT: tl.constexpr):
-    """The query rows ``[M, BLOCK_D]`` at ``Q + q_off`` in the product dtype ``QK_DT``, and the
-    power-of-two exponent ``q_shift`` they were scaled down by (0 for float16 queries).
-
-    float32/bfloat16 queries are scaled by ``2^-q_shift`` so that ``|q| <= 2^101`` and ``q . c``
-    cannot overflow (``|c| < 2^16``, ``D <= 512``); the exponent goes back into the logit factor.
-    ``Q_BITS``: bfloat16 passed as int16 bits and widened exactly (the interpreter: see the launcher).
-    """
-    if Q_BITS:
-        q = (tl.load(Q + q_off, mask=qmask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        q = tl.load(Q + q_off, mask=qmask, other=0.0)
-    if QK_DT != tl.float16:
-        qf = q.to(tl.float32)
-        q_amax = tl.max(tl.max(tl.abs(qf), axis=1), axis=0)
-        q_shift = tl.maximum(((q_amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 227, 0)
-        q = (qf * _pow2(-q_shift)).to(QK_DT)
-    else:
-        q_shift = 0
-        q = q.to(QK_DT)
-    return q, q_shift
-
-
-@triton.jit
-def _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok, HQ, qh, D, d, qmask, row_valid,
-            pr_off, SPLIT: tl.constexpr, TOKEN_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr):
-    """Store a program's result: split-KV partials ``(acc, m, l[, r])`` for ``_reduce_kernel``, or
-    the normalised output (saturated to its dtype, never inf) and, with ``WRITE_LSE``, the lse.
-    ``VS`` points at the kv_head's ``v_scale`` (static scales multiply the normalised output)."""
-    if SPLIT:
-        part = (split * T + tok) * HQ + qh
-        tl.store(PACC + part[:, None] * D + d[None, :], acc, mask=qmask)
-        tl.store(PM + part, m_i, mask=row_valid)
-        tl.store(PL + part, l_i, mask=row_valid)
-        if TOKEN_SCALES:
-            tl.store(PL + pr_off + part, r_i, mask=row_valid)
-    else:
-        l_safe = tl.where(l_i > 0, l_i, 1.0)  # rows without a visible key
-        o = tl.math.div_rn(acc, l_safe[:, None] + tl.zeros_like(acc))
-        if TOKEN_SCALES:
-            o = o * r_i[:, None]
-        else:
-            o = o * tl.load(VS)
-        o = _saturate_out(o, OUT.dtype.element_ty)
-        tl.store(OUT + q_off, o.to(OUT.dtype.element_ty), mask=qmask)
-        if WRITE_LSE:
-            tl.store(LSE + tok * HQ + qh, _lse(m_i, l_i), mask=row_valid)
-
-
-@triton.jit
-def _query_span(QSL, seq, T):
-    """``(q_start, q_len)`` of sequence ``seq``'s queries, ``query_start_loc`` clamped to ``[0, T]``
-    (garbage never becomes an address). A program whose block starts at or past ``q_len`` has no rows
-    and returns before anything else is loaded."""
-    q_start = tl.minimum(tl.maximum(tl.load(QSL + seq), 0), T)
-    q_end = tl.minimum(tl.maximum(tl.load(QSL + seq + 1), 0), T)
-    return q_start, tl.maximum(q_end - q_start, 0)
-
-
-@triton.jit
-def _program_rows(SEQ_LENS, seq, qb, q_start, q_len, max_keys, block_q, group, kvh, BLOCK_M: tl.constexpr):
-    """The query rows of the program at query block ``qb`` of sequence ``seq`` (GQA packing: row ``r``
-    is token ``r // group`` of the block and query head ``kvh * group + r % group``).
-
-    Returns ``(seq_len, row_valid, tok, qh, pos)``: the key count clamped to ``[0, max_keys]``, each
-    row's validity, token (int64), query head and position. (Loaded after the caller's early return:
-    hoisting this load above it costs gfx942/gfx950 20 bytes of scratch per lane in the decode tile.)
-    """
-    seq_len = tl.minimum(tl.maximum(tl.load(SEQ_LENS + seq), 0), max_keys)
-    rows = tl.arange(0, BLOCK_M)
-    qi = rows // group
-    tok_in_seq = qb * block_q + qi
-    row_valid = (qi < block_q) & (tok_in_seq < q_len)
-    tok = (q_start + tok_in_seq).to(tl.int64)
-    qh = kvh * group + rows % group
-    pos = seq_len - q_len + tok_in_seq  # position of each row's query token
-    return seq_len, row_valid, tok, qh, pos
-
-
-@triton.jit
-def _key_range(seq_len, q_len, qb, block_q, window, causal, split, keys_per_split, SPLIT: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """The keys the program visits, ``[lo, hi)`` (``lo`` tile-aligned; its split's share with ``SPLIT``),
-    and ``[all_lo, all_hi)``, the keys visible to every row of the block (tiles inside need no mask),
-    with ``first_pos``/``last_pos`` the block's first and last query positions."""
-    first_pos = seq_len - q_len + qb * block_q
-    last_pos = seq_len - q_len + tl.minimum(qb * block_q + block_q, q_len) - 1
-    hi = tl.where(causal != 0, last_pos + 1, seq_len)
-    lo = tl.maximum(first_pos - window + 1, 0)
-    if SPLIT:
-        lo = tl.maximum(lo, split * keys_per_split)
-        hi = tl.minimum(hi, (split + 1) * keys_per_split)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    # [last_pos - window + 1, first_pos] (causal) or [last_pos - window + 1, seq_len) (not causal)
-    all_lo = last_pos - window + 1
-    all_hi = tl.where(causal != 0, first_pos + 1, seq_len)
-    return lo, hi, all_lo, all_hi, first_pos, last_pos
-
-
-@triton.jit
-def _logits(
-    q, kc, kmask, blk, tib, KS, f1, f2, g_mant, g_exp, soft_cap, stride_ksb, stride_kst,
-    USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr, QK_DT: tl.constexpr, DEC_MODE: tl.constexpr,
-    F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
-    F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
-):
-    """Base-2 logits ``s [M, N]`` of queries ``q [M, D]`` against the FP8 codes ``kc [D, N]``:
-    scaled (``k_scale * softmax_scale * log2 e``, never as one float32: see :func:`_scale_factors`),
-    soft-capped if asked, and saturated to ``+-FLOAT32_MAX`` (unmasked).
-
-    ``KS`` points at the kv_head's ``k_scale``; per-token-head scales of key (``blk``, ``tib``)
-    are read at ``KS + blk * stride_ksb + tib * stride_kst``. Static scales: the factor is
-    ``f1 * f2``; per-token-head: built per key from its ``k_scale`` and ``g_mant * 2^g_exp``.
-    """
-    k = decode(kc, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
-    if QK_DT == tl.float32:
-        s = tl.dot(q, k, input_precision="ieee")
-    else:
-        s = tl.dot(q, k)
-    if TOKEN_SCALES:
-        ks = tl.load(KS + blk * stride_ksb + tib * stride_kst, mask=kmask, other=1.0)
-        kf1, kf2 = _scale_factors(ks, g_mant, g_exp)
-        s = s * kf1[None, :] * kf2[None, :]
-    else:
-        s = s * f1 * f2
-    if USE_CAP:
-        s = soft_cap * _tanh(s / soft_cap) * 1.4426950408889634
-    return _saturate(s, 3.4028234663852886e38)  # base-2 logits: finite (s - m never inf - inf)
-
-
-@triton.jit
-def _softmax_pv(
-    s, vc, kmask, blk, tib, m_i, l_i, acc, r_i, VS, stride_vsb, stride_vst,
-    TOKEN_SCALES: tl.constexpr, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr, V_REGS: tl.constexpr,
-    DEC_MODE: tl.constexpr,
-    F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr, F_DROP: tl.constexpr,
-    F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
-):
-    """One online-softmax step with the masked logits ``s [M, N]`` (invisible keys at ``-inf``)
-    and the value codes ``vc [N, D]``: returns the updated row max ``m_i``, sum ``l_i``, ``acc``
-    and, for per-token-head scales, the running value scale ``r_i`` (``acc * r_i`` is the true sum).
-
-    ``VS`` points at the kv_head's ``v_scale``; per-token-head ones are read like the key scales.
-    ``V_REGS``: decode V to float16 in registers before ``p @ v`` (see :func:`in_registers`).
-    """
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.exp2(s - m_safe[:, None])
-    alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    if PV_F32:
-        v_dt: tl.constexpr = tl.float32
-    else:
-        v_dt: tl.constexpr = tl.float16
-    v = decode(vc, v_dt, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
-    if V_REGS and not PV_F32:
-        v = in_registers(v)
-    if TOKEN_SCALES:
-        vs = tl.load(VS + blk * stride_vsb + tib * stride_vst, mask=kmask, other=0.0)
-        w = p * vs[None, :]  # p <= 1: finite
-        # the tile's unit r = 2^e <= max_j w_j (e from the exponent bits, in [-126, 126]): w / r is
-        # exact (a power of two) and in [0, 4), so no per-element division and no overflow
-        r_exp = ((tl.max(w, axis=1).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        r_exp = tl.minimum(tl.maximum(r_exp, -126), 126)
-        w = w * _pow2(-r_exp)[:, None]
-        r = _pow2(r_exp)
-        # acc is kept in units of r_i, the running max of the tiles' r (rescaled by alpha like acc),
-        # so it stays <= 4 l max|code| whatever v_scale is
-        r_old = r_i * alpha
-        r_new = tl.maximum(r_old, r)
-        r_div = tl.where(r_new > 0, r_new, 1.0)
-        c_old = tl.math.div_rn(r_old, r_div)
-        c_new = tl.math.div_rn(r, r_div)
-        acc = acc * c_old[:, None] + c_new[:, None] * _pv_dot(w, v, tl.zeros_like(acc), PV_F32, PV_SPLIT)
-        r_i = r_new
-    else:
-        acc = acc * alpha[:, None]
-        acc = _pv_dot(p, v, acc, PV_F32, PV_SPLIT)
-    return m_new, l_i, acc, r_i
-
-
-@triton.jit
 def _attend(
-    q,
-    kc,
-    vc,
-    n,
-    kmask,
-    blk,
-    tib,
-    m_i,
-    l_i,
-    acc,
-    r_i,
-    KS,
-    VS,
-    f1,
-    f2,
-    g_mant,
-    g_exp,
-    soft_cap,
-    window,
-    causal,
-    pos,
-    row_valid,
-    stride_ksb,
-    stride_kst,
-    stride_vsb,
-    stride_vst,
-    need_mask,
-    USE_CAP: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr,
-    QK_DT: tl.constexpr,
-    PV_F32: tl.constexpr,
-    PV_SPLIT: tl.constexpr,
-    DEC_MODE: tl.constexpr,
-    F_KIND: tl.constexpr,
-    F_MANT: tl.constexpr,
-    F_REBIAS: tl.constexpr,
-    F_DROP: tl.constexpr,
-    F_FNUZ: tl.constexpr,
-    F_HASINF: tl.constexpr,
-    F_MAXMAG: tl.constexpr,
-    F_BIAS: tl.constexpr,
+    q, kc, vc, n, kmask, blk, tib,                       # queries [M, D], K [D, N] / V [N, D] codes, keys [N]
+    m_i, l_i, acc, r_i,                                  # online-softmax state
+    KS, VS, f1, f2, g_mant, g_exp, soft_cap,             # scales and logit factor
+    window, causal, pos, row_valid,                      # visibility of key n to row m
+    stride_ksb, stride_kst, stride_vsb, stride_vst,      # per-token-head scale strides
+    need_mask,                                           # the tile needs the causal/window/bounds mask
+    USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    QK_DT: tl.constexpr, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr,
+    DEC_MODE: tl.constexpr, F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr,
+    F_DROP: tl.constexpr, F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
 ):
     """One tile of online softmax for query rows at positions ``pos``: :func:`_logits`, the
     causal/window/bounds mask where ``need_mask``, then :func:`_softmax_pv`."""
     s = _logits(q, kc, kmask, blk, tib, KS, f1, f2, g_mant, g_exp, soft_cap, stride_ksb, stride_kst,
-                USE_CAP, TOKEN_SCALES, QK_DT, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF,
-                F_MAXMAG, F_BIAS)
+                USE_CAP, TOKEN_SCALES, QK_DT,
+                DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
     if need_mask:  # tiles inside every row's visible range skip this
         visible = kmask[None, :] & row_valid[:, None] & (n[None, :] > pos[:, None] - window)
         visible = visible & ((n[None, :] <= pos[:, None]) | (causal == 0))
         s = tl.where(visible, s, float("-inf"))
-    return _softmax_pv(s, vc, kmask, blk, tib, m_i, l_i, acc, r_i, VS, stride_vsb, stride_vst, TOKEN_SCALES,
-                       PV_F32, PV_SPLIT, False, DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG,
-                       F_BIAS)
+    return _softmax_pv(s, vc, kmask, blk, tib, m_i, l_i, acc, r_i, VS, stride_vsb, stride_vst,
+                       TOKEN_SCALES, PV_F32, PV_SPLIT, False,
+                       DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS)
 
 
 @triton.jit
 def _attend_range(
-    q,
-    m_i,
-    l_i,
-    acc,
-    r_i,
-    lo,
-    hi,
-    all_lo,
-    all_hi,
-    offs_n,
-    bt_row,
-    page,
-    page_shift,
-    num_blocks,
-    stride_kb,
-    stride_kt,
-    stride_vb,
-    stride_vt,
-    stride_ksb,
-    stride_kst,
-    stride_vsb,
-    stride_vst,
-    KC,
-    VC,
-    KS,
-    VS,
-    f1,
-    f2,
-    g_mant,
-    g_exp,
-    soft_cap,
-    window,
-    causal,
-    pos,
-    row_valid,
-    d,
-    dmask,
-    BLOCK_N: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    PAGE_POW2: tl.constexpr,
+    m_i, l_i, acc, r_i, q,                               # online-softmax state, queries [M, D]
+    lo, hi, all_lo, all_hi,                              # keys visited, keys visible to every row
+    offs_n, bt_row, page, page_shift, num_blocks,        # tile lanes [N], paging
+    stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+    KC, VC, KS, VS, f1, f2, g_mant, g_exp, soft_cap,     # caches, scales and logit factor
+    window, causal, pos, row_valid, d, dmask,            # rows [M], head-dim lanes [D]
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, PAGE_POW2: tl.constexpr, PREFETCH_BT: tl.constexpr,
+    USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    QK_DT: tl.constexpr, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr,
+    DEC_MODE: tl.constexpr, F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr,
+    F_DROP: tl.constexpr, F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
     SPLIT_P: tl.constexpr,
-    USE_CAP: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr,
-    QK_DT: tl.constexpr,
-    PV_F32: tl.constexpr,
-    PV_SPLIT: tl.constexpr,
-    DEC_MODE: tl.constexpr,
-    F_KIND: tl.constexpr,
-    F_MANT: tl.constexpr,
-    F_REBIAS: tl.constexpr,
-    F_DROP: tl.constexpr,
-    F_FNUZ: tl.constexpr,
-    F_HASINF: tl.constexpr,
-    F_MAXMAG: tl.constexpr,
-    F_BIAS: tl.constexpr,
-    PREFETCH_BT: tl.constexpr,
 ):
     """The loop over the key tiles ``[lo, hi)`` of one program (online softmax state in and out).
 
-    ``KC``/``VC``/``KS``/``VS`` already point at the program's kv_head.
+    ``KC``/``VC``/``KS``/``VS`` already point at the program's kv_head. ``SPLIT_P``: P as two float16
+    matrices in ``p @ v`` (with ``PV_SPLIT``; see :func:`_pv_dot`).
     """
     # PREFETCH_BT: the next tile's block ids are gathered while this one is computed, so that K/V
     # addresses and the hole test never wait on a block-table load of the same iteration and the
@@ -576,145 +177,51 @@ def _attend_range(
         )
         kc, vc = _load_codes(KC, VC, k_off, v_off, kmask, d, dmask, EVEN_D)
         m_i, l_i, acc, r_i = _attend(
-            q,
-            kc,
-            vc,
-            n,
-            kmask,
-            blk,
-            tib,
-            m_i,
-            l_i,
-            acc,
-            r_i,
-            KS,
-            VS,
-            f1,
-            f2,
-            g_mant,
-            g_exp,
-            soft_cap,
-            window,
-            causal,
-            pos,
-            row_valid,
-            stride_ksb,
-            stride_kst,
-            stride_vsb,
-            stride_vst,
+            q, kc, vc, n, kmask, blk, tib, m_i, l_i, acc, r_i,
+            KS, VS, f1, f2, g_mant, g_exp, soft_cap, window, causal, pos, row_valid,
+            stride_ksb, stride_kst, stride_vsb, stride_vst,
             (start < all_lo) | (start + BLOCK_N > all_hi) | (start + BLOCK_N > hi) | hole,
-            USE_CAP,
-            TOKEN_SCALES,
-            QK_DT,
-            PV_F32,
-            PV_SPLIT and SPLIT_P,
-            DEC_MODE,
-            F_KIND,
-            F_MANT,
-            F_REBIAS,
-            F_DROP,
-            F_FNUZ,
-            F_HASINF,
-            F_MAXMAG,
-            F_BIAS,
+            USE_CAP, TOKEN_SCALES, QK_DT, PV_F32, PV_SPLIT and SPLIT_P,
+            DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS,
         )
     return m_i, l_i, acc, r_i
 
 
-@triton.jit(
-    do_not_specialize=[
-        "sm_scale",
-        "sm_exp",
-        "soft_cap",
-        "window",
-        "T",
-        "num_blocks",
-        "max_keys",
-        "pr_off",
-        "HQ",
-        "group",
-        "block_q",
-        "max_q_blocks",
-        "keys_per_split",
-        "page",
-    ]
-)
+@triton.jit(do_not_specialize=UNSPECIALIZED)
 def _attn_kernel(
-    Q,
-    KC,
-    VC,
-    KS,
-    VS,
-    BT,
-    SEQ_LENS,
-    QSL,
-    OUT,
-    PACC,
-    PM,
-    PL,
-    LSE,
-    sm_scale,
-    sm_exp,
-    soft_cap,
-    window,
-    causal,
+    # tensors
+    Q, KC, VC, KS, VS, BT, SEQ_LENS, QSL, OUT, PACC, PM, PL, LSE,
+    # scalars
+    sm_scale, sm_exp, soft_cap, window, causal,
+    # strides, in elements: the block table's row; (block, token, head) of the K/V caches and of their scales
     stride_bt,
-    stride_kb,
-    stride_kt,
-    stride_kh,
-    stride_vb,
-    stride_vt,
-    stride_vh,
-    stride_ksb,
-    stride_kst,
-    stride_ksh,
-    stride_vsb,
-    stride_vst,
-    stride_vsh,
-    T,
-    HQ,
-    D,
-    group,
-    block_q,
-    max_q_blocks,
-    keys_per_split,
-    page,
-    page_shift,
-    num_blocks,
-    max_keys,
-    pr_off,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr,
-    FULL_P_KEYS: tl.constexpr,
-    PAGE_POW2: tl.constexpr,
-    USE_CAP: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr,
-    Q_BITS: tl.constexpr,
-    SPLIT: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
-    QK_DT: tl.constexpr,
-    PV_F32: tl.constexpr,
-    PV_SPLIT: tl.constexpr,
-    DEC_MODE: tl.constexpr,
-    F_KIND: tl.constexpr,
-    F_MANT: tl.constexpr,
-    F_REBIAS: tl.constexpr,
-    F_DROP: tl.constexpr,
-    F_FNUZ: tl.constexpr,
-    F_HASINF: tl.constexpr,
-    F_MAXMAG: tl.constexpr,
-    F_BIAS: tl.constexpr,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ksb, stride_kst, stride_ksh, stride_vsb, stride_vst, stride_vsh,
+    # sizes and bounds
+    T, HQ, D, group, block_q, max_q_blocks, keys_per_split, page, page_shift, num_blocks, max_keys, pr_off,
+    # constexpr: tiles, features, product precisions, FP8 format
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr,
+    FULL_P_KEYS: tl.constexpr, PAGE_POW2: tl.constexpr, USE_CAP: tl.constexpr, TOKEN_SCALES: tl.constexpr,
+    Q_BITS: tl.constexpr, SPLIT: tl.constexpr, WRITE_LSE: tl.constexpr,
+    QK_DT: tl.constexpr, PV_F32: tl.constexpr, PV_SPLIT: tl.constexpr,
+    DEC_MODE: tl.constexpr, F_KIND: tl.constexpr, F_MANT: tl.constexpr, F_REBIAS: tl.constexpr,
+    F_DROP: tl.constexpr, F_FNUZ: tl.constexpr, F_HASINF: tl.constexpr, F_MAXMAG: tl.constexpr, F_BIAS: tl.constexpr,
     PREFETCH_BT: tl.constexpr,
 ):
     """One (query block, KV head, KV split) of paged attention; see the module docstring.
 
+    Tensors: ``Q``/``OUT [T, HQ, D]``; ``KC``/``VC`` the K/V caches as bytes (``[num_blocks, page, H, D]``
+    or any layout with the strides below); ``KS``/``VS`` the K/V scales (``[num_blocks, page, H]``,
+    ``[H]`` or ``[]``); ``BT [num_seqs, max_blocks]`` int32 block table; ``SEQ_LENS [num_seqs]``,
+    ``QSL [num_seqs + 1]`` (``query_start_loc``) int32. Split-KV partials ``PACC [num_splits, T, HQ, D]``,
+    ``PM [num_splits, T, HQ]``, ``PL [(1 or 2) * num_splits, T, HQ]`` float32 (see :func:`_finish`);
+    ``LSE [T, HQ]`` float32, written only with ``WRITE_LSE`` (split-KV: by ``_reduce_kernel``), gets
+    each row's log-sum-exp.
+
     ``window`` is the sliding window (a huge value when there is none), ``causal`` 0/1.
     Strides in elements: ``stride_k{b,t,h}`` / ``stride_v{b,t,h}`` (block, token, head) of the
     K / V caches, ``stride_ks{b,t,h}`` / ``stride_vs{b,t,h}`` of the K / V scales (static
-    scales: ``(0, 0, head stride)``, per-tensor all 0). ``LSE`` (``[T, HQ]`` float32, written
-    only with ``WRITE_LSE``; split-KV: by ``_reduce_kernel``) gets each row's log-sum-exp.
+    scales: ``(0, 0, head stride)``, per-tensor all 0).
     ``sm_scale * 2^sm_exp`` is ``softmax_scale`` (times ``log2(e)`` without soft-cap), ``sm_scale``
     in [1, 2). ``num_blocks`` bounds the block ids, ``max_keys = max_blocks * page`` the lengths,
     ``T`` the query offsets (memory safety without host checks: see the module docstring).
@@ -765,132 +272,18 @@ def _attn_kernel(
     )
     split_p = min_keys < FULL_P_KEYS
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    r_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m_i, l_i, r_i, acc = _online_state(BLOCK_M, BLOCK_D)
     bt_row = BT + seq.to(tl.int64) * stride_bt
     offs_n = tl.arange(0, BLOCK_N)
-    # the P-precision choice is hoisted out of the loop (two copies of the loop): a runtime
-    # branch around a tl.dot inside the loop is avoided
-    if split_p:
-        m_i, l_i, acc, r_i = _attend_range(
-            q,
-            m_i,
-            l_i,
-            acc,
-            r_i,
-            lo,
-            hi,
-            all_lo,
-            all_hi,
-            offs_n,
-            bt_row,
-            page,
-            page_shift,
-            num_blocks,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            stride_ksb,
-            stride_kst,
-            stride_vsb,
-            stride_vst,
-            KC,
-            VC,
-            KS,
-            VS,
-            f1,
-            f2,
-            sm_scale,
-            g_exp,
-            soft_cap,
-            window,
-            causal,
-            pos,
-            row_valid,
-            d,
-            dmask,
-            BLOCK_N,
-            EVEN_D,
-            PAGE_POW2,
-            True,
-            USE_CAP,
-            TOKEN_SCALES,
-            QK_DT,
-            PV_F32,
-            PV_SPLIT,
-            DEC_MODE,
-            F_KIND,
-            F_MANT,
-            F_REBIAS,
-            F_DROP,
-            F_FNUZ,
-            F_HASINF,
-            F_MAXMAG,
-            F_BIAS,
-            PREFETCH_BT,
-        )
-    else:
-        m_i, l_i, acc, r_i = _attend_range(
-            q,
-            m_i,
-            l_i,
-            acc,
-            r_i,
-            lo,
-            hi,
-            all_lo,
-            all_hi,
-            offs_n,
-            bt_row,
-            page,
-            page_shift,
-            num_blocks,
-            stride_kb,
-            stride_kt,
-            stride_vb,
-            stride_vt,
-            stride_ksb,
-            stride_kst,
-            stride_vsb,
-            stride_vst,
-            KC,
-            VC,
-            KS,
-            VS,
-            f1,
-            f2,
-            sm_scale,
-            g_exp,
-            soft_cap,
-            window,
-            causal,
-            pos,
-            row_valid,
-            d,
-            dmask,
-            BLOCK_N,
-            EVEN_D,
-            PAGE_POW2,
-            False,
-            USE_CAP,
-            TOKEN_SCALES,
-            QK_DT,
-            PV_F32,
-            PV_SPLIT,
-            DEC_MODE,
-            F_KIND,
-            F_MANT,
-            F_REBIAS,
-            F_DROP,
-            F_FNUZ,
-            F_HASINF,
-            F_MAXMAG,
-            F_BIAS,
-            PREFETCH_BT,
-        )
+    # the key loop, compiled twice: the P-precision choice is made once, outside it
+    m_i, l_i, acc, r_i = _key_loops(
+        _attend_range, split_p, m_i, l_i, r_i, acc,
+        (q, lo, hi, all_lo, all_hi, offs_n, bt_row, page, page_shift, num_blocks,
+         stride_kb, stride_kt, stride_vb, stride_vt, stride_ksb, stride_kst, stride_vsb, stride_vst,
+         KC, VC, KS, VS, f1, f2, sm_scale, g_exp, soft_cap, window, causal, pos, row_valid, d, dmask,
+         BLOCK_N, EVEN_D, PAGE_POW2, PREFETCH_BT, USE_CAP, TOKEN_SCALES, QK_DT, PV_F32, PV_SPLIT,
+         DEC_MODE, F_KIND, F_MANT, F_REBIAS, F_DROP, F_FNUZ, F_HASINF, F_MAXMAG, F_BIAS),
+    )
 
     _finish(acc, m_i, l_i, r_i, OUT, q_off, PACC, PM, PL, LSE, VS, split, T, tok, HQ, qh, D, d, qmask, row_valid,
             pr_off, SPLIT, TOKEN_SCALES, WRITE_LSE)
@@ -898,28 +291,19 @@ def _attn_kernel(
 
 @triton.jit(do_not_specialize=["T", "HQ", "group", "num_splits", "pr_off"])
 def _reduce_kernel(
-    PACC,
-    PM,
-    PL,
-    VS,
-    OUT,
-    LSE,
-    T,
-    HQ,
-    D,
-    group,
-    num_splits,
-    stride_vsh,
-    pr_off,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    TOKEN_SCALES: tl.constexpr,
-    WRITE_LSE: tl.constexpr,
+    PACC, PM, PL, VS, OUT, LSE,
+    T, HQ, D, group, num_splits, stride_vsh, pr_off,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, TOKEN_SCALES: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     """Merge the split-KV partials of one (token, query head): ``sum_s w_s acc_s / sum_s w_s l_s``
     with ``w_s = 2^(m_s - max_s m_s)``; the merged pair is ``(max_s m_s, sum_s w_s l_s)``.
     Per-token-head scales: ``acc_s`` is in units of ``r_s`` (at ``PL + pr_off``), so the sum is formed as
-    ``A sum_s (w_s r_s / A) acc_s`` with ``A = max_s w_s r_s`` (no overflow)."""
+    ``A sum_s (w_s r_s / A) acc_s`` with ``A = max_s w_s r_s`` (no overflow).
+
+    Grid ``(T, HQ)``. ``PACC [num_splits, T, HQ, D]``, ``PM [num_splits, T, HQ]``,
+    ``PL [(1 or 2) * num_splits, T, HQ]`` float32 (from :func:`_finish`); ``VS`` the static ``v_scale``
+    (``[H]`` or ``[]``, head stride ``stride_vsh``); ``OUT [T, HQ, D]``; ``LSE [T, HQ]`` with ``WRITE_LSE``.
+    """
     tok = tl.program_id(0).to(tl.int64)
     qh = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -951,6 +335,8 @@ def _reduce_kernel(
         o = o * tl.load(VS + (qh // group) * stride_vsh)
     o = _saturate_out(o, OUT.dtype.element_ty)
     tl.store(OUT + (tok * HQ + qh) * D + d, o.to(OUT.dtype.element_ty), mask=dmask)
+
+
 
 
 # ------------------------------------------------------------------------------- launch
@@ -1146,22 +532,10 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, narrow: bool,
 
 
 def paged_attention(
-    query: torch.Tensor,
-    cache: KVCache,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    max_query_len: int,
-    softmax_scale: float,
-    causal: bool,
-    sliding_window: int | None,
-    logits_soft_cap: float | None,
-    out: torch.Tensor,
-    *,
-    lse: torch.Tensor | None = None,
-    decode_mode: int,
-    interpret: bool,
-    config: AttnConfig | None = None,
+    query: torch.Tensor, cache: KVCache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor, max_query_len: int, softmax_scale: float, causal: bool,
+    sliding_window: int | None, logits_soft_cap: float | None, out: torch.Tensor, *,
+    lse: torch.Tensor | None = None, decode_mode: int, interpret: bool, config: AttnConfig | None = None,
 ) -> None:
     """Paged attention of ``query [T, Hq, D]`` over ``cache``, into ``out [T, Hq, D]``.
 
@@ -1196,17 +570,9 @@ def paged_attention(
     if T == 0 or S == 0:
         return
     if config is None:
-        config = choose_config(
-            query.device,
-            group=group,
-            head_size=D,
-            num_seqs=S,
-            num_kv_heads=H,
-            max_query_len=max_query_len,
-            max_keys=block_tables.shape[1] * cache.block_size,
-            interpret=interpret,
-            query_dtype=query.dtype,
-        )
+        config = choose_config(query.device, group=group, head_size=D, num_seqs=S, num_kv_heads=H,
+                               max_query_len=max_query_len, max_keys=block_tables.shape[1] * cache.block_size,
+                               interpret=interpret, query_dtype=query.dtype)
     block_d = max(16, triton.next_power_of_2(D))
     block_q = max(1, config.block_m // group)
     q_blocks = triton.cdiv(max_query_len, block_q)
@@ -1246,74 +612,26 @@ def paged_attention(
     grid = (S * q_blocks, H, config.num_splits)
     extra = {}
     if config.decode and max_query_len == 1:
-        from .decode import _decode_kernel as kernel
-
+        kernel = _decode_kernel
         extra["V_REGS"] = config.v_regs and not interpret
     else:
         kernel = _attn_kernel
         extra["PREFETCH_BT"] = config.num_stages > 1
     kernel[grid](
-        q_arg,
-        cache.key_cache.view(torch.uint8),
-        cache.value_cache.view(torch.uint8),
-        cache.k_scale,
-        cache.v_scale,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        out_arg,
-        pacc,
-        pm,
-        pl,
-        lse_arg,
-        sm_mant,
-        sm_exp,
-        float(logits_soft_cap or 1.0),
-        min(int(sliding_window or NO_WINDOW), NO_WINDOW),
-        int(causal),
-        block_tables.stride(0),
-        *k_strides,
-        *v_strides,
-        *ks_strides,
-        *vs_strides,
-        T,
-        HQ,
-        D,
-        group,
-        block_q,
-        q_blocks,
-        config.keys_per_split,
-        page,
-        page.bit_length() - 1,
-        cache.key_cache.shape[0],
-        block_tables.shape[1] * page,
-        pr_off,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        BLOCK_D=block_d,
-        EVEN_D=block_d == D,
-        FULL_P_KEYS=FULL_P_KEYS,
-        PAGE_POW2=pow2,
-        USE_CAP=logits_soft_cap is not None,
-        TOKEN_SCALES=token_scales,
-        Q_BITS=q_bits,
-        SPLIT=split,
-        WRITE_LSE=lse is not None and not split,
-        QK_DT=qk_dt,
-        PV_F32=query.dtype == torch.float32,
-        PV_SPLIT=config.pv_split,
-        DEC_MODE=decode_mode,
-        F_KIND=a.fp8_kind,
-        F_MANT=a.mant_bits,
-        F_REBIAS=a.exp_rebias,
-        F_DROP=a.drop_bits,
-        F_FNUZ=a.fnuz,
-        F_HASINF=a.has_inf,
-        F_MAXMAG=a.max_mag,
-        F_BIAS=a.bias,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-        **extra,
+        q_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8), cache.k_scale, cache.v_scale,
+        block_tables, seq_lens, query_start_loc,
+        out_arg, pacc, pm, pl, lse_arg,
+        sm_mant, sm_exp, float(logits_soft_cap or 1.0), min(int(sliding_window or NO_WINDOW), NO_WINDOW), int(causal),
+        block_tables.stride(0), *k_strides, *v_strides, *ks_strides, *vs_strides,
+        T, HQ, D, group, block_q, q_blocks, config.keys_per_split,
+        page, page.bit_length() - 1, cache.key_cache.shape[0], block_tables.shape[1] * page, pr_off,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == D,
+        FULL_P_KEYS=FULL_P_KEYS, PAGE_POW2=pow2, USE_CAP=logits_soft_cap is not None, TOKEN_SCALES=token_scales,
+        Q_BITS=q_bits, SPLIT=split, WRITE_LSE=lse is not None and not split,
+        QK_DT=qk_dt, PV_F32=query.dtype == torch.float32, PV_SPLIT=config.pv_split,
+        DEC_MODE=decode_mode, F_KIND=a.fp8_kind, F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits,
+        F_FNUZ=a.fnuz, F_HASINF=a.has_inf, F_MAXMAG=a.max_mag, F_BIAS=a.bias,
+        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )
     if split:
         merge_splits(pacc, pm, pl, cache, out_arg, lse, group=group, num_splits=config.num_splits,
@@ -1324,17 +642,8 @@ def paged_attention(
 
 
 def merge_splits(
-    pacc: torch.Tensor,
-    pm: torch.Tensor,
-    pl: torch.Tensor,
-    cache: KVCache,
-    out: torch.Tensor,
-    lse: torch.Tensor | None,
-    *,
-    group: int,
-    num_splits: int,
-    token_scales: bool = False,
-    reduce_warps: int = 4,
+    pacc: torch.Tensor, pm: torch.Tensor, pl: torch.Tensor, cache: KVCache, out: torch.Tensor,
+    lse: torch.Tensor | None, *, group: int, num_splits: int, token_scales: bool = False, reduce_warps: int = 4,
 ) -> None:
     """Merge split-KV partials into ``out [T, Hq, D]`` (and ``lse [T, Hq]``), times ``v_scale``.
 
@@ -1345,22 +654,8 @@ def merge_splits(
     """
     _, T, HQ, D = pacc.shape
     _reduce_kernel[(T, HQ)](
-        pacc,
-        pm,
-        pl,
-        cache.v_scale,
-        out,
-        out if lse is None else lse,
-        T,
-        HQ,
-        D,
-        group,
-        num_splits,
-        scale_strides(cache, "value")[2],
-        num_splits * T * HQ,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
-        BLOCK_D=max(16, triton.next_power_of_2(D)),
-        TOKEN_SCALES=token_scales,
-        WRITE_LSE=lse is not None,
-        num_warps=reduce_warps,
+        pacc, pm, pl, cache.v_scale, out, out if lse is None else lse,
+        T, HQ, D, group, num_splits, scale_strides(cache, "value")[2], num_splits * T * HQ,
+        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+        TOKEN_SCALES=token_scales, WRITE_LSE=lse is not None, num_warps=reduce_warps,
     )

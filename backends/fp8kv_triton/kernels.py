@@ -35,19 +35,19 @@ online-softmax state), and the host launcher :func:`merge_splits` (the split-KV 
 """
 
 from .attention import AttnConfig, choose_config, merge_splits, paged_attention
-from .attention import _key_range as key_range
-from .attention import _lse as lse_from_state
-from .attention import _pow2 as pow2
-from .attention import _program_rows as program_rows
-from .attention import _query_span as query_span
-from .attention import _saturate as saturate
-from .attention import _saturate_out as saturate_out
-from .attention import _scale_factors as scale_factors
-from .attention import _tanh as softcap_tanh
-from .attention import _tile as tile_keys
 from .capabilities import CodecChoice, codec_for, supports
 from .codec import codec_args, decode, encode_f32_bits, encode_native
 from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
+from .tiles import _key_range as key_range
+from .tiles import _lse as lse_from_state
+from .tiles import _pow2 as pow2
+from .tiles import _program_rows as program_rows
+from .tiles import _query_span as query_span
+from .tiles import _saturate as saturate
+from .tiles import _saturate_out as saturate_out
+from .tiles import _scale_factors as scale_factors
+from .tiles import _tanh as softcap_tanh
+from .tiles import _tile as tile_keys
 from .write import cache_strides, scale_strides, write_kv, write_launch
 
 __all__ = [
