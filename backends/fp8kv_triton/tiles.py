@@ -3,9 +3,9 @@
 Both attention kernels are assembled from these pieces: the general kernel
 (``_attn_kernel``, :mod:`fp8kv_triton.attention`: chunked prefill, and decode on AMD) and the
 decode kernel (``_decode_kernel``, :mod:`fp8kv_triton.decode`); the public ones are also
-exported by :mod:`fp8kv_triton.kernels` for kernels of other backends. Neither kernel module
-imports the other: they meet here and in the launcher
-(:func:`fp8kv_triton.attention.paged_attention`).
+exported by :mod:`fp8kv_triton.kernels` for kernels of other backends. The decode kernel's module
+imports only this one; :mod:`fp8kv_triton.attention` imports both, its launcher
+(:func:`~fp8kv_triton.attention.paged_attention`) picking the kernel.
 
 Shapes below: ``M`` query rows of a program (``BLOCK_M``), ``N`` keys of a tile (``BLOCK_N``),
 ``D`` the padded head size (``BLOCK_D``). Pointers ``KC``/``VC``/``KS``/``VS`` already point at the
