@@ -69,13 +69,6 @@ def supports(device: DeviceInfo, request: Request) -> str | None:
     return None
 
 
-def _arch(device: torch.device) -> str | None:
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
 @dataclass(frozen=True)
 class HopperPlan:
     """Per-step choices: the launch configuration, the interpreter flag, for a decode step the
@@ -148,11 +141,9 @@ class HopperBackend:
 
     @hookimpl
     def fp8kv_write_kv(self, cache, key, value, slot_mapping) -> None:
-        from fp8kv_triton.kernels import codec_for, write_kv
+        from fp8kv_triton.kernels import write_kv_for_device
 
-        arch = _arch(cache.device)
-        choice = codec_for(arch, cache.fmt, interpret=triton_interpreter())
-        write_kv(cache, key, value, slot_mapping, encoder=choice.encoder, arch=arch)
+        write_kv_for_device(cache, key, value, slot_mapping)
 
     @hookimpl
     def fp8kv_plan_attention(self, metadata: AttentionMetadata) -> HopperPlan:

@@ -330,7 +330,7 @@ def load_baseline(paths: list[str]) -> dict[tuple[str, str, str, str], int]:
 def apply_spill_budget(results: list[Result], baseline: dict[tuple[str, str, str, str], int]) -> None:
     """NVIDIA: spilling more than the committed baseline (or at all, for a variant not in it) fails.
 
-    The shipping NVIDIA kernels already spill (ncu on the H100: benchmarks/results/triton_h100.md),
+    The shipping NVIDIA kernels already spill (Nsight Compute on the H100 shows local-memory traffic),
     so the gate there is "no new or larger spill"; on AMD any VGPR spill or scratch fails.
     """
     for r in results:

@@ -422,17 +422,17 @@ def choose_config(
         return _decode_config(device, gpad=gpad, wide=wide, narrow=block_d <= AMD_SMALL_TILE_HEAD_SIZE,
                               num_seqs=num_seqs, num_kv_heads=num_kv_heads, max_keys=max_keys, interpret=interpret,
                               query_dtype=query_dtype, arch=arch)
-    # prefill tiles from the H100 sweep (benchmarks/bench_triton.py run --sweep): 64 query rows,
+    # prefill tiles from a tile sweep on the H100 (benchmarks/prefill.py): 64 query rows,
     # 128 keys, 4 warps; smaller for head sizes above 128. Two stages: since the kernel addresses K
     # and V through their own strides, three stages take 147 KB of shared memory, one program per SM
     # (Nsight Compute: 6.25% occupancy), and 4 x 2048 over 2048 ran at 2944 us on the H100; two
-    # stages take 112 KB, two programs per SM, 1951 us (benchmarks/results/prefill_regression_h100.md)
+    # stages take 112 KB, two programs per SM, 1951 us
     block_m = max(gpad, 64)
     block_n = 64 if wide or query_dtype == torch.float32 else 128
     num_stages = 2
     if query_dtype == torch.float32 and not is_amd(arch):
         # float32 queries: 32 keys, one stage. On the H100 (4 x 1024 new over 1024 cached, D=128;
-        # benchmarks/results/fp32_decode/prefill_probe*): the 64 x 64 two-stage tile was built with
+        # float32 queries): the 64 x 64 two-stage tile was built with
         # 32 registers and 2302 spills and ran 142 ms (bf16 queries: 1.3 ms); every two-stage tile
         # tried and every 64-key one did the same (70-108 ms); 32 keys in one stage: 255 registers,
         # 74 spills, 10.5 ms. It also fits the A100 at D=256 (64 keys in two stages took 213 KB of
@@ -474,19 +474,19 @@ float32 split decode (32 keys) of both fnuz formats on gfx950."""
 
 DECODE_KEYS_PER_SPLIT = 2048
 """Decode: the key range is cut into pieces of about this many keys (and at least enough pieces
-that every SM holds programs). Measured on the H100 (benchmarks/results/decode_tune_h100.json,
+that every SM holds programs). Measured on the H100 (benchmarks/profiles/triton_decode_tune.py,
 B=8 L=32768): 16 pieces of 2048 keys ran at 258 us, 9 of 3641 at 302 us, 3 at 313 us."""
 
 DECODE_PROGRAMS_PER_SM = 2
 """Decode programs one H100 SM holds at once with 128-key tiles, 4 warps and two stages (106 KB
-of shared memory each: Nsight Compute, benchmarks/results/decode_ncu_h100.txt)."""
+of shared memory each: Nsight Compute, benchmarks/profiles/decode_ncu.sh)."""
 
 
 def _decode_config(device: torch.device, *, gpad: int, wide: bool, narrow: bool, num_seqs: int, num_kv_heads: int,
                    max_keys: int, interpret: bool, query_dtype: torch.dtype, arch: str | None) -> AttnConfig:
     """Launch configuration of the decode kernel (:mod:`fp8kv_triton.decode`).
 
-    Tiles from the H100 tuning (benchmarks/decode_tune.py; GQA 32/8, D=128, e4m3, bf16
+    Tiles from the H100 tuning (benchmarks/profiles/triton_decode_tune.py; GQA 32/8, D=128, e4m3, bf16
     queries): 128 keys, 4 warps, 2 stages and V decoded in registers (``v_regs``) beat every
     other combination of 32/64/128/256 keys, 2/4/8 warps and 1-4 stages at all four bench
     shapes (e.g. B=32 L=4096: 135 us; 3 stages 173-195 us, 8 warps 225 us, 64-key tiles 143 us;
@@ -494,7 +494,7 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, narrow: bool,
     and float32 queries take 32 keys: with 64, Triton 3.6 built the float32 decode kernel with 32
     registers and 896 spills and it ran 8703 us at B=32 L=4096 on the H100 (bf16 queries: 154 us);
     32 keys: 255 registers, 66 spills, 1565 us, the fastest of 32/64 keys x 4/8 warps x 1-3 stages
-    tried (benchmarks/results/fp32_decode/); GPUs with 99 KB of shared memory (:data:`SMALL_SHARED_ARCHS`) take
+    tried; GPUs with 99 KB of shared memory (:data:`SMALL_SHARED_ARCHS`) take
     32-key tiles (compiled, not run or timed on such a GPU). Splits: enough for
     ``DECODE_PROGRAMS_PER_SM`` programs on every SM, and pieces of at most
     :data:`DECODE_KEYS_PER_SPLIT` keys. AMD: the general kernel (``decode=False``: compiled for

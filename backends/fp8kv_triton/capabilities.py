@@ -47,6 +47,8 @@ import functools
 import importlib.util
 from dataclasses import dataclass
 
+import torch
+
 from fp8kv import settings
 from fp8kv.formats import Fp8Format
 from fp8kv.plugins import Request
@@ -204,3 +206,14 @@ def device_notes(device: DeviceInfo) -> list[str]:
             f"{device.arch} on a CPU (python -m fp8kv_triton.aot, ci/reports/compile/: no VGPR spill, LDS "
             "within limits) and the same integer-bit codec is bit-exact against the reference on the H100; "
             "no kernel has run on an AMD GPU (docs/rocm.md)", *describe(device)]
+
+
+def device_arch(device: torch.device) -> str | None:
+    """The architecture the kernels will actually run on (never a simulated one): ``"sm90"``,
+    ``"gfx942"``...; None off the GPU."""
+    if device.type != "cuda":
+        return None
+    if torch.version.hip:  # ROCm: torch's "cuda" device is an AMD GPU; get_device_capability() is (9, 4)
+        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm{major}{minor}"

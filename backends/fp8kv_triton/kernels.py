@@ -9,7 +9,8 @@ Host-side launchers (tensors in, work enqueued, no host sync):
 
 * :func:`write_kv` ``(cache, key, value, slot_mapping, *, encoder)``: quantize and scatter
   ``key``/``value [T, H, D]`` into a :class:`fp8kv.KVCache` (any K/V/scale strides),
-  bit-exact with :func:`fp8kv.reference.write_kv`.
+  bit-exact with :func:`fp8kv.reference.write_kv`; :func:`write_kv_for_device` ``(cache, key,
+  value, slot_mapping)`` with the encoder the cache's GPU (:func:`device_arch`) and format use.
 * :func:`paged_attention` ``(query, cache, block_tables, seq_lens, query_start_loc,
   max_query_len, softmax_scale, causal, sliding_window, logits_soft_cap, out, *, lse,
   decode_mode, interpret, config)``: decode and chunked prefill with split-KV;
@@ -35,7 +36,7 @@ online-softmax state), and the host launcher :func:`merge_splits` (the split-KV 
 """
 
 from .attention import AttnConfig, choose_config, merge_splits, paged_attention
-from .capabilities import CodecChoice, codec_for, supports
+from .capabilities import CodecChoice, codec_for, device_arch, supports
 from .codec import codec_args, decode, encode_f32_bits, encode_native
 from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
 from .tiles import _key_range as key_range
@@ -48,12 +49,12 @@ from .tiles import _saturate_out as saturate_out
 from .tiles import _scale_factors as scale_factors
 from .tiles import _tanh as softcap_tanh
 from .tiles import _tile as tile_keys
-from .write import cache_strides, scale_strides, write_kv, write_launch
+from .write import cache_strides, scale_strides, write_kv, write_kv_for_device, write_launch
 
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "AttnConfig", "CodecChoice",
-    "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "encode_f32_bits", "encode_native",
-    "key_range", "lse_from_state", "merge_splits", "paged_attention", "pow2", "program_rows", "query_span", "saturate",
-    "saturate_out", "scale_factors", "scale_strides", "softcap_tanh", "supports", "tile_keys", "write_kv",
-    "write_launch",
+    "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "device_arch", "encode_f32_bits",
+    "encode_native", "key_range", "lse_from_state", "merge_splits", "paged_attention", "pow2", "program_rows",
+    "query_span", "saturate", "saturate_out", "scale_factors", "scale_strides", "softcap_tanh", "supports",
+    "tile_keys", "write_kv", "write_kv_for_device", "write_launch",
 ]

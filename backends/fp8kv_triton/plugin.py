@@ -11,14 +11,12 @@ import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from fp8kv.formats import FORMATS
 from fp8kv.plugins import BackendInfo, Request, hookimpl
 from fp8kv.probe import DeviceInfo, triton_interpreter
 
 from . import __version__
-from .capabilities import codec_for, supports
+from .capabilities import codec_for, device_arch, supports
 
 if TYPE_CHECKING:
     from fp8kv.metadata import AttentionMetadata
@@ -27,16 +25,6 @@ if TYPE_CHECKING:
 
 
 @functools.cache
-def _real_arch(device: torch.device) -> str | None:
-    """The architecture the kernels will actually run on (never a simulated one)."""
-    if device.type != "cuda":
-        return None
-    if torch.version.hip:  # ROCm: torch's "cuda" device is an AMD GPU; get_device_capability() is (9, 4)
-        return torch.cuda.get_device_properties(device).gcnArchName.split(":")[0]
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm{major}{minor}"
-
-
 @dataclass(frozen=True)
 class TritonPlan:
     """The per-step choices of the Triton attention: decoder, interpreter, launch configuration."""
@@ -71,11 +59,9 @@ class TritonBackend:
 
     @hookimpl
     def fp8kv_write_kv(self, cache, key, value, slot_mapping) -> None:
-        from .write import write_kv
+        from .write import write_kv_for_device
 
-        arch = _real_arch(cache.device)
-        choice = codec_for(arch, cache.fmt, interpret=triton_interpreter())
-        write_kv(cache, key, value, slot_mapping, encoder=choice.encoder, arch=arch)
+        write_kv_for_device(cache, key, value, slot_mapping)
 
     @hookimpl
     def fp8kv_plan_attention(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -83,7 +69,7 @@ class TritonBackend:
 
         spec = metadata.spec
         interpret = triton_interpreter()
-        arch = _real_arch(spec.device)
+        arch = device_arch(spec.device)
         choice = codec_for(arch, FORMATS[spec.kv_dtype], interpret=interpret)
         config = choose_config(
             spec.device, group=metadata.num_q_heads // spec.num_kv_heads, head_size=spec.head_size,

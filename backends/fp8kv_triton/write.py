@@ -271,7 +271,7 @@ def write_launch(head_size: int, arch: str | None = None, token_scales: bool = F
 
     NVIDIA: 2 warps over at most 8 rows and 1024 elements per program (16 rows of float32 at head
     size 64 spill 8 bytes on sm86-sm90, 8 do not). Measured on the H100
-    (benchmarks/results/write_tune_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3): per-tensor
+    (benchmarks/results/write_h100.json, 16k tokens x 8 x 128, bf16 in, e4m3): per-tensor
     8 rows x 2 warps 36.6 us (91.5% of copy) against 37.0 for 16 x 4 and 38.7 for 16 x 2;
     token_head 8 x 2 41.0 us (82.5%) against 41.9 for 16 x 4 and 43.0 for 16 x 2.
 
@@ -333,3 +333,15 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
         F_MAXSHIFT=a.max_shift, F_NANBYTE=a.nan_byte, F_FNUZ=a.fnuz, F_KIND=a.fp8_kind, F_MAX=a.fmt_max,
         num_warps=num_warps,
     )
+
+
+def write_kv_for_device(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """:func:`write_kv` with the encoder the cache's device and format use
+    (:func:`~fp8kv_triton.capabilities.codec_for` of the GPU the kernel runs on, or the interpreter's)."""
+    from fp8kv.probe import triton_interpreter
+
+    from .capabilities import codec_for, device_arch
+
+    arch = device_arch(cache.device)
+    choice = codec_for(arch, cache.fmt, interpret=triton_interpreter())
+    write_kv(cache, key, value, slot_mapping, encoder=choice.encoder, arch=arch)
