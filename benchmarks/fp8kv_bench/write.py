@@ -94,10 +94,10 @@ def bench_granularity(args, device, bw: float, gran: str) -> list[dict]:
     launches = list(itertools.product(_ints(args.rows), _ints(args.warps)))
     if launches:
         from fp8kv_triton.capabilities import codec_for
-        from fp8kv_triton.plugin import _real_arch
+        from fp8kv_triton.kernels import device_arch
         from fp8kv_triton.write import write_kv
 
-        arch = _real_arch(device)
+        arch = device_arch(device)
         enc = codec_for(arch, cache.fmt, interpret=False).encoder
     for block_rows, warps in launches:
         for t in (cache.key_cache, cache.value_cache):
