@@ -107,8 +107,8 @@ def test_native_cast_is_bit_exact_on_sm90(fmt):
 
 def test_codec_policy_on_this_gpu():
     from fp8kv_triton.capabilities import NATIVE_PROVEN_ARCHES, codec_for
-    from fp8kv_triton.modes import ENC_INTEGER, ENC_NATIVE
     from fp8kv_triton.kernels import device_arch
+    from fp8kv_triton.modes import ENC_INTEGER, ENC_NATIVE
 
     arch = device_arch(torch.device("cuda"))
     for fmt in ALL:
