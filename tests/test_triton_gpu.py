@@ -25,7 +25,7 @@ import zlib
 
 import pytest
 import torch
-from write_checks import FAST_SCALES, SLOW_SCALES, assert_same_bytes, cache_to, stress_case
+from write_checks import FAST_SCALES, SLOW_SCALES, assert_same_bytes, cache_to, extreme_write_inputs, stress_case
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -159,30 +159,6 @@ def test_triton_native_e5m2_to_bf16_is_exact():
 # ------------------------------------------------------------------------------------ write
 
 
-def _write_inputs(T: int, H: int, D: int, dtype, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    mag = torch.logspace(-40, 38, T * H, dtype=torch.float64).clamp(max=3e38)
-    mag = mag[torch.randperm(T * H, generator=g)]
-    key = (torch.randn(T, H, D, generator=g, dtype=torch.float64) * mag.view(T, H, 1)).float()
-    value = torch.randn(T, H, D, generator=g) * 37.0
-    # specials, zero rows, subnormal-only rows (float32 and bf16 subnormals)
-    key[0, 0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
-    key[1, :, :] = 0.0
-    key[2, 0, :] = -0.0
-    key[3, 0, :] = torch.randn(D, generator=g) * 1e-39
-    value[4, :, 0] = math.nan
-    value[5, 0, :] = torch.randn(D, generator=g) * 3e-41
-    key, value = key.to(dtype), value.to(dtype)
-    # negative NaNs (a GPU division would make them positive; the reference keeps the sign)
-    neg_nan = {torch.float32: -0x400000, torch.float16: -0x200, torch.bfloat16: -0x40}[dtype]
-    bits = key.view(torch.int32 if dtype == torch.float32 else torch.int16)
-    bits[0, 1, 5] = neg_nan
-    value.view(bits.dtype)[6, 0, 7] = neg_nan
-    slots = torch.randperm(T * 2, generator=g)[:T]
-    slots[torch.randperm(T, generator=g)[:3]] = -1
-    return key, value, slots
-
-
 @pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
 @pytest.mark.parametrize("gran", ["tensor", "head", "token_head"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
@@ -190,7 +166,7 @@ def _write_inputs(T: int, H: int, D: int, dtype, seed: int):
 def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype):
     T, H, D, bs = 512, 4, 128, 16
     seed = zlib.crc32(f"{fmt.name}{gran}{layout}{dtype}".encode())
-    key, value, slots = _write_inputs(T, H, D, dtype, seed=seed)
+    key, value, slots = extreme_write_inputs(T, H, D, dtype, seed=seed)
     kw = {}
     if gran == "tensor":
         kw = dict(k_scale=0.0123, v_scale=3.7)
@@ -230,7 +206,7 @@ def test_integer_and_native_writes_agree(fmt):
 
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("native fp8 casts need sm89+")
-    key, value, slots = _write_inputs(1024, 8, 128, torch.bfloat16, seed=11)
+    key, value, slots = extreme_write_inputs(1024, 8, 128, torch.bfloat16, seed=11)
     caches = []
     for enc in (ENC_INTEGER, ENC_NATIVE):
         c = fp8kv.KVCache.allocate(128, 16, 8, 128, kv_dtype=fmt.name, scale_granularity="token_head",

@@ -100,3 +100,29 @@ def codec_inputs(fmt) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     rnd = torch.randint(-(2**31), 2**31 - 1, (1 << 22,), generator=g, dtype=torch.int64).to(torch.int32)
     return torch.cat([halves, x, -x, rnd.view(torch.float32)])
+
+
+def extreme_write_inputs(T: int, H: int, D: int, dtype, seed: int):
+    """Key/value ``[T, H, D]`` of ``dtype`` over magnitudes 1e-40..3e38 with specials, and ``T``
+    distinct slots among ``2T`` with three padding slots: the GPU write tests' inputs."""
+    g = torch.Generator().manual_seed(seed)
+    mag = torch.logspace(-40, 38, T * H, dtype=torch.float64).clamp(max=3e38)
+    mag = mag[torch.randperm(T * H, generator=g)]
+    key = (torch.randn(T, H, D, generator=g, dtype=torch.float64) * mag.view(T, H, 1)).float()
+    value = torch.randn(T, H, D, generator=g) * 37.0
+    # specials, zero rows, subnormal-only rows (float32 and bf16 subnormals)
+    key[0, 0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    key[1, :, :] = 0.0
+    key[2, 0, :] = -0.0
+    key[3, 0, :] = torch.randn(D, generator=g) * 1e-39
+    value[4, :, 0] = math.nan
+    value[5, 0, :] = torch.randn(D, generator=g) * 3e-41
+    key, value = key.to(dtype), value.to(dtype)
+    # negative NaNs (a GPU division would make them positive; the reference keeps the sign)
+    neg_nan = {torch.float32: -0x400000, torch.float16: -0x200, torch.bfloat16: -0x40}[dtype]
+    bits = key.view(torch.int32 if dtype == torch.float32 else torch.int16)
+    bits[0, 1, 5] = neg_nan
+    value.view(bits.dtype)[6, 0, 7] = neg_nan
+    slots = torch.randperm(T * 2, generator=g)[:T]
+    slots[torch.randperm(T, generator=g)[:3]] = -1
+    return key, value, slots
