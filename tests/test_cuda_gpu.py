@@ -29,7 +29,7 @@ import zlib
 
 import pytest
 import torch
-from write_checks import assert_same_bytes, cache_to, codec_inputs, extreme_write_inputs
+from write_checks import assert_same_bytes, cache_to, codec_inputs, extreme_write_inputs, shuffled_block_tables
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -189,15 +189,7 @@ def test_write_through_strided_views_with_int32_slots(gran):
 def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str, seed: int):
     """A cache with B sequences of lengths L (int or list), written through the reference on the GPU."""
     g = torch.Generator().manual_seed(seed)
-    lens = [L] * B if isinstance(L, int) else list(L)
-    need = [-(-n // bs) for n in lens]
-    nblocks = sum(need) + 3
-    perm = torch.randperm(nblocks, generator=g)
-    tables = torch.zeros(B, max(need), dtype=torch.int32)
-    at = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = perm[at:at + k]
-        at += k
+    lens, tables, nblocks = shuffled_block_tables(B, L, bs, g)
     kw = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
     if gran == "head":
         kw = dict(k_scale=torch.linspace(0.01, 0.03, H), v_scale=torch.linspace(0.05, 0.02, H))

@@ -25,7 +25,15 @@ import zlib
 
 import pytest
 import torch
-from write_checks import FAST_SCALES, SLOW_SCALES, assert_same_bytes, cache_to, extreme_write_inputs, stress_case
+from write_checks import (
+    FAST_SCALES,
+    SLOW_SCALES,
+    assert_same_bytes,
+    cache_to,
+    extreme_write_inputs,
+    shuffled_block_tables,
+    stress_case,
+)
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -83,24 +91,14 @@ def _mismatch(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> str:
             f"got 0x{int(got[i]):02x}, expected 0x{int(want[i]):02x}")
 
 
-@pytest.mark.parametrize("fmt", ALL, ids=[f.name for f in ALL])
-def test_integer_encoder_is_bit_exact_on_the_gpu(fmt):
-    from fp8kv_triton.codec import ENC_INTEGER, encode_tensor
+@pytest.mark.parametrize("encoder,fmt", [("integer", f) for f in ALL] + [
+    pytest.param("native", f, marks=needs_sm90) for f in OCP],  # native: the proof behind NATIVE_PROVEN_ARCHES
+    ids=[f"integer-{f.name}" for f in ALL] + [f"native_sm90-{f.name}" for f in OCP])
+def test_encoder_is_bit_exact_on_the_gpu(encoder, fmt):
+    from fp8kv_triton.codec import ENC_INTEGER, ENC_NATIVE, encode_tensor
 
     x = codec_inputs(fmt)
-    got = encode_tensor(x.cuda(), fmt, ENC_INTEGER).cpu()
-    want = expected_bytes(x, fmt)
-    assert torch.equal(got, want), _mismatch(got, want, x)
-
-
-@needs_sm90
-@pytest.mark.parametrize("fmt", OCP, ids=[f.name for f in OCP])
-def test_native_cast_is_bit_exact_on_sm90(fmt):
-    """The proof behind NATIVE_PROVEN_ARCHES = {'sm90'}."""
-    from fp8kv_triton.codec import ENC_NATIVE, encode_tensor
-
-    x = codec_inputs(fmt)
-    got = encode_tensor(x.cuda(), fmt, ENC_NATIVE).cpu()
+    got = encode_tensor(x.cuda(), fmt, ENC_INTEGER if encoder == "integer" else ENC_NATIVE).cpu()
     want = expected_bytes(x, fmt)
     assert torch.equal(got, want), _mismatch(got, want, x)
 
@@ -222,15 +220,7 @@ def test_integer_and_native_writes_agree(fmt):
 def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str, seed: int):
     """A cache with B sequences of lengths L (int or list), written through the triton backend."""
     g = torch.Generator().manual_seed(seed)
-    lens = [L] * B if isinstance(L, int) else list(L)
-    need = [-(-n // bs) for n in lens]
-    nblocks = sum(need) + 3
-    perm = torch.randperm(nblocks, generator=g)
-    tables = torch.zeros(B, max(need), dtype=torch.int32)
-    at = 0
-    for i, k in enumerate(need):
-        tables[i, :k] = perm[at:at + k]
-        at += k
+    lens, tables, nblocks = shuffled_block_tables(B, L, bs, g)
     kw = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
     cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran,
                                    device="cuda", **kw)

@@ -126,3 +126,18 @@ def extreme_write_inputs(T: int, H: int, D: int, dtype, seed: int):
     slots = torch.randperm(T * 2, generator=g)[:T]
     slots[torch.randperm(T, generator=g)[:3]] = -1
     return key, value, slots
+
+
+def shuffled_block_tables(B: int, L, bs: int, g: torch.Generator) -> tuple[list[int], torch.Tensor, int]:
+    """``(lens, block_tables [B, max_blocks] int32, num_blocks)`` for ``B`` sequences of lengths ``L``
+    (an int or a list) over a random permutation of ``num_blocks`` blocks (3 to spare)."""
+    lens = [L] * B if isinstance(L, int) else list(L)
+    need = [-(-n // bs) for n in lens]
+    nblocks = sum(need) + 3
+    perm = torch.randperm(nblocks, generator=g)
+    tables = torch.zeros(B, max(need), dtype=torch.int32)
+    at = 0
+    for i, k in enumerate(need):
+        tables[i, :k] = perm[at:at + k]
+        at += k
+    return lens, tables, nblocks
