@@ -29,7 +29,14 @@ import zlib
 
 import pytest
 import torch
-from write_checks import assert_same_bytes, cache_to, codec_inputs, extreme_write_inputs, shuffled_block_tables
+from write_checks import (
+    assert_per_layer_calls_never_sync,
+    assert_same_bytes,
+    cache_to,
+    codec_inputs,
+    extreme_write_inputs,
+    shuffled_block_tables,
+)
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -513,16 +520,7 @@ def test_per_layer_calls_never_sync_the_host():
                                 slot_mapping=slots, backend="cuda")
     key = torch.randn(4, H, D, device="cuda").bfloat16()
     query = torch.randn(4, Hq, D, device="cuda").bfloat16()
-    fp8kv.write_kv(cache, key, key, meta)
-    fp8kv.paged_attention(query, cache, meta, return_lse=True)  # compile first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            fp8kv.write_kv(cache, key, key, meta)
-            fp8kv.paged_attention(query, cache, meta, return_lse=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_per_layer_calls_never_sync(cache, meta, key, query)
 
 
 def test_auto_picks_cuda_where_triton_cannot_or_is_slower():

@@ -28,6 +28,7 @@ import torch
 from write_checks import (
     FAST_SCALES,
     SLOW_SCALES,
+    assert_per_layer_calls_never_sync,
     assert_same_bytes,
     cache_to,
     extreme_write_inputs,
@@ -394,15 +395,7 @@ def test_per_layer_calls_never_sync_the_host():
                                 query_start_loc=qsl, slot_mapping=slots, backend="triton")
     key = torch.randn(12, H, D, device="cuda").bfloat16()
     query = torch.randn(12, Hq, D, device="cuda").bfloat16()
-    fp8kv.paged_attention(query, cache, meta)  # compile the kernels first
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(3):
-            fp8kv.write_kv(cache, key, key, meta)
-            fp8kv.paged_attention(query, cache, meta, return_lse=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    assert_per_layer_calls_never_sync(cache, meta, key, query)
     # planning with validation off and the maxima given is sync-free too
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -141,3 +141,18 @@ def shuffled_block_tables(B: int, L, bs: int, g: torch.Generator) -> tuple[list[
         tables[i, :k] = perm[at:at + k]
         at += k
     return lens, tables, nblocks
+
+
+def assert_per_layer_calls_never_sync(cache, meta, key, query) -> None:
+    """``write_kv`` then ``paged_attention`` (with its lse) of a planned step, three layers' worth, under
+    CUDA's sync-debug mode ``error`` (each kernel run once before, so that its compilation is not counted)."""
+    fp8kv.write_kv(cache, key, key, meta)
+    fp8kv.paged_attention(query, cache, meta, return_lse=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            fp8kv.write_kv(cache, key, key, meta)
+            fp8kv.paged_attention(query, cache, meta, return_lse=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
