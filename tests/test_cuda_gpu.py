@@ -35,6 +35,7 @@ from write_checks import (
     cache_to,
     codec_inputs,
     extreme_write_inputs,
+    planned_gpu_step,
     shuffled_block_tables,
 )
 
@@ -511,15 +512,7 @@ def test_cuda_graph_capture_matches_eager(gran, new):
 
 
 def test_per_layer_calls_never_sync_the_host():
-    H, Hq, D, bs = 8, 32, 128, 16
-    cache = fp8kv.KVCache.allocate(32, bs, H, D, scale_granularity="token_head", device="cuda")
-    tables = torch.arange(32, dtype=torch.int32, device="cuda").view(4, 8)
-    lens = torch.tensor([100, 7, 128, 64], dtype=torch.int32, device="cuda")
-    slots = torch.tensor([99, 6, 127, 63], device="cuda")
-    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables, seq_lens=lens,
-                                slot_mapping=slots, backend="cuda")
-    key = torch.randn(4, H, D, device="cuda").bfloat16()
-    query = torch.randn(4, Hq, D, device="cuda").bfloat16()
+    cache, meta, key, query, _ = planned_gpu_step("cuda", prefill=False)
     assert_per_layer_calls_never_sync(cache, meta, key, query)
 
 

@@ -32,6 +32,7 @@ from write_checks import (
     assert_same_bytes,
     cache_to,
     extreme_write_inputs,
+    planned_gpu_step,
     shuffled_block_tables,
     stress_case,
 )
@@ -385,22 +386,12 @@ def test_graph_of_a_planned_step_replays_after_an_in_place_refill():
 
 def test_per_layer_calls_never_sync_the_host():
     """plan once (one sync), then write_kv / paged_attention per layer under sync-debug 'error'."""
-    H, Hq, D, bs = 8, 32, 128, 16
-    cache = fp8kv.KVCache.allocate(32, bs, H, D, scale_granularity="token_head", device="cuda")
-    tables = torch.arange(32, dtype=torch.int32, device="cuda").view(4, 8)
-    lens = torch.tensor([100, 7, 128, 64], dtype=torch.int32, device="cuda")
-    qsl = torch.tensor([0, 3, 4, 10, 12], dtype=torch.int32, device="cuda")
-    slots = torch.arange(12, device="cuda")
-    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables, seq_lens=lens,
-                                query_start_loc=qsl, slot_mapping=slots, backend="triton")
-    key = torch.randn(12, H, D, device="cuda").bfloat16()
-    query = torch.randn(12, Hq, D, device="cuda").bfloat16()
+    cache, meta, key, query, step = planned_gpu_step("triton", prefill=True)
     assert_per_layer_calls_never_sync(cache, meta, key, query)
     # planning with validation off and the maxima given is sync-free too
     torch.cuda.set_sync_debug_mode("error")
     try:
-        fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, block_tables=tables,
-                             seq_lens=lens, query_start_loc=qsl, num_tokens=12, max_query_len=6, validate=False,
-                             backend="triton")
+        fp8kv.plan_attention(cache, num_q_heads=32, query_dtype=torch.bfloat16, num_tokens=12, max_query_len=6,
+                             validate=False, backend="triton", **step)
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -143,6 +143,27 @@ def shuffled_block_tables(B: int, L, bs: int, g: torch.Generator) -> tuple[list[
     return lens, tables, nblocks
 
 
+def planned_gpu_step(backend: str, prefill: bool):
+    """``(cache, meta, key, query, step)`` of a small planned bf16 step on the GPU: 4 sequences over a
+    token-head-scaled cache, one query each (decode) or 12 queries in all (prefill); ``step`` holds the
+    page table and lengths it was planned from."""
+    H, Hq, D, bs = 8, 32, 128, 16
+    cache = fp8kv.KVCache.allocate(32, bs, H, D, scale_granularity="token_head", device="cuda")
+    step = dict(block_tables=torch.arange(32, dtype=torch.int32, device="cuda").view(4, 8),
+                seq_lens=torch.tensor([100, 7, 128, 64], dtype=torch.int32, device="cuda"))
+    if prefill:
+        step["query_start_loc"] = torch.tensor([0, 3, 4, 10, 12], dtype=torch.int32, device="cuda")
+        slots = torch.arange(12, device="cuda")
+    else:
+        slots = torch.tensor([99, 6, 127, 63], device="cuda")
+    meta = fp8kv.plan_attention(cache, num_q_heads=Hq, query_dtype=torch.bfloat16, slot_mapping=slots,
+                                backend=backend, **step)
+    T = slots.shape[0]
+    key = torch.randn(T, H, D, device="cuda").bfloat16()
+    query = torch.randn(T, Hq, D, device="cuda").bfloat16()
+    return cache, meta, key, query, step
+
+
 def assert_per_layer_calls_never_sync(cache, meta, key, query) -> None:
     """``write_kv`` then ``paged_attention`` (with its lse) of a planned step, three layers' worth, under
     CUDA's sync-debug mode ``error`` (each kernel run once before, so that its compilation is not counted)."""
