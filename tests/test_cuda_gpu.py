@@ -35,6 +35,7 @@ from write_checks import (
     cache_to,
     codec_inputs,
     extreme_write_inputs,
+    gpu_queries,
     planned_gpu_step,
     shuffled_block_tables,
 )
@@ -231,11 +232,7 @@ CASES = {
 def test_attention_at_real_sizes(case):
     B, L, Hq, H, D, q_len, dtype, fmt, gran, layout, window, cap = case
     cache, tables, lens = _paged(B, L, H, D, 16, fmt, gran, layout, seed=5)
-    q_lens = [min(q_len, int(n)) for n in lens.tolist()]
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    T = int(qsl[-1])
-    query = torch.randn(T, Hq, D, device="cuda").to(dtype)
-    out = torch.full_like(query, math.nan)
+    qsl, query, out = gpu_queries(lens, q_len, Hq, D, dtype)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
     _, lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="cuda",
                                    return_lse=True, **kw)

@@ -32,6 +32,7 @@ from write_checks import (
     assert_same_bytes,
     cache_to,
     extreme_write_inputs,
+    gpu_queries,
     planned_gpu_step,
     shuffled_block_tables,
     stress_case,
@@ -248,11 +249,7 @@ def test_attention_at_real_sizes(case):
     B, L, Hq, H, q_len, dtype, fmt, gran, layout, window, cap = case
     D = 128
     cache, tables, lens = _paged(B, L, H, D, 16, fmt, gran, layout, seed=5)
-    q_lens = [min(q_len, int(n)) for n in lens.tolist()]
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    T = int(qsl[-1])
-    query = torch.randn(T, Hq, D, device="cuda").to(dtype)
-    out = torch.full_like(query, math.nan)
+    qsl, query, out = gpu_queries(lens, q_len, Hq, D, dtype)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
     fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="triton", **kw)
     ref = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, backend="reference", **kw)

@@ -177,3 +177,12 @@ def assert_per_layer_calls_never_sync(cache, meta, key, query) -> None:
             fp8kv.paged_attention(query, cache, meta, return_lse=True)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def gpu_queries(lens: torch.Tensor, q_len: int, Hq: int, D: int, dtype):
+    """``(query_start_loc [S + 1] int32, query [T, Hq, D], out)`` on the GPU: each sequence's last
+    ``min(q_len, len)`` tokens are queries (random, of ``dtype``); ``out`` is filled with NaN."""
+    q_lens = [min(q_len, int(n)) for n in lens.tolist()]
+    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    query = torch.randn(int(qsl[-1]), Hq, D, device="cuda").to(dtype)
+    return qsl, query, torch.full_like(query, math.nan)
