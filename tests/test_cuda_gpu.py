@@ -37,6 +37,7 @@ from write_checks import (
     extreme_write_inputs,
     gpu_queries,
     planned_gpu_step,
+    poisoned_cache,
     shuffled_block_tables,
 )
 
@@ -147,15 +148,7 @@ def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype, D):
     T, H, bs = 512, 4, 16
     seed = zlib.crc32(f"{fmt.name}{gran}{layout}{dtype}{D}".encode())
     key, value, slots = extreme_write_inputs(T, H, D, dtype, seed=seed)
-    kw = {}
-    if gran == "tensor":
-        kw = dict(k_scale=0.0123, v_scale=3.7)
-    elif gran == "head":
-        kw = dict(k_scale=torch.tensor([1e-3, 0.37, 1.0, 5e4]), v_scale=torch.tensor([0.1, 2.0**-20, 7.0, 1.5]))
-    ref = fp8kv.KVCache.allocate(2 * T // bs, bs, H, D, kv_dtype=fmt.name, layout=layout, scale_granularity=gran,
-                                 **kw)
-    ref.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
-    ref.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
+    ref = poisoned_cache(T, H, D, bs, fmt.name, gran, layout)
     gpu = cache_to(ref.clone(), "cuda")
     fp8kv.write_kv_one_shot(ref, key, value, slots, backend="reference")
     fp8kv.write_kv_one_shot(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")

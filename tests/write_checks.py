@@ -186,3 +186,17 @@ def gpu_queries(lens: torch.Tensor, q_len: int, Hq: int, D: int, dtype):
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     query = torch.randn(int(qsl[-1]), Hq, D, device="cuda").to(dtype)
     return qsl, query, torch.full_like(query, math.nan)
+
+
+def poisoned_cache(T: int, H: int, D: int, bs: int, fmt: str, gran: str, layout: str) -> fp8kv.KVCache:
+    """A CPU cache of room for ``2T`` tokens whose bytes are random (so a write that touches the
+    wrong place shows), with fixed extreme static scales for ``tensor``/``head`` granularity."""
+    kw = {}
+    if gran == "tensor":
+        kw = dict(k_scale=0.0123, v_scale=3.7)
+    elif gran == "head":
+        kw = dict(k_scale=torch.tensor([1e-3, 0.37, 1.0, 5e4]), v_scale=torch.tensor([0.1, 2.0**-20, 7.0, 1.5]))
+    cache = fp8kv.KVCache.allocate(2 * T // bs, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran, **kw)
+    cache.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
+    cache.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
+    return cache
