@@ -36,9 +36,9 @@ from write_checks import (
     codec_inputs,
     extreme_write_inputs,
     gpu_queries,
+    paged_gpu_cache,
     planned_gpu_step,
     poisoned_cache,
-    shuffled_block_tables,
 )
 
 import fp8kv
@@ -189,20 +189,8 @@ def test_write_through_strided_views_with_int32_slots(gran):
 
 
 def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str, seed: int):
-    """A cache with B sequences of lengths L (int or list), written through the reference on the GPU."""
-    g = torch.Generator().manual_seed(seed)
-    lens, tables, nblocks = shuffled_block_tables(B, L, bs, g)
-    kw = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
-    if gran == "head":
-        kw = dict(k_scale=torch.linspace(0.01, 0.03, H), v_scale=torch.linspace(0.05, 0.02, H))
-    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran,
-                                   device="cuda", **kw)
-    slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
-                       for i, n in enumerate(lens)])
-    key = torch.randn(len(slots), H, D, generator=g) * 3
-    value = torch.randn(len(slots), H, D, generator=g)
-    fp8kv.write_kv_one_shot(cache, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
-    return cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    """A cache with B sequences of lengths L (int or list), written through the cuda backend."""
+    return paged_gpu_cache(B, L, H, D, bs, fmt, gran, layout, seed, backend="cuda", spread_head_scales=True)
 
 
 CASES = {

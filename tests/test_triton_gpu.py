@@ -33,9 +33,9 @@ from write_checks import (
     cache_to,
     extreme_write_inputs,
     gpu_queries,
+    paged_gpu_cache,
     planned_gpu_step,
     poisoned_cache,
-    shuffled_block_tables,
     stress_case,
 )
 
@@ -214,17 +214,8 @@ def test_integer_and_native_writes_agree(fmt):
 
 def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str, seed: int):
     """A cache with B sequences of lengths L (int or list), written through the triton backend."""
-    g = torch.Generator().manual_seed(seed)
-    lens, tables, nblocks = shuffled_block_tables(B, L, bs, g)
-    kw = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
-    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran,
-                                   device="cuda", **kw)
-    slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
-                       for i, n in enumerate(lens)])
-    key = torch.randn(len(slots), H, D, generator=g) * 3
-    value = torch.randn(len(slots), H, D, generator=g)
-    fp8kv.write_kv_one_shot(cache, key.cuda().bfloat16(), value.cuda().bfloat16(), slots.cuda(), backend="triton")
-    return cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+    return paged_gpu_cache(B, L, H, D, bs, fmt, gran, layout, seed, backend="triton",
+                           io_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("case", [

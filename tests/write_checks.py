@@ -200,3 +200,23 @@ def poisoned_cache(T: int, H: int, D: int, bs: int, fmt: str, gran: str, layout:
     cache.key_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(3))
     cache.value_cache.view(torch.uint8).random_(generator=torch.Generator().manual_seed(4))
     return cache
+
+
+def paged_gpu_cache(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str, seed: int, *,
+                    backend: str, io_dtype=torch.float32, spread_head_scales: bool = False):
+    """``(cache, block_tables, seq_lens)`` on the GPU: ``B`` sequences of lengths ``L`` (an int or a list)
+    over shuffled blocks, written through ``backend`` from ``io_dtype`` K/V; static scales 0.02 / 0.03
+    (``spread_head_scales``: a different scale per KV head for ``head`` granularity)."""
+    g = torch.Generator().manual_seed(seed)
+    lens, tables, nblocks = shuffled_block_tables(B, L, bs, g)
+    kw = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
+    if gran == "head" and spread_head_scales:
+        kw = dict(k_scale=torch.linspace(0.01, 0.03, H), v_scale=torch.linspace(0.05, 0.02, H))
+    cache = fp8kv.KVCache.allocate(nblocks, bs, H, D, kv_dtype=fmt, layout=layout, scale_granularity=gran,
+                                   device="cuda", **kw)
+    slots = torch.cat([tables[i, torch.arange(n) // bs].long() * bs + torch.arange(n) % bs
+                       for i, n in enumerate(lens)])
+    key = torch.randn(len(slots), H, D, generator=g) * 3
+    value = torch.randn(len(slots), H, D, generator=g)
+    fp8kv.write_kv_one_shot(cache, key.cuda().to(io_dtype), value.cuda().to(io_dtype), slots.cuda(), backend=backend)
+    return cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
