@@ -33,6 +33,7 @@ from write_checks import (
     cache_to,
     extreme_write_inputs,
     gpu_queries,
+    grown_step,
     paged_gpu_cache,
     planned_gpu_step,
     poisoned_cache,
@@ -267,24 +268,7 @@ def test_cuda_graph_capture_matches_eager(gran, monkeypatch):
     g = torch.Generator(device="cuda").manual_seed(1)
     # new tokens of a chunked-prefill step: 8 per sequence, written then attended
     new = 8
-    lens2 = lens + new
-    need = int(-(-int(lens2.max()) // bs))
-    extra = torch.arange(cache.num_blocks, cache.num_blocks + 4 * need, dtype=torch.int32, device="cuda")
-    static = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
-    big = fp8kv.KVCache.allocate(cache.num_blocks + 4 * need, bs, H, D, kv_dtype="fp8_e4m3",
-                                 scale_granularity=gran, device="cuda", **static)
-    for name in ("key_cache", "value_cache"):
-        getattr(big, name)[:cache.num_blocks].copy_(getattr(cache, name))
-    if gran == "token_head":
-        big.k_scale[:cache.num_blocks].copy_(cache.k_scale)
-        big.v_scale[:cache.num_blocks].copy_(cache.v_scale)
-    tables2 = torch.cat([tables, extra.view(4, need)], dim=1)
-    pos = (lens[:, None] + torch.arange(new, device="cuda")[None, :])  # [4, new]
-    slots = (tables2.gather(1, (pos // bs).long()).long() * bs + pos % bs).flatten()
-    key = torch.randn(4 * new, H, D, device="cuda", generator=g).bfloat16()
-    value = torch.randn(4 * new, H, D, device="cuda", generator=g).bfloat16()
-    query = torch.randn(4 * new, Hq, D, device="cuda", generator=g).bfloat16()
-    qsl = torch.arange(0, 4 * new + 1, new, dtype=torch.int32, device="cuda")
+    big, tables2, lens2, slots, key, value, query, qsl = grown_step(cache, tables, lens, new, Hq, gran, g)
 
     def step(c, out):
         fp8kv.write_kv_one_shot(c, key, value, slots, backend="triton")

@@ -220,3 +220,31 @@ def paged_gpu_cache(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, lay
     value = torch.randn(len(slots), H, D, generator=g)
     fp8kv.write_kv_one_shot(cache, key.cuda().to(io_dtype), value.cuda().to(io_dtype), slots.cuda(), backend=backend)
     return cache, tables.cuda(), torch.tensor(lens, dtype=torch.int32, device="cuda")
+
+
+def grown_step(cache: fp8kv.KVCache, tables: torch.Tensor, lens: torch.Tensor, new: int, Hq: int, gran: str,
+               g: torch.Generator):
+    """A step that appends ``new`` tokens to each of 4 sequences of ``cache`` (GPU): a copy of the cache
+    with room for them, and the step's tensors. Returns ``(big, tables2, lens2, slots, key, value, query,
+    qsl)``: the larger cache, its ``[4, blocks]`` table and lengths, the new tokens' slots, their bf16
+    K/V ``[4 * new, H, D]`` and queries ``[4 * new, Hq, D]``, and ``query_start_loc``."""
+    H, D, bs = cache.num_kv_heads, cache.head_size, cache.block_size
+    lens2 = lens + new
+    need = int(-(-int(lens2.max()) // bs))
+    extra = torch.arange(cache.num_blocks, cache.num_blocks + 4 * need, dtype=torch.int32, device="cuda")
+    static = {} if gran == "token_head" else dict(k_scale=0.02, v_scale=0.03)
+    big = fp8kv.KVCache.allocate(cache.num_blocks + 4 * need, bs, H, D, kv_dtype="fp8_e4m3", scale_granularity=gran,
+                                 device="cuda", **static)
+    for name in ("key_cache", "value_cache"):
+        getattr(big, name)[:cache.num_blocks].copy_(getattr(cache, name))
+    if gran == "token_head":
+        big.k_scale[:cache.num_blocks].copy_(cache.k_scale)
+        big.v_scale[:cache.num_blocks].copy_(cache.v_scale)
+    tables2 = torch.cat([tables, extra.view(4, need)], dim=1)
+    pos = lens[:, None] + torch.arange(new, device="cuda")[None, :]  # [4, new]
+    slots = (tables2.gather(1, (pos // bs).long()).long() * bs + pos % bs).flatten()
+    key = torch.randn(4 * new, H, D, device="cuda", generator=g).bfloat16()
+    value = torch.randn(4 * new, H, D, device="cuda", generator=g).bfloat16()
+    query = torch.randn(4 * new, Hq, D, device="cuda", generator=g).bfloat16()
+    qsl = torch.arange(0, 4 * new + 1, new, dtype=torch.int32, device="cuda")
+    return big, tables2, lens2, slots, key, value, query, qsl
