@@ -29,18 +29,7 @@ import zlib
 
 import pytest
 import torch
-from write_checks import (
-    assert_per_layer_calls_never_sync,
-    assert_same_bytes,
-    cache_to,
-    codec_inputs,
-    extreme_write_inputs,
-    gpu_queries,
-    grown_step,
-    paged_gpu_cache,
-    planned_gpu_step,
-    poisoned_cache,
-)
+import write_checks as checks
 
 import fp8kv
 from fp8kv.formats import FORMATS, quantize_scaled
@@ -89,7 +78,7 @@ ALL = list(FORMATS.values())
 def test_device_encoder_is_bit_exact(fmt):
     from fp8kv_cuda.codec import encode_f32
 
-    x = codec_inputs(fmt)
+    x = checks.codec_inputs(fmt)
     got = encode_f32(x.cuda(), fmt).cpu()
     want = quantize_scaled(x, fmt).view(torch.uint8)
     bad = (got != want).nonzero().flatten()
@@ -148,12 +137,12 @@ def test_device_native_widening_is_exact(fmt):
 def test_write_is_bit_exact_with_the_cpu_reference(fmt, gran, layout, dtype, D):
     T, H, bs = 512, 4, 16
     seed = zlib.crc32(f"{fmt.name}{gran}{layout}{dtype}{D}".encode())
-    key, value, slots = extreme_write_inputs(T, H, D, dtype, seed=seed)
-    ref = poisoned_cache(T, H, D, bs, fmt.name, gran, layout)
-    gpu = cache_to(ref.clone(), "cuda")
+    key, value, slots = checks.extreme_write_inputs(T, H, D, dtype, seed=seed)
+    ref = checks.poisoned_cache(T, H, D, bs, fmt.name, gran, layout)
+    gpu = checks.cache_to(ref.clone(), "cuda")
     fp8kv.write_kv_one_shot(ref, key, value, slots, backend="reference")
     fp8kv.write_kv_one_shot(gpu, key.cuda(), value.cuda(), slots.cuda(), backend="cuda")
-    assert_same_bytes(gpu, ref)
+    checks.assert_same_bytes(gpu, ref)
 
 
 @pytest.mark.parametrize("gran", ["tensor", "token_head"])
@@ -191,7 +180,7 @@ def test_write_through_strided_views_with_int32_slots(gran):
 
 def _paged(B: int, L, H: int, D: int, bs: int, fmt: str, gran: str, layout: str, seed: int):
     """A cache with B sequences of lengths L (int or list), written through the cuda backend."""
-    return paged_gpu_cache(B, L, H, D, bs, fmt, gran, layout, seed, backend="cuda", spread_head_scales=True)
+    return checks.paged_gpu_cache(B, L, H, D, bs, fmt, gran, layout, seed, backend="cuda", spread_head_scales=True)
 
 
 CASES = {
@@ -214,7 +203,7 @@ CASES = {
 def test_attention_at_real_sizes(case):
     B, L, Hq, H, D, q_len, dtype, fmt, gran, layout, window, cap = case
     cache, tables, lens = _paged(B, L, H, D, 16, fmt, gran, layout, seed=5)
-    qsl, query, out = gpu_queries(lens, q_len, Hq, D, dtype)
+    qsl, query, out = checks.gpu_queries(lens, q_len, Hq, D, dtype)
     kw = dict(sliding_window=window, logits_soft_cap=cap)
     _, lse = fp8kv.paged_attention_one_shot(query, cache, tables, lens, query_start_loc=qsl, out=out, backend="cuda",
                                    return_lse=True, **kw)
@@ -445,7 +434,7 @@ def test_cuda_graph_capture_matches_eager(gran, new):
     H, Hq, D, bs = 8, 32, 128, 16
     cache, tables, lens = _paged(4, [1000, 17, 513, 64], H, D, bs, "fp8_e4m3", gran, "NHD", seed=9)
     g = torch.Generator(device="cuda").manual_seed(1)
-    big, tables2, lens2, slots, key, value, query, qsl = grown_step(cache, tables, lens, new, Hq, gran, g)
+    big, tables2, lens2, slots, key, value, query, qsl = checks.grown_step(cache, tables, lens, new, Hq, gran, g)
 
     def step(c, out, lse):
         fp8kv.write_kv_one_shot(c, key, value, slots, backend="cuda")
@@ -474,8 +463,8 @@ def test_cuda_graph_capture_matches_eager(gran, new):
 
 
 def test_per_layer_calls_never_sync_the_host():
-    cache, meta, key, query, _ = planned_gpu_step("cuda", prefill=False)
-    assert_per_layer_calls_never_sync(cache, meta, key, query)
+    cache, meta, key, query, _ = checks.planned_gpu_step("cuda", prefill=False)
+    checks.assert_per_layer_calls_never_sync(cache, meta, key, query)
 
 
 def test_auto_picks_cuda_where_triton_cannot_or_is_slower():
