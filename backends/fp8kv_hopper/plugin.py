@@ -69,6 +69,13 @@ def supports(device: DeviceInfo, request: Request) -> str | None:
     return None
 
 
+def _triton_kernels():
+    """:mod:`fp8kv_triton.kernels`, the Triton backend's public module, imported when first used."""
+    import fp8kv_triton.kernels
+
+    return fp8kv_triton.kernels
+
+
 @dataclass(frozen=True)
 class HopperPlan:
     """Per-step choices: the launch configuration, the interpreter flag, for a decode step the
@@ -141,9 +148,8 @@ class HopperBackend:
 
     @hookimpl
     def fp8kv_write_kv(self, cache, key, value, slot_mapping) -> None:
-        from fp8kv_triton.kernels import write_kv_for_device
-
-        write_kv_for_device(cache, key, value, slot_mapping)
+        """The Triton backend's write kernel (the same bytes on every backend)."""
+        _triton_kernels().write_kv_for_device(cache, key, value, slot_mapping)
 
     @hookimpl
     def fp8kv_plan_attention(self, metadata: AttentionMetadata) -> HopperPlan:
