@@ -58,14 +58,15 @@ def timeline(B: int, L: int, mode: str, calls: int, device) -> dict:
     cache, tables, lens, qsl, q = kb.decode_case(B, L, device)
     T, HQ, D = q.shape
     plan = CA.plan_mma(device, num_tokens=T, num_kv_heads=kb.HKV, group=HQ // kb.HKV, head_size=D,
-                       max_keys=tables.shape[1] * kb.PAGE, fp8_mode=mode != "default")
+                       max_keys=tables.shape[1] * kb.PAGE, fp8_attention=mode != "default")
     ctas = T * kb.HKV * plan.head_chunks * plan.num_splits
     lse = torch.zeros(T * HQ + 8 * ctas, dtype=torch.float32, device=device)
     out = torch.empty_like(q)
-    fp8 = CA.Fp8Mode(None, (0, 0), 1.0) if mode != "default" else None
+    fp8 = CA.Fp8Attention(None, (0, 0), 1.0) if mode != "default" else None
 
     def run():
-        CA.paged_attention(q, cache, tables, lens, qsl, D**-0.5, True, None, None, out, lse, plan_=plan, fp8=fp8)
+        CA.paged_attention(q, cache, tables, lens, qsl, D**-0.5, True, None, None, out, lse, plan_=plan,
+                           fp8_attention=fp8)
 
     per_call_ms = kb.time_graph(run, calls=calls, reps=20)  # (lse then holds its last replay's last call)
     torch.cuda.synchronize()
