@@ -82,9 +82,9 @@ no copy; checked in its output code) and ``eager`` calls the ops as they are. ``
 (a debugging compiler) runs the functionalized graph as is: it copies every mutated cache
 tensor per call. Correct everywhere, bit-identical to eager.
 
-Not fullgraph-traceable: the one-shot forms (``write_kv(cache, k, v, slots)``,
-``paged_attention(q, cache, block_tables, seq_lens, ...)``), which check index values on the
-host and select a backend per call. They still work under a compile that allows graph
+Not fullgraph-traceable: the one-shot calls (``write_kv_one_shot(cache, k, v, slots)``,
+``paged_attention_one_shot(q, cache, block_tables, seq_lens, ...)``), which check index values on
+the host and select a backend per call. They still work under a compile that allows graph
 breaks, and their dispatch goes through the ops too.
 
 Eager calls (no compile) never touch this module: the API calls the backend directly, so the
