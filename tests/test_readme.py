@@ -70,4 +70,4 @@ def test_configuration_doc_names_only_variables_read_by_fp8kv_or_its_tests():
 
 
 def test_readme_performance_section_points_to_the_results_doc():
-    assert "See [docs/performance.md](docs/performance.md)." in section("Performance")
+    assert "[docs/performance.md](docs/performance.md)" in section("Performance")
