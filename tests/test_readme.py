@@ -71,3 +71,13 @@ def test_configuration_doc_names_only_variables_read_by_fp8kv_or_its_tests():
 
 def test_readme_performance_section_points_to_the_results_doc():
     assert "[docs/performance.md](docs/performance.md)" in section("Performance")
+
+
+def test_every_result_file_the_docs_cite_exists():
+    """README and docs/performance.md name the result file of each figure: each one is in the tree."""
+    texts = README + (ROOT / "docs" / "performance.md").read_text()
+    cited = set(re.findall(r"benchmarks/results/[\w.-]+\.(?:json|png)", texts))
+    cited |= {f"benchmarks/results/{name}" for name in re.findall(r"`([\w-]+_(?:h100|h200|cpu)\.json)`", texts)}
+    assert cited, "no result file cited"
+    missing = sorted(p for p in cited if not (ROOT / p).is_file())
+    assert not missing, missing
