@@ -35,7 +35,9 @@ import triton
 import triton.language as tl
 
 from fp8kv.cache import KVCache
+from fp8kv.probe import triton_interpreter
 
+from .capabilities import codec_for, device_arch
 from .codec import ENC_NATIVE, codec_args, encode_f32_bits, encode_native, encode_native_finite
 
 
@@ -338,10 +340,6 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
 def write_kv_for_device(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """:func:`write_kv` with the encoder the cache's device and format use
     (:func:`~fp8kv_triton.capabilities.codec_for` of the GPU the kernel runs on, or the interpreter's)."""
-    from fp8kv.probe import triton_interpreter
-
-    from .capabilities import codec_for, device_arch
-
     arch = device_arch(cache.device)
     choice = codec_for(arch, cache.fmt, interpret=triton_interpreter())
     write_kv(cache, key, value, slot_mapping, encoder=choice.encoder, arch=arch)
