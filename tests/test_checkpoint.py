@@ -570,6 +570,8 @@ def test_allocate_from_default_dynamic_and_refusing_plans():
     config_only = fp8kv.resolve_kv_cache("fp8", config("ct_fp8_kv"), "sm80")
     with pytest.raises(fp8kv.Fp8KVError, match="planned from a config alone"):
         fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **config_only.cache_kwargs(0))
+    hnd = fp8kv.resolve_kv_cache("fp8_e5m2", config("awq"), "sm80", layout="HND")
+    assert fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64, **hnd.cache_kwargs()).layout == "HND"  # the planned layout
     plain = fp8kv.KVCache.allocate(2, 8, KV_HEADS, 64)  # defaults unchanged without a plan
     assert plain.kv_dtype == "fp8_e4m3" and plain.scale_granularity == "tensor"
     with pytest.raises(TypeError, match="layer"):  # a layer's scales come from a plan's cache_kwargs only
