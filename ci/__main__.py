@@ -3,12 +3,15 @@
     python -m ci cells                      # the cells of ci/matrix.toml
     python -m ci claims CELL                # what the registry claims for CELL's device
     python -m ci run CELL [--part P] [--shard K] [--out DIR] [--budget S]
+    python -m ci run sm90 --part sanitize-memcheck   # the GPU tests under compute-sanitizer
     python -m ci aggregate [--out PATH]     # regenerate ci/reports/MATRIX.md
 """
 
 from __future__ import annotations
 
 import argparse
+
+from .runner import TOOLS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("cell")
     r = sub.add_parser("run")
     r.add_argument("cell")
-    r.add_argument("--part", choices=("cpu", "compile", "gpu"))
+    r.add_argument("--part", choices=("cpu", "compile", "gpu", *(f"sanitize-{t}" for t in TOOLS)))
     r.add_argument("--out")
     r.add_argument("--budget", type=float)
     r.add_argument("--shard", type=int, help="GPU shard K (1-based) of a cell with gpu_shards > 1")

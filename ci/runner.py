@@ -5,6 +5,8 @@
   profile (the ``thorough`` one, 2000 examples a test, is for GPU cells: on 2 CPU cores it outruns any budget).
 * ``compile`` (any CPU): every compiler the cell lists compiles its kernel variants for the cell's target
   (``python -m fp8kv_cuda.compile``, ``python -m fp8kv_triton.aot``) and records registers and spills.
+* ``sanitize-<tool>`` (a run cell's GPU): the cell's GPU tests under ``compute-sanitizer --tool <tool>``
+  (memcheck, racecheck, initcheck, synccheck), failed by any sanitizer error (see :func:`sanitize_step`).
 * ``gpu`` (a run cell's GPU): first confirms the device is the cell's architecture, then the cell's GPU
   test files (``-m gpu``) under the randomized ``thorough`` Hypothesis profile, with the cell's
   ``kit_examples`` per conformance-kit test (``FP8KV_GPU_EXAMPLES``: sized to the cell's budget, new
@@ -25,6 +27,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -142,6 +145,47 @@ def shard_args(cell: Cell, shard: int | None) -> list[str]:
     return args
 
 
+TOOLS = ("memcheck", "racecheck", "initcheck", "synccheck")
+"""compute-sanitizer's tools, each a part ``sanitize-<tool>`` of a run cell."""
+
+
+def sanitize_step(cell: Cell, tool: str, out: Path, deadline: float) -> dict:
+    """The cell's GPU tests under ``compute-sanitizer --tool <tool>``; the step passes only when
+    the tests pass and the sanitizer reports no error.
+
+    Every CUDA allocation is its own (``PYTORCH_NO_CUDA_MEMORY_CACHING=1``), so an access past a
+    tensor is past its allocation, which memcheck sees; the xdist workers are followed
+    (``--target-processes all``). The ``ci`` Hypothesis profile keeps the instrumented run short.
+    ``FP8KV_SANITIZE_SELECT`` (a pytest ``-k`` expression) narrows the tests."""
+    if tool not in TOOLS:
+        raise SystemExit(f"part: got sanitize-{tool}, expected one of {[f'sanitize-{t}' for t in TOOLS]}")
+    if _device()["arch"] != cell.name:
+        raise SystemExit(f"cell {cell.name}: this machine is {_device()['name']}, not {cell.name}")
+    workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") else []
+    select = os.environ.get("FP8KV_SANITIZE_SELECT")
+    log = out / f"sanitize-{tool}.log"
+    cmd = ["compute-sanitizer", "--tool", tool, "--target-processes", "all", "--print-limit", "20",
+           "--error-exitcode", "86", "--log-file", str(out / f"sanitize-{tool}.%p.txt"),
+           sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *workers,
+           f"--junitxml={out / f'sanitize-{tool}.xml'}", *(["-k", select] if select else []), *cell.gpu_tests]
+    step = _step(f"GPU tests under compute-sanitizer {tool}", cmd, deadline,
+                 env={"PYTORCH_NO_CUDA_MEMORY_CACHING": "1", "HYPOTHESIS_PROFILE": "ci"}, log=log)
+    step["sanitizer"] = sanitizer_summary(sorted(out.glob(f"sanitize-{tool}.*.txt")))
+    return step
+
+
+def sanitizer_summary(logs: list[Path]) -> dict:
+    """Errors per process log (``ERROR SUMMARY: N errors``) and the first error lines."""
+    errors, processes, first = 0, 0, []
+    for path in logs:
+        text = path.read_text(errors="replace")
+        found = re.findall(r"ERROR SUMMARY: (\d+) error", text)
+        processes += bool(found)
+        errors += sum(int(n) for n in found)
+        first += [line for line in text.splitlines() if line.startswith("=========") and "Invalid" in line][:5]
+    return {"processes": processes, "errors": errors, "first_errors": first[:20]}
+
+
 def part_name(cell: Cell, part: str, shard: int | None) -> str:
     """The report's name: ``gpu``, or ``gpu-K`` for shard K of a sharded cell."""
     return f"{part}-{shard}" if part == "gpu" and cell.gpu_shards > 1 else part
@@ -191,14 +235,17 @@ def run_part(cell: Cell, part: str, out: Path, budget: float, shard: int | None 
             steps.append(_step("hopper prefill benchmark", [py, "benchmarks/prefill.py", "--shapes", "4x2048+2048",
                                                             "--json", str(out / "bench_hopper_prefill.json")],
                                deadline, log=out / "bench.log"))
+    elif part.startswith("sanitize-"):
+        steps.append(sanitize_step(cell, part.removeprefix("sanitize-"), out, deadline))
+        junit[part] = _junit_counts(out / f"{part}.xml")
     else:
-        raise SystemExit(f"part: got {part!r}, expected cpu, compile or gpu")
+        raise SystemExit(f"part: got {part!r}, expected cpu, compile, gpu or sanitize-TOOL ({', '.join(TOOLS)})")
     record = {
         "cell": cell.name, "part": part, "shard": [shard or 1, cell.gpu_shards] if part == "gpu" else None,
         "runner": cell.runner, "budget_s": budget, "device": _device(),
         "versions": _versions(), "commit": _commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "steps": steps, "junit": junit,
-        "hypothesis": _gpu_env(cell) if part == "gpu" else {"HYPOTHESIS_PROFILE": "ci"} if part == "cpu" else None,
+        "hypothesis": _gpu_env(cell) if part == "gpu" else {"HYPOTHESIS_PROFILE": "ci"} if part == "cpu" or part.startswith("sanitize-") else None,
         "passed": all(s["rc"] == 0 for s in steps) and bool(steps),
         "timed_out": sum(s["timed_out"] for s in steps), "failed_steps": sum(s["rc"] != 0 for s in steps),
     }
@@ -227,6 +274,10 @@ def write_summary(out: Path) -> None:
                   + (f"; Hypothesis {rec['hypothesis']}" if rec.get("hypothesis") else ""), "",
                   "| step | exit | timed out | seconds |", "|---|---|---|---|"]
         lines += [f"| {s['name']} | {s['rc']} | {s['timed_out']} | {s['seconds']} |" for s in rec["steps"]]
+        for s in rec["steps"]:
+            if "sanitizer" in s:
+                z = s["sanitizer"]
+                lines.append(f"\ncompute-sanitizer: {z['errors']} errors in {z['processes']} processes")
         for name, c in rec["junit"].items():
             lines.append(f"\n{name}: {c['passed']} passed, {c['failed']} failed, {c['errors']} errors, "
                          f"{c['skipped']} skipped")
