@@ -245,7 +245,7 @@ def run_part(cell: Cell, part: str, out: Path, budget: float, shard: int | None 
         "runner": cell.runner, "budget_s": budget, "device": _device(),
         "versions": _versions(), "commit": _commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(),
         "steps": steps, "junit": junit,
-        "hypothesis": _gpu_env(cell) if part == "gpu" else {"HYPOTHESIS_PROFILE": "ci"} if part == "cpu" or part.startswith("sanitize-") else None,
+        "hypothesis": _gpu_env(cell) if part == "gpu" else {"HYPOTHESIS_PROFILE": "ci"} if part != "compile" else None,
         "passed": all(s["rc"] == 0 for s in steps) and bool(steps),
         "timed_out": sum(s["timed_out"] for s in steps), "failed_steps": sum(s["rc"] != 0 for s in steps),
     }
