@@ -1,9 +1,26 @@
 """Argument checks shared by the planning step and the operations: each raises
-:class:`fp8kv.InvalidArgument` naming the argument, what was given and what was expected."""
+:class:`fp8kv.InvalidArgument` naming the argument, what was given and what was expected.
+
+Scalar arguments follow one rule (docs/configuration.md, "Scalar arguments"):
+
+* a **float** argument (``softmax_scale``, ``logits_soft_cap``, ``prob_scale``) takes a Python
+  ``int`` or ``float``, a NumPy integer or floating scalar (``np.float16/32/64``, ``np.int64``...) or
+  a one-element CPU tensor of an integer or floating dtype (``torch.tensor(0.125)``, read once);
+* an **int** argument (``sliding_window``, ``window_left``, ``num_q_heads``, ``num_tokens``,
+  ``max_query_len``, ``max_seq_len``, ``max_blocks``) takes a Python ``int``, a NumPy integer scalar
+  or a one-element CPU tensor of an integer dtype; never a float, not even an integral one (``4.0``);
+* a bool (Python's, NumPy's or a bool tensor) is never a number; a **flag** (``causal``,
+  ``fp8_attention``, ``validate``) takes exactly ``True`` or ``False`` (``validate`` also ``None``);
+* a tensor on another device than the CPU (CUDA, meta) is refused: reading it would make the host
+  wait for the device.
+
+Every accepted scalar becomes a plain Python ``int`` or ``float`` (what the kernels are given).
+"""
 
 from __future__ import annotations
 
 import math
+import numbers
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,21 +36,72 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 
+FLOAT_KINDS = "a Python int or float, a NumPy scalar or a one-element CPU tensor"
+"""What a float argument may be (the scalar rule of the module docstring)."""
+INT_KINDS = "a Python int, a NumPy integer or a one-element integer CPU tensor"
+"""What an int argument may be (the scalar rule of the module docstring)."""
+
+
+def _given(x) -> str:
+    """How an error message shows a refused scalar ``x``."""
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    return repr(x)
+
+
+def _number(name: str, x, *, integer: bool, expected: str) -> int | float:
+    """``x`` as a Python int (``integer``) or number by the scalar rule, else the named error
+    (``expected`` says what the argument takes)."""
+    kinds = INT_KINDS if integer else FLOAT_KINDS
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            raise bad_argument(name, _given(x), f"{expected} ({kinds}: reading a {x.device.type} tensor would "
+                                                "make the host wait for the device)")
+        if x.numel() != 1 or x.dtype == torch.bool or x.is_complex() or (integer and x.is_floating_point()):
+            raise bad_argument(name, _given(x), f"{expected} ({kinds})")
+        x = x.item()
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral if integer else numbers.Real):
+        raise bad_argument(name, _given(x), f"{expected} ({kinds})")
+    if integer:
+        return int(x)
+    try:
+        return float(x)
+    except OverflowError:  # a Python int past the float range
+        raise bad_argument(name, _given(x), f"{expected} (within the float32 range)") from None
+
+
+def real_scalar(name: str, x, expected: str = "a number") -> float:
+    """A float argument as a Python float (the scalar rule: Python, NumPy or one-element CPU tensor)."""
+    return float(_number(name, x, integer=False, expected=expected))
+
+
+def int_at_least(name: str, x, lo: int, expected: str | None = None) -> int:
+    """An int argument as a Python int ``>= lo`` (the scalar rule), else the named error."""
+    expected = expected or f"an int >= {lo}"
+    v = int(_number(name, x, integer=True, expected=expected))
+    if v < lo:
+        raise bad_argument(name, repr(v), expected)
+    return v
+
+
+def flag(name: str, x, *, allow_none: bool = False) -> bool | None:
+    """A flag: exactly ``True`` or ``False`` (or ``None`` where ``allow_none``); no 0/1, no NumPy bool."""
+    if isinstance(x, bool) or (allow_none and x is None):
+        return x
+    raise bad_argument(name, _given(x), "True or False" + (" or None" if allow_none else ""))
+
 
 def positive_float32(name: str, x) -> float:
-    if isinstance(x, torch.Tensor) and x.numel() == 1 and x.device.type == "cpu":
-        x = x.item()
-    if not isinstance(x, (int, float)) or isinstance(x, bool):
-        raise bad_argument(name, repr(x), "a finite number > 0 (a Python int or float)")
-    if not (math.isfinite(x) and 0 < x <= FLOAT32_MAX):
-        raise bad_argument(name, repr(x), f"a finite number > 0 and <= {FLOAT32_MAX:.4g} (float32)")
-    return float(x)
+    """A finite float argument in ``(0, FLOAT32_MAX]`` as a Python float (the scalar rule)."""
+    v = real_scalar(name, x, "a finite number > 0")
+    if not (math.isfinite(v) and 0 < v <= FLOAT32_MAX):
+        raise bad_argument(name, _given(x), f"a finite number > 0 and <= {FLOAT32_MAX:.4g} (float32)")
+    return v
 
 
 def nonneg_int(name: str, x) -> int:
-    if not isinstance(x, int) or isinstance(x, bool) or x < 0:
-        raise bad_argument(name, repr(x), "an int >= 0")
-    return x
+    """An int argument ``>= 0`` as a Python int (the scalar rule)."""
+    return int_at_least(name, x, 0, "an int >= 0")
 
 
 def check_tensor(name: str, t, *, dtypes, ndim: int, device: torch.device, contiguous: bool = True) -> torch.Tensor:
@@ -61,9 +129,10 @@ def owned_index(name: str, t, ndim: int, device: torch.device) -> torch.Tensor:
 def values_checked(device: torch.device, validate: bool | None) -> bool:
     """Whether to read index values on the host: ``validate``, else ``FP8KV_CHECK``; never while
     a CUDA graph is being captured."""
+    flag("validate", validate, allow_none=True)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
-    return settings.check_values() if validate is None else bool(validate)
+    return settings.check_values() if validate is None else validate
 
 
 def slot_stats(slot_mapping: torch.Tensor) -> list[torch.Tensor]:
@@ -100,5 +169,6 @@ def check_slot_mapping(spec: CacheSpec, slot_mapping, num_tokens: int, validate:
     return slot_mapping
 
 
-__all__ = ["FLOAT32_MAX", "INDEX_DTYPES", "INT32_MAX", "IO_DTYPES", "check_slot_mapping", "check_slot_values",
-           "check_tensor", "nonneg_int", "owned_index", "positive_float32", "slot_stats", "values_checked"]
+__all__ = ["FLOAT32_MAX", "FLOAT_KINDS", "INDEX_DTYPES", "INT32_MAX", "INT_KINDS", "IO_DTYPES", "check_slot_mapping",
+           "check_slot_values", "check_tensor", "flag", "int_at_least", "nonneg_int", "owned_index",
+           "positive_float32", "real_scalar", "slot_stats", "values_checked"]

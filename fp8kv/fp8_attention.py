@@ -40,6 +40,7 @@ import math
 
 import torch
 
+from .checks import flag, real_scalar
 from .errors import bad_argument
 from .formats import FORMATS, divide_by_scale, quantize_scaled
 from .scales import token_head_scale
@@ -48,6 +49,8 @@ E4M3 = FORMATS["fp8_e4m3"]
 FP8_KV_DTYPES = ("fp8_e4m3",)
 FP8_GRANULARITIES = ("tensor", "head")
 FLOAT32_MAX = 3.4028234663852886e38
+PROB_SCALES = "a finite number in [2^-126, FLOAT32_MAX]"
+"""What ``prob_scale`` may be (a Python, NumPy or one-element CPU tensor scalar: :mod:`fp8kv.checks`)."""
 
 __all__ = [
     "FP8_GRANULARITIES", "FP8_KV_DTYPES", "LAZY_MAX_T", "check_fp8_options", "fp8_probabilities", "lazy_threshold",
@@ -77,8 +80,9 @@ def check_fp8_options(spec, num_q_heads: int, fp8_attention, q_scale, prob_scale
     the cache's device, or None; ``prob_scale`` a float). Shapes, dtypes and devices are always
     checked; ``q_scale``'s values (finite, > 0) too, which costs one host sync at plan time.
     """
-    if not isinstance(fp8_attention, bool):
-        raise bad_argument("fp8_attention", repr(fp8_attention), "True or False")
+    fp8_attention = flag("fp8_attention", fp8_attention)
+    if prob_scale is not None:
+        prob_scale = real_scalar("prob_scale", prob_scale, PROB_SCALES)
     if not fp8_attention:
         if q_scale is not None:
             raise bad_argument("q_scale", "a tensor", "None unless fp8_attention=True (the query is only "
@@ -111,12 +115,9 @@ def check_fp8_options(spec, num_q_heads: int, fp8_attention, q_scale, prob_scale
         q_scale = q_scale.contiguous()
     if prob_scale is None:
         prob_scale = 1.0
-    if isinstance(prob_scale, torch.Tensor) and prob_scale.numel() == 1:
-        prob_scale = prob_scale.item()  # plan time: one host read of a checkpoint scalar
-    if not isinstance(prob_scale, (int, float)) or isinstance(prob_scale, bool) \
-            or not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= FLOAT32_MAX):
-        raise bad_argument("prob_scale", repr(prob_scale), "a finite number in [2^-126, FLOAT32_MAX]")
-    return True, q_scale, float(prob_scale)
+    if not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= FLOAT32_MAX):
+        raise bad_argument("prob_scale", repr(prob_scale), PROB_SCALES)
+    return True, q_scale, prob_scale
 
 
 def query_scales(query: torch.Tensor, q_scale: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from .cache import CacheSpec, KVCache
-from .checks import positive_float32
+from .checks import flag, int_at_least, positive_float32
 from .errors import bad_argument
 from .fp8_attention import check_fp8_options
 from .request import Request, Selection
@@ -59,22 +59,19 @@ class AttentionOptions:
         if softmax_scale is None:
             softmax_scale = head_size ** -0.5
         softmax_scale = positive_float32("softmax_scale", softmax_scale)
-        if not isinstance(causal, bool):
-            raise bad_argument("causal", repr(causal), "True or False")
+        causal = flag("causal", causal)
         if sliding_window is not None and window_left is not None:
             raise bad_argument("window_left", repr(window_left),
                                f"None when sliding_window={sliding_window!r} is given (one convention at a time: "
                                "sliding_window = W keys, window_left = W - 1)")
         if window_left is not None:
-            if not isinstance(window_left, int) or isinstance(window_left, bool) or window_left < -1:
-                raise bad_argument("window_left", repr(window_left),
-                                   "an int >= 0 (W - 1: keys left of the query), or -1 for no window")
+            window_left = int_at_least("window_left", window_left, -1,
+                                       "an int >= 0 (W - 1: keys left of the query), or -1 for no window")
             sliding_window = None if window_left == -1 else window_left + 1
         elif sliding_window is not None:
-            if not isinstance(sliding_window, int) or isinstance(sliding_window, bool) or sliding_window <= 0:
-                raise bad_argument("sliding_window", repr(sliding_window),
-                                   "a positive int W (keys visible, its own included) or None; "
-                                   "for FlashInfer's convention pass window_left=W-1")
+            sliding_window = int_at_least("sliding_window", sliding_window, 1,
+                                          "a positive int W (keys visible, its own included) or None; "
+                                          "for FlashInfer's convention pass window_left=W-1")
         if logits_soft_cap is not None:
             logits_soft_cap = positive_float32("logits_soft_cap", logits_soft_cap)
         return cls(softmax_scale, causal, sliding_window, logits_soft_cap)
