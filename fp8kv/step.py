@@ -3,7 +3,9 @@
 
 * the page table, padded (``block_tables [S, max_blocks]`` and ``seq_lens [S]``) or FlashInfer's
   CSR form (``kv_indptr [S + 1]``, ``kv_indices``, ``kv_last_page_len [S]``), becomes int32 copies
-  the metadata owns, on the device;
+  the metadata owns, on the device; of ``kv_indices`` only the entries before ``kv_indptr[-1]`` are
+  read or checked (engines allocate it longer and leave the tail uninitialized: SGLang's FlashInfer
+  backend, ``sum(seq pages) + 256`` entries);
 * the queries: one per sequence (decode) or ``query_start_loc [S + 1]`` offsets (chunked prefill);
 * the *values* (lengths, offsets, block ids, slot ranges and duplicates) are checked in one host
   transfer, which also yields the derived sizes (longest query and sequence) the caller did not
@@ -61,7 +63,8 @@ class StepTables:
 
 @dataclass(frozen=True)
 class _PageTable:
-    """The page table as given: padded (``tables``) or CSR (``indptr``, ``indices``, ``last``, ``pages``)."""
+    """The page table as given: padded (``tables``) or CSR (``indptr``, ``indices``, ``last``, ``pages``;
+    ``indices`` is all of ``kv_indices``, of which only ``[:indptr[-1]]`` is in use: :meth:`indices_in_use`)."""
 
     lens: torch.Tensor
     tables: torch.Tensor | None = None
@@ -77,6 +80,11 @@ class _PageTable:
     @property
     def num_seqs(self) -> int:
         return self.lens.shape[0]
+
+    def indices_in_use(self) -> torch.Tensor:
+        """CSR: ``[len(kv_indices)]`` bool, True for the entries before ``kv_indptr[-1]`` (a device
+        tensor: no sync). The entries past it are never read: they may hold anything."""
+        return torch.arange(self.indices.shape[0], device=self.indices.device) < self.indptr[-1]
 
 
 def read_page_table(spec: CacheSpec, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len) -> _PageTable:
@@ -123,9 +131,16 @@ def read_queries(spec: CacheSpec, num_seqs: int, query_start_loc, num_tokens: in
     return qsl, False, num_tokens, max_query_len
 
 
-def _device_values(spec: CacheSpec, pt: _PageTable, qsl: torch.Tensor, slot_mapping, originals, check: bool
-                   ) -> list[tuple[str, torch.Tensor]]:
-    """The device scalars the one host transfer reads: sizes always, value checks when ``check``."""
+def _used_part(kv_indices: torch.Tensor, in_use: torch.Tensor) -> torch.Tensor:
+    """``kv_indices`` with the entries not in use (past ``kv_indptr[-1]``) replaced by 0 (no sync)."""
+    return torch.where(in_use, kv_indices, torch.zeros((), dtype=kv_indices.dtype, device=kv_indices.device))
+
+
+def _device_values(spec: CacheSpec, pt: _PageTable, qsl: torch.Tensor, slot_mapping, originals, kv_indices,
+                   check: bool) -> list[tuple[str, torch.Tensor]]:
+    """The device scalars the one host transfer reads: sizes always, value checks when ``check``
+    (``originals``: the index tensors as given, whose int64 values must fit int32; of ``kv_indices``,
+    one of them, only the entries in use)."""
     dev, bs, S, lens = spec.device, spec.block_size, pt.num_seqs, pt.lens
     z = torch.zeros((), dtype=torch.int64, device=dev)
     amax = (lambda t: t.max().to(torch.int64)) if S else (lambda t: z)
@@ -137,7 +152,9 @@ def _device_values(spec: CacheSpec, pt: _PageTable, qsl: torch.Tensor, slot_mapp
             ("q_over_seq", amax(q_lens - lens.to(torch.int64)) if S else z - 1)]
     if not check:
         return need + ([("max_pages", amax(pt.pages))] if pt.csr else [])
-    wide = [t for t in originals if isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel()]
+    in_use = pt.indices_in_use() if pt.csr else None
+    wide = [_used_part(t, in_use) if t is kv_indices else t for t in originals
+            if isinstance(t, torch.Tensor) and t.dtype == torch.int64 and t.numel()]
     need += [("int64_max", torch.stack([t.max() for t in wide]).max() if wide else z),
              ("int64_min", torch.stack([t.min() for t in wide]).min() if wide else z)]
     if pt.csr:
@@ -146,7 +163,7 @@ def _device_values(spec: CacheSpec, pt: _PageTable, qsl: torch.Tensor, slot_mapp
                  ("min_pages", amin(pt.pages)), ("max_pages", amax(pt.pages)),
                  ("min_last", amin(torch.where(pt.pages > 0, pt.last, ones))),
                  ("max_last", amax(torch.where(pt.pages > 0, pt.last, ones)))]
-        used, in_use = pt.indices, torch.ones_like(pt.indices, dtype=torch.bool)
+        used = pt.indices
     else:  # the entries each sequence reads; masked with where (boolean indexing would sync)
         cols = torch.arange(pt.tables.shape[1], device=dev)
         used = pt.tables
@@ -183,7 +200,7 @@ def read_step(spec: CacheSpec, *, block_tables=None, seq_lens=None, kv_indptr=No
     if check or num_tokens is None or max_query_len is None or (pt.csr and max_blocks is None
                                                                 and max_seq_len is None):
         originals = (block_tables, seq_lens, query_start_loc, kv_indptr, kv_indices, kv_last_page_len)
-        need = _device_values(spec, pt, qsl, slot_mapping, originals, check)
+        need = _device_values(spec, pt, qsl, slot_mapping, originals, kv_indices, check)
         values = torch.stack([v for _, v in need])
         if check:  # the lengths ride along (backends plan the step by them)
             values = torch.cat([values, pt.lens.to(torch.int64), qsl.to(torch.int64)])
@@ -270,8 +287,9 @@ def _check_values(spec: CacheSpec, host: dict[str, int], pt: _PageTable, decode:
                                + (f"={num_tokens}" if num_tokens is not None else ""))
     if S and host["q_over_seq"] > 0:
         i = int(((qsl[1:] - qsl[:-1]) > lens).nonzero()[0, 0])
-        raise bad_argument("seq_lens", f"{int(lens[i])} for sequence {i}",
-                           f">= its {int(qsl[i + 1] - qsl[i])} query tokens (seq_lens include the new tokens)")
+        what = "kv_indptr/kv_last_page_len" if csr else "seq_lens"  # (CSR: the lengths they give)
+        raise bad_argument(what, f"{int(lens[i])} tokens for sequence {i}",
+                           f">= its {int(qsl[i + 1] - qsl[i])} query tokens (the lengths include the new tokens)")
     if max_query_len is not None and S and max_query_len < host["max_query_len"]:
         raise bad_argument("max_query_len", max_query_len, f">= the longest query ({host['max_query_len']})")
     if max_seq_len is not None and S and max_seq_len < host["max_seq_len"]:

@@ -166,7 +166,11 @@ def launch(variant: Variant, entry: str, device: torch.device, grid: tuple[int, 
     ``dependent``: the kernel starts with ``griddepcontrol.wait`` when built for sm90+ (it reads
     nothing the previous kernel on the stream writes before that), so there it goes out as a
     programmatic dependent launch (:func:`pdl_launch`): its CTAs are scheduled as the previous
-    kernel's CTAs finish, without the gap between two launches."""
+    kernel's CTAs finish, without the gap between two launches.
+
+    A grid without a CTA (a dimension 0: an empty step) launches nothing (the driver refuses it)."""
+    if 0 in grid:
+        return
     fn = function(variant, entry, device)
     index = device_index(device)
     stream = torch.cuda.current_stream(index)
@@ -199,7 +203,9 @@ def launch_struct(function, index: int, grid: tuple[int, int, int], block: int, 
     """Launch ``function`` (a CuPy kernel function) whose one parameter is a struct passed by value,
     ``params`` (a ``ctypes.Structure`` laid out as the kernel's C struct), on torch's current stream
     of CUDA device ``index`` (captured into CUDA graphs like any launch). Public: other in-tree
-    backends launch their kernels through it."""
+    backends launch their kernels through it. A grid without a CTA launches nothing."""
+    if 0 in grid:
+        return
     stream = torch.cuda.current_stream(index)
     with cupy().cuda.Device(index):
         _allow_shared_memory(function.ptr, shared_mem)

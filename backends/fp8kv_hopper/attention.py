@@ -39,6 +39,7 @@ from fp8kv_triton.kernels import (
     codec_args,
     encode_f32_bits,
     key_range,
+    launching,
     lse_from_state,
     merge_splits,
     program_rows,
@@ -309,7 +310,11 @@ def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len
     e4m3 ``p @ v``, whose V operand Triton transposes through shared memory byte by byte, and
     1607-3760 us for the other tiles). Decode (one query token): ``max(16, group)`` rows and split-KV
     so that every SM holds two programs, pieces of at most 2048 keys.
+
+    An empty step (no sequence, or no key) plans as one program over one key tile; :func:`paged_attention_fp8`
+    launches nothing for it.
     """
+    max_keys = max(max_keys, 1)  # (an empty step: no division by zero keys below)
     if max_query_len > 1:  # (a GQA group of more than 128 query heads takes a block of its own size)
         block_m, block_n, warps, stages = max(128, triton.next_power_of_2(group)), 128, 8, 3
     else:
@@ -317,7 +322,7 @@ def choose_config(*, group: int, num_seqs: int, num_kv_heads: int, max_query_len
     if interpret:  # Triton's CPU interpreter: small tiles
         block_m, block_n, stages = max(16, triton.next_power_of_2(group)), 32, 1
     block_q = max(1, block_m // group)
-    programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads
+    programs = max(1, num_seqs * triton.cdiv(max(max_query_len, 1), block_q) * num_kv_heads)  # (empty step: 1)
     num_splits = 1
     if max_query_len <= 1:
         num_splits = max(triton.cdiv(2 * num_sms, programs), triton.cdiv(max_keys, 2048))
@@ -429,23 +434,24 @@ def paged_attention_fp8(
         out_arg = out if out.dtype == torch.float32 else torch.empty_like(q_arg)
     qs_arg = cache.k_scale if q_scale is None else q_scale  # unused when dynamic
     page = cache.block_size
-    fp8_attention_kernel[(S * q_blocks, H, config.num_splits)](
-        q_arg, qs_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
-        cache.k_scale, cache.v_scale, block_tables, seq_lens, query_start_loc, out_arg, pacc, pm, pl,
-        out_arg if lse is None else lse,
-        sm_mant, sm_exp, float(prob_scale), 1.0 / float(prob_scale), float(logits_soft_cap or 1.0),
-        min(int(sliding_window or NO_WINDOW), NO_WINDOW), int(causal),
-        block_tables.stride(0), *k_strides, *v_strides, qs_kv, qs_q,
-        scale_strides(cache, "key")[2], scale_strides(cache, "value")[2],
-        T, HQ, group, block_q, q_blocks, config.keys_per_split, page, page.bit_length() - 1,
-        cache.key_cache.shape[0], block_tables.shape[1] * page,
-        D=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_POW2=page & (page - 1) == 0,
-        USE_CAP=logits_soft_cap is not None, Q_DYNAMIC=q_scale is None, SPLIT=split,
-        WRITE_LSE=lse is not None and not split, V_MODE=config.v_mode, NATIVE=not interpret,
-        F_MANT=e4.mant_bits, F_REBIAS=e4.exp_rebias, F_DROP=e4.drop_bits, F_MAXBITS=e4.max_f32_bits,
-        F_MAXSHIFT=e4.max_shift, F_NANBYTE=e4.nan_byte, SCALE_P=float(prob_scale) != 1.0, num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    with launching(fp8_attention_kernel):
+        fp8_attention_kernel[(S * q_blocks, H, config.num_splits)](
+            q_arg, qs_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
+            cache.k_scale, cache.v_scale, block_tables, seq_lens, query_start_loc, out_arg, pacc, pm, pl,
+            out_arg if lse is None else lse,
+            sm_mant, sm_exp, float(prob_scale), 1.0 / float(prob_scale), float(logits_soft_cap or 1.0),
+            min(int(sliding_window or NO_WINDOW), NO_WINDOW), int(causal),
+            block_tables.stride(0), *k_strides, *v_strides, qs_kv, qs_q,
+            scale_strides(cache, "key")[2], scale_strides(cache, "value")[2],
+            T, HQ, group, block_q, q_blocks, config.keys_per_split, page, page.bit_length() - 1,
+            cache.key_cache.shape[0], block_tables.shape[1] * page,
+            D=D, BLOCK_M=config.block_m, BLOCK_N=config.block_n, PAGE_POW2=page & (page - 1) == 0,
+            USE_CAP=logits_soft_cap is not None, Q_DYNAMIC=q_scale is None, SPLIT=split,
+            WRITE_LSE=lse is not None and not split, V_MODE=config.v_mode, NATIVE=not interpret,
+            F_MANT=e4.mant_bits, F_REBIAS=e4.exp_rebias, F_DROP=e4.drop_bits, F_MAXBITS=e4.max_f32_bits,
+            F_MAXSHIFT=e4.max_shift, F_NANBYTE=e4.nan_byte, SCALE_P=float(prob_scale) != 1.0,
+            num_warps=config.num_warps, num_stages=config.num_stages,
+        )
     if split:
         merge_splits(pacc, pm, pl, cache, out_arg, lse, group=group, num_splits=config.num_splits)
     if out_arg is not out:

@@ -87,6 +87,7 @@ from fp8kv.precision import FULL_P_KEYS
 
 from .codec import codec_args
 from .decode import _decode_kernel
+from .serial import launching
 from .tiles import (
     UNSPECIALIZED,
     _finish,
@@ -414,7 +415,11 @@ def choose_config(
     to scratch for the 64-row prefill tile; two stages spill VGPRs to scratch in the prefill
     tile (and take 128 KiB of LDS on gfx950); 8 wavefronts cap VGPRs at 256 and spill. 4
     wavefronts, 1 stage: no VGPR spill, 16 KiB of LDS.
+
+    An empty step (no sequence, or no key: ``num_seqs * num_kv_heads == 0`` or ``max_keys == 0``)
+    plans as one program over one key tile; :func:`paged_attention` launches nothing for it.
     """
+    max_keys = max(max_keys, 1)  # (an empty step: no division by zero keys below)
     block_d = max(16, triton.next_power_of_2(head_size))
     gpad = max(16, triton.next_power_of_2(group))
     wide = block_d > 128
@@ -447,7 +452,7 @@ def choose_config(
         block_m, block_n = (gpad, 32)
     block_q = max(1, block_m // group)
     q_blocks = triton.cdiv(max(max_query_len, 1), block_q)
-    programs = num_seqs * q_blocks * num_kv_heads
+    programs = max(1, num_seqs * q_blocks * num_kv_heads)  # (at least one: an empty step)
     if interpret or device.type != "cuda":
         target = 1
     else:
@@ -516,7 +521,7 @@ def _decode_config(device: torch.device, *, gpad: int, wide: bool, narrow: bool,
         block_n = min(block_n, 64)
     if interpret:
         block_n, num_stages = 32, 1
-    programs = num_seqs * num_kv_heads
+    programs = max(1, num_seqs * num_kv_heads)  # (at least one: an empty step)
     if interpret or device.type != "cuda":
         slots = 1
     else:
@@ -617,22 +622,24 @@ def paged_attention(
     else:
         kernel = _attn_kernel
         extra["PREFETCH_BT"] = config.num_stages > 1
-    kernel[grid](
-        q_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8), cache.k_scale, cache.v_scale,
-        block_tables, seq_lens, query_start_loc,
-        out_arg, pacc, pm, pl, lse_arg,
-        sm_mant, sm_exp, float(logits_soft_cap or 1.0), min(int(sliding_window or NO_WINDOW), NO_WINDOW), int(causal),
-        block_tables.stride(0), *k_strides, *v_strides, *ks_strides, *vs_strides,
-        T, HQ, D, group, block_q, q_blocks, config.keys_per_split,
-        page, page.bit_length() - 1, cache.key_cache.shape[0], block_tables.shape[1] * page, pr_off,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == D,
-        FULL_P_KEYS=FULL_P_KEYS, PAGE_POW2=pow2, USE_CAP=logits_soft_cap is not None, TOKEN_SCALES=token_scales,
-        Q_BITS=q_bits, SPLIT=split, WRITE_LSE=lse is not None and not split,
-        QK_DT=qk_dt, PV_F32=query.dtype == torch.float32, PV_SPLIT=config.pv_split,
-        DEC_MODE=decode_mode, F_KIND=a.fp8_kind, F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits,
-        F_FNUZ=a.fnuz, F_HASINF=a.has_inf, F_MAXMAG=a.max_mag, F_BIAS=a.bias,
-        num_warps=config.num_warps, num_stages=config.num_stages, **extra,
-    )
+    with launching(kernel):
+        kernel[grid](
+            q_arg, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8), cache.k_scale, cache.v_scale,
+            block_tables, seq_lens, query_start_loc,
+            out_arg, pacc, pm, pl, lse_arg,
+            sm_mant, sm_exp, float(logits_soft_cap or 1.0), min(int(sliding_window or NO_WINDOW), NO_WINDOW),
+            int(causal),
+            block_tables.stride(0), *k_strides, *v_strides, *ks_strides, *vs_strides,
+            T, HQ, D, group, block_q, q_blocks, config.keys_per_split,
+            page, page.bit_length() - 1, cache.key_cache.shape[0], block_tables.shape[1] * page, pr_off,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d, EVEN_D=block_d == D,
+            FULL_P_KEYS=FULL_P_KEYS, PAGE_POW2=pow2, USE_CAP=logits_soft_cap is not None, TOKEN_SCALES=token_scales,
+            Q_BITS=q_bits, SPLIT=split, WRITE_LSE=lse is not None and not split,
+            QK_DT=qk_dt, PV_F32=query.dtype == torch.float32, PV_SPLIT=config.pv_split,
+            DEC_MODE=decode_mode, F_KIND=a.fp8_kind, F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits,
+            F_FNUZ=a.fnuz, F_HASINF=a.has_inf, F_MAXMAG=a.max_mag, F_BIAS=a.bias,
+            num_warps=config.num_warps, num_stages=config.num_stages, **extra,
+        )
     if split:
         merge_splits(pacc, pm, pl, cache, out_arg, lse, group=group, num_splits=config.num_splits,
                      token_scales=token_scales, reduce_warps=config.reduce_warps)
@@ -651,11 +658,15 @@ def merge_splits(
     ``[num_splits, T, Hq]`` its base-2 row max and sum of ``2^(s - m)`` (float32, contiguous);
     per-token-head scales: ``pl`` is ``[2 * num_splits, T, Hq]``, its second half each row's value
     unit ``r``. Static ``v_scale`` (the cache's, by KV head) multiplies the merged output.
+    Nothing is launched for no row (``T * Hq == 0``).
     """
     _, T, HQ, D = pacc.shape
-    _reduce_kernel[(T, HQ)](
-        pacc, pm, pl, cache.v_scale, out, out if lse is None else lse,
-        T, HQ, D, group, num_splits, scale_strides(cache, "value")[2], num_splits * T * HQ,
-        BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=max(16, triton.next_power_of_2(D)),
-        TOKEN_SCALES=token_scales, WRITE_LSE=lse is not None, num_warps=reduce_warps,
-    )
+    if T * HQ == 0:
+        return
+    with launching(_reduce_kernel):
+        _reduce_kernel[(T, HQ)](
+            pacc, pm, pl, cache.v_scale, out, out if lse is None else lse,
+            T, HQ, D, group, num_splits, scale_strides(cache, "value")[2], num_splits * T * HQ,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_D=max(16, triton.next_power_of_2(D)),
+            TOKEN_SCALES=token_scales, WRITE_LSE=lse is not None, num_warps=reduce_warps,
+        )

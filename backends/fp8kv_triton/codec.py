@@ -42,6 +42,7 @@ from .modes import (
     ENC_NATIVE,
     integer_decoder,
 )
+from .serial import launching
 
 __all__ = [
     "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "CodecArgs",
@@ -314,10 +315,11 @@ def encode_tensor(x, fmt: Fp8Format, encoder: int = ENC_INTEGER):
     n = flat.numel()
     block = 1024
     if n:
-        _encode_kernel[(triton.cdiv(n, block),)](
-            flat, out, n, BLOCK=block, ENC=encoder, F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias,
-            F_DROP=a.drop_bits, F_MAXBITS=a.max_f32_bits, F_MAXSHIFT=a.max_shift, F_NANBYTE=a.nan_byte,
-            F_FNUZ=a.fnuz, F_KIND=a.fp8_kind, F_MAX=a.fmt_max)
+        with launching(_encode_kernel):
+            _encode_kernel[(triton.cdiv(n, block),)](
+                flat, out, n, BLOCK=block, ENC=encoder, F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias,
+                F_DROP=a.drop_bits, F_MAXBITS=a.max_f32_bits, F_MAXSHIFT=a.max_shift, F_NANBYTE=a.nan_byte,
+                F_FNUZ=a.fnuz, F_KIND=a.fp8_kind, F_MAX=a.fmt_max)
     return out.reshape(x.shape)
 
 
@@ -331,8 +333,9 @@ def decode_tensor(codes, fmt: Fp8Format, out_dtype, mode: int):
     n = flat.numel()
     block = 1024
     if n:
-        _decode_kernel[(triton.cdiv(n, block),)](
-            flat, out, n, BLOCK=block, OUT=_tl_dtype(out_dtype), DEC_MODE=mode, F_KIND=a.fp8_kind,
-            F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits, F_FNUZ=a.fnuz,
-            F_HASINF=a.has_inf, F_MAXMAG=a.max_mag, F_BIAS=a.bias)
+        with launching(_decode_kernel):
+            _decode_kernel[(triton.cdiv(n, block),)](
+                flat, out, n, BLOCK=block, OUT=_tl_dtype(out_dtype), DEC_MODE=mode, F_KIND=a.fp8_kind,
+                F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits, F_FNUZ=a.fnuz,
+                F_HASINF=a.has_inf, F_MAXMAG=a.max_mag, F_BIAS=a.bias)
     return out.reshape(codes.shape)

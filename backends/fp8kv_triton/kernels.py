@@ -15,6 +15,10 @@ Host-side launchers (tensors in, work enqueued, no host sync):
   max_query_len, softmax_scale, causal, sliding_window, logits_soft_cap, out, *, lse,
   decode_mode, interpret, config)``: decode and chunked prefill with split-KV;
   :func:`choose_config` picks an :class:`AttnConfig` from host-known sizes.
+* :func:`launching` ``(kernel)``: the context every launch of a ``@triton.jit`` kernel goes in
+  (``with launching(kernel): kernel[grid](...)``): under Triton's CPU interpreter, which is not
+  thread-safe, it holds :data:`INTERPRETER_LOCK` (one interpreted launch at a time in the process);
+  on a GPU it takes no lock.
 * :func:`cache_strides` / :func:`scale_strides`: the (block, token, head) strides a kernel
   needs for K, V and their scales.
 
@@ -39,6 +43,7 @@ from .attention import AttnConfig, choose_config, merge_splits, paged_attention
 from .capabilities import CodecChoice, codec_for, device_arch, supports
 from .codec import codec_args, decode, encode_f32_bits, encode_native
 from .modes import DEC_E4M3, DEC_E5M2, DEC_GENERIC, DEC_NATIVE, ENC_INTEGER, ENC_NATIVE
+from .serial import INTERPRETER_LOCK, launching
 from .tiles import _key_range as key_range
 from .tiles import _lse as lse_from_state
 from .tiles import _pow2 as pow2
@@ -52,9 +57,10 @@ from .tiles import _tile as tile_keys
 from .write import cache_strides, scale_strides, write_kv, write_kv_for_device, write_launch
 
 __all__ = [
-    "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "AttnConfig", "CodecChoice",
-    "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "device_arch", "encode_f32_bits",
-    "encode_native", "key_range", "lse_from_state", "merge_splits", "paged_attention", "pow2", "program_rows",
+    "DEC_E4M3", "DEC_E5M2", "DEC_GENERIC", "DEC_NATIVE", "ENC_INTEGER", "ENC_NATIVE", "INTERPRETER_LOCK",
+    "AttnConfig", "CodecChoice", "cache_strides", "choose_config", "codec_args", "codec_for", "decode", "device_arch",
+    "encode_f32_bits", "encode_native", "key_range", "launching", "lse_from_state", "merge_splits", "paged_attention",
+    "pow2", "program_rows",
     "query_span", "saturate", "saturate_out", "scale_factors", "scale_strides", "softcap_tanh", "supports",
     "tile_keys", "write_kv", "write_kv_for_device", "write_launch",
 ]

@@ -39,6 +39,7 @@ from fp8kv.probe import triton_interpreter
 
 from .capabilities import codec_for, device_arch
 from .codec import ENC_NATIVE, codec_args, encode_f32_bits, encode_native, encode_native_finite
+from .serial import launching
 
 
 @triton.jit
@@ -324,17 +325,18 @@ def write_kv(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mappin
     src_kind = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}[key.dtype]
     if src_kind:
         key, value = key.view(torch.int16), value.view(torch.int16)
-    _write_kv_kernel[grid](
-        key, value, slot_mapping, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
-        cache.k_scale, cache.v_scale, rows, H, D, cache.num_blocks * page,
-        *k_strides, *v_strides, *ks_strides, *vs_strides,
-        page, page.bit_length() - 1,
-        PAGE_POW2=page & (page - 1) == 0, BLOCK_R=block_rows, BLOCK_D=block_d, SRC_KIND=src_kind,
-        TOKEN_SCALES=cache.scale_granularity == "token_head", ENC=int(encoder == ENC_NATIVE),
-        F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits, F_MAXBITS=a.max_f32_bits,
-        F_MAXSHIFT=a.max_shift, F_NANBYTE=a.nan_byte, F_FNUZ=a.fnuz, F_KIND=a.fp8_kind, F_MAX=a.fmt_max,
-        num_warps=num_warps,
-    )
+    with launching(_write_kv_kernel):
+        _write_kv_kernel[grid](
+            key, value, slot_mapping, cache.key_cache.view(torch.uint8), cache.value_cache.view(torch.uint8),
+            cache.k_scale, cache.v_scale, rows, H, D, cache.num_blocks * page,
+            *k_strides, *v_strides, *ks_strides, *vs_strides,
+            page, page.bit_length() - 1,
+            PAGE_POW2=page & (page - 1) == 0, BLOCK_R=block_rows, BLOCK_D=block_d, SRC_KIND=src_kind,
+            TOKEN_SCALES=cache.scale_granularity == "token_head", ENC=int(encoder == ENC_NATIVE),
+            F_MANT=a.mant_bits, F_REBIAS=a.exp_rebias, F_DROP=a.drop_bits, F_MAXBITS=a.max_f32_bits,
+            F_MAXSHIFT=a.max_shift, F_NANBYTE=a.nan_byte, F_FNUZ=a.fnuz, F_KIND=a.fp8_kind, F_MAX=a.fmt_max,
+            num_warps=num_warps,
+        )
 
 
 def write_kv_for_device(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
