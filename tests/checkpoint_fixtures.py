@@ -336,3 +336,28 @@ def within(seconds: float, fn: Callable[[], object], fifos: tuple[Path, ...] = (
     if "error" in box:
         raise box["error"]
     return box.get("result")
+
+
+# -- vLLM/SGLang KV-scales JSON (quantization_param_path) ------------------------------
+
+LEGACY_SCALES: dict[int, dict[int, float]] = {
+    0: {0: 0.0123, 1: 0.0201, 2: 0.0187, 3: 0.0342},
+    1: {0: 0.0119, 1: 0.0215, 2: 0.0176, 3: 0.0338},
+}
+"""Per-tensor KV scales of a model with 2 tensor-parallel ranks and 4 layers: rank -> layer -> scale."""
+
+
+def legacy_kv_scales(scales: dict[int, dict[int, float]] | None = None, dtype: object = "float8_e4m3fn",
+                     model_type: object = "llama") -> dict:
+    """A KV-scales JSON object shaped as vLLM and SGLang read it (string rank and layer keys)."""
+    scales = LEGACY_SCALES if scales is None else scales
+    return {"model_type": model_type,
+            "kv_cache": {"dtype": dtype,
+                         "scaling_factor": {str(rank): {str(layer): value for layer, value in layers.items()}
+                                            for rank, layers in scales.items()}}}
+
+
+def write_json(path: Path, obj: object) -> Path:
+    """``obj`` as JSON at ``path`` (NaN and Infinity written as Python's json writes them)."""
+    path.write_text(json.dumps(obj))
+    return path

@@ -33,7 +33,7 @@ from ..request import Request
 from .config import CheckpointConfig
 from .plan import KVCachePlan
 from .scales_plan import build_scales
-from .source import Checkpoint
+from .source import Checkpoint, check_tp_rank
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3fnuz", "fp8_e5m2fnuz")
 FNUZ_TWIN = {"fp8_e4m3": "fp8_e4m3fnuz", "fp8_e5m2": "fp8_e5m2fnuz"}
@@ -164,7 +164,7 @@ def _no_fp8(requested: str, ck: Checkpoint, dev: DeviceInfo, reasons: list[str],
 
 
 def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None, *,
-                     layout: str = "NHD") -> KVCachePlan:
+                     layout: str = "NHD", tp_rank: int | None = None) -> KVCachePlan:
     """Plan the KV cache of ``checkpoint`` on ``device``: format, scales, backend.
 
     Args:
@@ -172,10 +172,15 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
             else no FP8), ``"fp8"`` (the device's e4m3), ``"fp8_e4m3"``, ``"fp8_e5m2"``,
             ``"fp8_e4m3fnuz"`` or ``"fp8_e5m2fnuz"``.
         checkpoint: a model directory (``config.json`` + ``*.safetensors``), a path to a
-            config JSON, a config dict, or None (no checkpoint).
+            config JSON, a path to a vLLM/SGLang KV-scales JSON (their ``quantization_param_path``
+            file: one scale per layer and tensor-parallel rank, used for both K and V), a config
+            or KV-scales dict, or None (no checkpoint).
         device: a :class:`fp8kv.plugins.DeviceInfo`, a simulated device name (``"sm80"``), a torch
             device, or None (``fp8kv.probe()``, which honours ``simulate_device``).
         layout: the cache layout the backend is selected for (``"NHD"`` or ``"HND"``).
+        tp_rank: the tensor-parallel rank whose scales a KV-scales JSON gives; None loads a
+            one-rank file and is refused for a file with several ranks. Other checkpoints
+            refuse a ``tp_rank`` (their scales are the same on every rank).
     Returns:
         a :class:`KVCachePlan`; scales are float32 tensors of shape ``()`` or ``(H,)``.
     Raises:
@@ -187,10 +192,14 @@ def resolve_kv_cache(kv_cache_dtype: str = "auto", checkpoint=None, device=None,
     if not isinstance(layout, str):
         raise bad_argument("layout", repr(layout), "'NHD' or 'HND'")
     check_layout(layout)
+    check_tp_rank(tp_rank)
     dev = _device(device)
-    ck = Checkpoint(checkpoint)
+    ck = Checkpoint(checkpoint, tp_rank)
     cfg, kv = ck.config, ck.config.kv
     reasons: list[str] = []
+    if ck.legacy is not None:
+        reasons.append(f"a KV-scales JSON: tensor-parallel rank {ck.legacy.tp_rank}'s scaling_factor of each layer "
+                       "is both its k and v scale, as vLLM and SGLang use it")
     warns: list[str] = list(ck.warnings)
     if ck.scan is not None and ck.scan.unrecognized:
         names = ", ".join(ck.scan.unrecognized[:6]) + (" ..." if len(ck.scan.unrecognized) > 6 else "")

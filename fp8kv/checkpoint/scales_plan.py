@@ -13,6 +13,9 @@ and :meth:`fp8kv.KVCachePlan.layer_scales` hands out:
 * **defaulted**: neither: k = v = 1.0, with a warning naming the layers (and, for e4m3,
   the saturation caveat). Only layers the config counts can default; a config without a
   layer count gives a plan with exactly the layers the checkpoint has scales for.
+
+A vLLM/SGLang KV-scales JSON (:mod:`.legacy_scales`) has one per-tensor scale per layer for
+every layer: each layer is **loaded**, with that scale as both k and v, as the engines do.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 
 from ..errors import InvalidArgument
 from ..formats import Fp8Format
+from .legacy_scales import LegacyKVScales
 from .tensors import ScaleEntry, adjust, ranges, read, shape_scale
 
 if TYPE_CHECKING:
@@ -97,9 +101,25 @@ def build_scales(ck: Checkpoint, fmt: Fp8Format, granularity: str, stores: bool,
             warns.append(_uncalibrated(fmt))
         return Scales("default", granularity, k, _defaults(cfg.num_layers, granularity, cfg.num_kv_heads),
                       defaulted_layers=tuple(k), num_layers=cfg.num_layers)
+    if ck.legacy is not None:
+        return _legacy(ck.legacy, fmt, factor)
     if ck.scan is None:
         return Scales("checkpoint", granularity, num_layers=cfg.num_layers)
     return _load(ck, fmt, granularity, factor, warns)
+
+
+def _legacy(legacy: LegacyKVScales, fmt: Fp8Format, factor: float) -> Scales:
+    """Per-tensor k = v = the layer's ``scaling_factor`` (times ``factor``), for every layer."""
+    k: dict[int, torch.Tensor] = {}
+    for layer, scale in legacy.scales.items():
+        out = scale * factor
+        if not bool(torch.isfinite(out)):
+            raise InvalidArgument(f"checkpoint: {legacy.where(layer)}: scale {float(scale):.6g} x {factor:g} "
+                                  f"overflows float32; {fmt.name} needs the checkpoint's scales x{factor:g}, "
+                                  "refusing rather than producing an infinite scale")
+        k[layer] = out
+    v = {layer: t.clone() for layer, t in k.items()}
+    return Scales("checkpoint", "tensor", k, v, loaded=True, loaded_layers=tuple(k), num_layers=legacy.num_layers)
 
 
 def _load(ck: Checkpoint, fmt: Fp8Format, granularity: str, factor: float, warns: list[str]) -> Scales:
