@@ -13,6 +13,7 @@ within the planned maxima).
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -147,6 +148,14 @@ class AttentionMetadata:
     backend_plan: Any = None
     host_seq_lens: list[int] | None = None
     host_query_start_loc: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        # the sizes reach every backend as Python ints, whatever scalar kind the caller gave them as
+        # (a NumPy integer or a one-element CPU tensor: the scalar rule of fp8kv.checks)
+        for name in ("num_q_heads", "num_tokens", "max_query_len", "max_seq_len"):
+            v = getattr(self, name)
+            if type(v) is not int and isinstance(v, (numbers.Integral, torch.Tensor)):
+                setattr(self, name, int(v))
 
     @property
     def num_seqs(self) -> int:
