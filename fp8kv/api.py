@@ -16,6 +16,8 @@ The one-shot way (a metadata is built inside every call)::
 
 Every check runs before any backend is called, so bad input raises
 :class:`fp8kv.InvalidArgument` (an :class:`fp8kv.Fp8KVError`) and leaves the cache unchanged.
+That includes a cache whose tensors were changed in place after it was built (``set_``,
+``resize_``, ...): :meth:`fp8kv.KVCache.check_intact` runs on every call, value checks on or off.
 
 Inference only: writes never record autograd history (the cache and its dynamic scales never
 join the caller's graph) and attention outputs never require grad, on every backend alike.
@@ -29,7 +31,7 @@ import torch
 
 from . import ops as _ops
 from .cache import KVCache, may_share_bytes
-from .checks import IO_DTYPES, check_slot_mapping, check_tensor
+from .checks import INDEX_DTYPES, IO_DTYPES, check_slot_mapping, check_tensor
 from .errors import bad_argument
 from .metadata import AttentionMetadata
 from .planning import plan_attention
@@ -112,6 +114,7 @@ def write_kv_one_shot(cache: KVCache, key: torch.Tensor, value: torch.Tensor, sl
 
 
 def _write(cache: KVCache, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, selection: Selection) -> None:
+    cache.check_intact()  # always, whatever FP8KV_CHECK says: host integers only
     _check_separate(cache, key=key, value=value)
     if key.requires_grad or value.requires_grad:  # inference only: never joins the caller's graph
         key, value = key.detach(), value.detach()
@@ -182,6 +185,16 @@ def paged_attention_one_shot(
     for name in _FROM_THE_CALL:
         if name in step:
             raise bad_argument(name, "given", "nothing: the one-shot call takes it from its arguments")
+    _check_one_shot_arguments(query, cache, block_tables, seq_lens, step.get("query_start_loc"), out)
+    meta = plan_attention(cache, block_tables=block_tables, seq_lens=seq_lens, num_q_heads=query.shape[1],
+                          query_dtype=query.dtype, num_tokens=query.shape[0], **step)
+    return _attend(query, cache, meta, out, return_lse)
+
+
+def _check_one_shot_arguments(query, cache, block_tables, seq_lens, query_start_loc, out) -> None:
+    """Each argument of a one-shot attention call on its own first (type, dtype, rank, device), in
+    the order of the signature, then the counts that relate them: the first wrong argument is
+    the one named (a 2-d ``seq_lens`` is named, not the query whose count it would not match)."""
     if not isinstance(query, torch.Tensor):
         raise bad_argument("query", type(query).__name__, "a torch.Tensor")
     if not isinstance(cache, KVCache):
@@ -190,6 +203,8 @@ def paged_attention_one_shot(
         raise bad_argument("query", f"shape {tuple(query.shape)}", "3 dimensions [num_tokens, Hq, D]")
     if not query.is_floating_point() or query.dtype not in IO_DTYPES:
         raise bad_argument("query", f"dtype {query.dtype}", f"one of {[str(d) for d in IO_DTYPES]}")
+    if query.device != cache.device:
+        raise bad_argument("query", f"device {query.device}", f"the cache's device {cache.device}")
     H, D = cache.num_kv_heads, cache.head_size
     if query.shape[2] != D:
         raise bad_argument("query", f"head size {query.shape[2]}", f"the cache's head_size {D}")
@@ -199,14 +214,19 @@ def paged_attention_one_shot(
         raise bad_argument("block_tables", type(block_tables).__name__,
                            "a torch.Tensor [num_seqs, max_blocks] (a planned step goes to "
                            "fp8kv.paged_attention(query, cache, metadata))")
-    if isinstance(seq_lens, torch.Tensor) and seq_lens.dim() != 1:
-        raise bad_argument("seq_lens", f"shape {tuple(seq_lens.shape)}", "1 dimension [num_seqs]")
-    if step.get("query_start_loc") is None and query.shape[0] != getattr(seq_lens, "shape", (None,))[0]:
+    check_tensor("block_tables", block_tables, dtypes=INDEX_DTYPES, ndim=2, device=cache.device, contiguous=False)
+    check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1, device=cache.device, contiguous=False)
+    if query_start_loc is not None:
+        check_tensor("query_start_loc", query_start_loc, dtypes=INDEX_DTYPES, ndim=1, device=cache.device,
+                     contiguous=False)
+    if out is not None:
+        check_tensor("out", out, dtypes=(query.dtype,), ndim=3, device=cache.device)
+    # -- counts, once every argument is known to be the right kind of tensor
+    if block_tables.shape[0] != seq_lens.shape[0]:
+        raise bad_argument("block_tables", f"{block_tables.shape[0]} rows", f"one per sequence ({seq_lens.shape[0]})")
+    if query_start_loc is None and query.shape[0] != seq_lens.shape[0]:
         raise bad_argument("query", f"{query.shape[0]} tokens", "one per sequence for decode; pass "
                                                                  "query_start_loc for prefill")
-    meta = plan_attention(cache, block_tables=block_tables, seq_lens=seq_lens, num_q_heads=query.shape[1],
-                          query_dtype=query.dtype, num_tokens=query.shape[0], **step)
-    return _attend(query, cache, meta, out, return_lse)
 
 
 _FROM_THE_CALL = ("num_q_heads", "query_dtype", "num_tokens", "slot_mapping", "kv_indptr", "kv_indices",
@@ -217,7 +237,8 @@ the page table is the padded one; no slots (the write is its own call)."""
 
 def _attend(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, out: torch.Tensor | None,
             return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Check ``query`` and ``out`` against the planned step, then run the chosen backend."""
+    """Check the cache's tensors, ``query`` and ``out`` against the planned step, then run the chosen backend."""
+    cache.check_intact()  # always, whatever FP8KV_CHECK says: host integers only
     spec = meta.spec
     want = (meta.num_tokens, meta.num_q_heads, spec.head_size)
     check_tensor("query", query, dtypes=(meta.query_dtype,), ndim=3, device=spec.device)

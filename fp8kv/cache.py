@@ -14,6 +14,15 @@ heads (a tensor-parallel rank); every backend honours each tensor's own strides.
 A :class:`KVCache` is validated when it is built and frozen afterwards, so a cache that
 passed stays valid. :meth:`KVCache.allocate` makes a new one; :meth:`KVCache.from_tensors`
 wraps an engine's memory without copying (``docs/engines.md`` has a recipe per engine).
+Every way of building one (the constructor, ``dataclasses.replace``, :meth:`~KVCache.allocate`,
+:meth:`~KVCache.from_tensors`, :meth:`~KVCache.slice_heads`, :meth:`~KVCache.to`,
+:meth:`~KVCache.clone`) runs the same checks, static scale values included.
+
+Frozen fields cannot stop a tensor from being changed in place (``set_``, ``resize_``,
+``as_strided_``, ``untyped_storage().resize_``). The cache records what each of its tensors was
+when it was built and keeps each original storage alive; every operation calls
+:meth:`KVCache.check_intact` before it reaches a backend, so a kernel is never launched on memory
+the cache was not built over.
 """
 
 from __future__ import annotations
@@ -176,6 +185,37 @@ def _static_scale(value, name: str, granularity: str, num_kv_heads: int, device)
     return s.to(device=device, dtype=torch.float32).contiguous().clone()
 
 
+def _static_scale_values_ok(k_scale: torch.Tensor, v_scale: torch.Tensor) -> tuple[bool, bool]:
+    """Whether every value of each static scale is finite and > 0: one host transfer for both
+    (a device sync for CUDA scales; build time only, never per layer)."""
+    checks = [(torch.isfinite(s) & (s > 0)).all() for s in (k_scale, v_scale)]
+    k_ok, v_ok = torch.stack(checks).tolist()
+    return k_ok, v_ok
+
+
+def _values_readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s values can be read now: not on the meta device, not a fake tensor under
+    ``torch.compile``, and not on a CUDA stream that is capturing a graph (no sync allowed)."""
+    if t.device.type == "meta" or torch.compiler.is_compiling():
+        return False
+    return not (t.device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+def _fingerprint(t: torch.Tensor) -> tuple:
+    """What the memory a cache tensor addresses is: its first byte, geometry and storage size.
+
+    ``set_`` (another storage or offset), ``resize_``, ``as_strided_``, ``.data =`` and a resize of
+    the storage itself (``untyped_storage().resize_``, which moves or frees the bytes) each change
+    at least one entry."""
+    return t.data_ptr(), t.shape, t.stride(), t.storage_offset(), t.untyped_storage().nbytes()
+
+
+def _describe_fingerprint(fp: tuple) -> str:
+    ptr, shape, stride, offset, nbytes = fp
+    return (f"shape {tuple(shape)}, strides {tuple(stride)}, storage offset {offset}, "
+            f"address {ptr:#x} in a storage of {nbytes} bytes")
+
+
 def _token_head_scale(value, name: str, shape: tuple[int, int, int], device) -> torch.Tensor:
     """The engine's ``[num_blocks, block_size, H]`` float32 scale tensor, or a new one of ones."""
     if value is None:
@@ -225,7 +265,11 @@ class KVCache:
         spec: the :class:`CacheSpec` (derived).
 
     Build one with :meth:`allocate` or :meth:`from_tensors`; the constructor checks the
-    same things (shapes, dtypes, devices, strides, scale shapes, no shared bytes).
+    same things (shapes, dtypes, devices, strides, scale shapes, static scale values finite and
+    > 0, no shared bytes), and so does every other way of building one (``dataclasses.replace``,
+    :meth:`slice_heads`, :meth:`to`, :meth:`clone`). ``token_head`` scale values are not read
+    (see :meth:`_check_static_scale_values`). Tensors changed in place afterwards are caught
+    by :meth:`check_intact`, which every operation calls.
     """
 
     key_cache: torch.Tensor
@@ -238,6 +282,8 @@ class KVCache:
     spec: CacheSpec = dataclasses.field(init=False, repr=False, compare=False)
     _extents: tuple = dataclasses.field(init=False, repr=False, compare=False)
     _span: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    _fingerprints: tuple = dataclasses.field(init=False, repr=False, compare=False)
+    _storages: tuple = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("key_cache", "value_cache", "k_scale", "v_scale"):  # inference only: never in a graph
@@ -248,17 +294,56 @@ class KVCache:
         self._record_addresses()
 
     def _record_addresses(self) -> None:
-        """Remember each tensor's byte extent, and their span, for :meth:`shares_memory_with`."""
-        extents = tuple(_extent(t) for t in (self.key_cache, self.value_cache, self.k_scale, self.v_scale))
+        """Remember each tensor's byte extent, and their span, for :meth:`shares_memory_with`; its
+        fingerprint for :meth:`check_intact`; and its storage, kept alive with the cache."""
+        tensors = (self.key_cache, self.value_cache, self.k_scale, self.v_scale)
+        extents = tuple(_extent(t) for t in tensors)
         object.__setattr__(self, "_extents", extents)
         object.__setattr__(self, "_span", (min(a for a, _ in extents), max(b for _, b in extents)))
+        object.__setattr__(self, "_fingerprints", tuple(_fingerprint(t) for t in tensors))
+        object.__setattr__(self, "_storages", tuple(t.untyped_storage() for t in tensors))
+
+    def check_intact(self) -> None:
+        """Raise :class:`fp8kv.InvalidArgument` naming the cache tensor that was changed in place
+        since the cache was built: re-pointed (``set_``, ``.data =``), resized (``resize_``, or its
+        storage's ``untyped_storage().resize_``) or restrided (``as_strided_``).
+
+        The kernels address a cache by its live tensors and its spec; a tensor changed under a
+        frozen cache could lead them outside its memory. Every operation of :mod:`fp8kv.api`
+        calls this before any backend, whatever ``FP8KV_CHECK`` says: a comparison of host
+        integers (about a microsecond on the CPU; no device sync). Skipped while
+        ``torch.compile`` traces (fake tensors have no addresses).
+
+        The cache keeps the storage each tensor had when it was built alive, so a CUDA graph
+        captured on its addresses still writes into memory the cache owns after a ``set_``. A
+        resize of the storage itself frees its old bytes (torch's own semantics, which no handle
+        can prevent): calls made after it raise here, but a graph captured before it must not be
+        replayed.
+        """
+        if torch.compiler.is_compiling():
+            return
+        fingerprints = (_fingerprint(self.key_cache), _fingerprint(self.value_cache), _fingerprint(self.k_scale),
+                        _fingerprint(self.v_scale))
+        if fingerprints != self._fingerprints:
+            self._raise_changed(fingerprints)
+
+    def _raise_changed(self, fingerprints: tuple) -> None:
+        names = ("key_cache", "value_cache", "k_scale", "v_scale")
+        for name, now, built in zip(names, fingerprints, self._fingerprints, strict=True):
+            if now != built:
+                raise bad_argument(f"cache.{name}",
+                                   f"a tensor resized or re-pointed in place after the cache was built (now "
+                                   f"{_describe_fingerprint(now)}; built with {_describe_fingerprint(built)})",
+                                   "the tensor the cache was built with, unchanged; build a new KVCache over "
+                                   "the new memory (KVCache.from_tensors)")
 
     @classmethod
     def unchecked(cls, key_cache: torch.Tensor, value_cache: torch.Tensor, k_scale: torch.Tensor,
                   v_scale: torch.Tensor, fmt: Fp8Format, layout: str, scale_granularity: str,
                   spec: CacheSpec) -> KVCache:
         """A cache from tensors already validated as one with ``spec`` (no checks; for fp8kv's own
-        rebuilds, e.g. inside its torch custom ops). Anything else should use the constructor."""
+        rebuilds, e.g. inside its torch custom ops). Anything else should use the constructor.
+        Records the tensors' fingerprints for :meth:`check_intact` (host integers only)."""
         cache = object.__new__(cls)
         fields = dict(key_cache=key_cache, value_cache=value_cache, k_scale=k_scale, v_scale=v_scale, fmt=fmt,
                       layout=layout, scale_granularity=scale_granularity, spec=spec)
@@ -313,6 +398,8 @@ class KVCache:
                 raise bad_argument(name, f"{s.dtype} of shape {tuple(s.shape)} on {s.device}",
                                    f"float32 of shape {want} on {k.device} for scale_granularity="
                                    f"{self.scale_granularity!r}")
+        if self.scale_granularity != "token_head":
+            self._check_static_scale_values()
         named = (("key_cache", k), ("value_cache", v), ("k_scale", self.k_scale), ("v_scale", self.v_scale))
         for i, (na, a) in enumerate(named):
             for nb_, b in named[i + 1:]:
@@ -322,6 +409,27 @@ class KVCache:
                                        "separate memory for key_cache, value_cache, k_scale and v_scale "
                                        "(static k/v scales may share)")
         return CacheSpec(self.fmt.name, self.layout, self.scale_granularity, nb, bs, H, k.shape[3], k.device)
+
+    def _check_static_scale_values(self) -> None:
+        """Tensor and head scales: every value finite and > 0, as :func:`fp8kv.formats.check_scale`
+        demands of a scale given to :meth:`allocate` or :meth:`from_tensors` (a zero, negative,
+        NaN or inf scale would make every later write store +-max or NaN codes).
+
+        Read once, when the cache is built (one host transfer for both; a device sync for CUDA
+        scales), not per operation: an engine that updates a scale in place afterwards owns its
+        values. Skipped where values cannot be read (meta tensors, ``torch.compile`` tracing, CUDA
+        graph capture). ``token_head`` scales are not read: write_kv stores a slot's scales with
+        its codes, and attention reads only slots within the step's lengths, so the scales of a
+        slot never written may be anything (an engine's fresh memory), as its codes may; and
+        reading a ``[num_blocks, block_size, H]`` tensor would cost a pass over it.
+        """
+        if not _values_readable(self.k_scale):
+            return
+        for name, ok, s in zip(("k_scale", "v_scale"), _static_scale_values_ok(self.k_scale, self.v_scale),
+                               (self.k_scale, self.v_scale), strict=True):
+            if not ok:
+                check_scale(s, name)  # raises, naming the scale and its first bad values
+                raise bad_argument(name, "a non-finite or non-positive value", "finite scales > 0 (in float32)")
 
     # -- construction -------------------------------------------------------------
     @classmethod
