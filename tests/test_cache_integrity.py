@@ -35,20 +35,21 @@ import torch
 import fp8kv
 from fp8kv import InvalidArgument, KVCache
 from fp8kv.formats import FORMATS
+from fp8kv.probe import probe
+from fp8kv.registry import registry
+from fp8kv.request import Request
 
-NB, BS, H, HQ, D = 4, 4, 2, 4, 16  # blocks, block size, KV heads, query heads, head size
+NB, BS, H, HQ, D = 4, 4, 2, 4, 32  # blocks, block size, KV heads, query heads, head size (hopper's least)
 G = NB  # guard blocks on each side: a write up to NB blocks past a one-block tensor lands in them
 BLOCK = BS * H * D  # bytes of one block (NHD, float8)
 NAN_CODE = FORMATS["fp8_e4m3"].nan_encodings[0]
 CANARY = 0x5A
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
-BACKENDS = [
-    "reference",
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(
-        importlib.util.find_spec("triton") is None or not _INTERPRETED, reason="needs the Triton CPU interpreter")),
-]
+_NEEDS_INTERPRETER = pytest.mark.skipif(importlib.util.find_spec("triton") is None or not _INTERPRETED,
+                                        reason="needs the Triton CPU interpreter")
+BACKENDS = ["reference", "torch", pytest.param("triton", marks=_NEEDS_INTERPRETER),
+            pytest.param("hopper", marks=_NEEDS_INTERPRETER)]
 
 
 def named(argument: str, fn: Callable[[], object]) -> str:
@@ -167,51 +168,51 @@ class Guarded:
             assert changed == 0, f"{changed} bytes of {name} changed"
 
 
-def guarded(granularity: str = "tensor") -> Guarded:
-    parents = {name: torch.full((NB + 2 * G, BS, H, D), NAN_CODE, dtype=torch.uint8) for name in ("key", "value")}
+def guarded(granularity: str = "tensor", device: str = "cpu") -> Guarded:
+    parents = {name: torch.full((NB + 2 * G, BS, H, D), NAN_CODE, dtype=torch.uint8, device=device)
+               for name in ("key", "value")}
     if granularity == "token_head":
-        parents |= {name: torch.full((NB + 2 * G, BS, H), math.nan) for name in ("k_scale", "v_scale")}
+        parents |= {name: torch.full((NB + 2 * G, BS, H), math.nan, device=device) for name in ("k_scale", "v_scale")}
         scales = dict(k_scale=parents["k_scale"][G:G + NB], v_scale=parents["v_scale"][G:G + NB])
     else:
         scales = dict(k_scale=0.05, v_scale=0.07)
     cache = KVCache.from_tensors(parents["key"][G:G + NB], parents["value"][G:G + NB], kv_dtype="fp8_e4m3",
                                  scale_granularity=granularity, **scales)
     g = torch.Generator().manual_seed(0)
-    key = torch.randn(NB * BS, H, D, generator=g)
-    fp8kv.write_kv_one_shot(cache, key, -key, torch.arange(NB * BS), backend="reference")
+    key = torch.randn(NB * BS, H, D, generator=g).to(device)
+    fp8kv.write_kv_one_shot(cache, key, -key, torch.arange(NB * BS, device=device), backend="reference")
     guarded_cache = Guarded(cache, parents, dict(parents))
     guarded_cache.freeze()
     return guarded_cache
 
 
-def _arena(num_blocks: int, dtype: torch.dtype = torch.uint8, block: int = BLOCK) -> torch.Tensor:
+def _arena(device: torch.device, num_blocks: int, dtype: torch.dtype = torch.uint8, block: int = BLOCK
+           ) -> torch.Tensor:
     """Canary memory: ``num_blocks`` blocks between G guard blocks on each side."""
-    if dtype == torch.float32:
-        return torch.full(((num_blocks + 2 * G) * block,), -7.0)
-    return torch.full(((num_blocks + 2 * G) * block,), CANARY, dtype=dtype)
+    fill = -7.0 if dtype == torch.float32 else CANARY
+    return torch.full(((num_blocks + 2 * G) * block,), fill, dtype=dtype, device=device)
 
 
-def _nhd_strides() -> tuple[int, ...]:
-    return (BLOCK, H * D, D, 1)
+NHD_STRIDES = (BLOCK, H * D, D, 1)
 
 
 def set_one_block(g: Guarded) -> str:
     """V re-pointed to a one-block storage inside canary memory (a write to blocks 1.. lands in it)."""
-    arena = g.watch("arena", _arena(1))
-    g.cache.value_cache.set_(arena.untyped_storage(), G * BLOCK, (1, BS, H, D), _nhd_strides())
+    arena = g.watch("arena", _arena(g.cache.device, 1))
+    g.cache.value_cache.set_(arena.untyped_storage(), G * BLOCK, (1, BS, H, D), NHD_STRIDES)
     return "cache.value_cache"
 
 
 def set_same_geometry(g: Guarded) -> str:
     """K re-pointed to other memory of the very same shape and strides (only the address differs)."""
-    arena = g.watch("arena", _arena(NB))
-    g.cache.key_cache.set_(arena.untyped_storage(), G * BLOCK, (NB, BS, H, D), _nhd_strides())
+    arena = g.watch("arena", _arena(g.cache.device, NB))
+    g.cache.key_cache.set_(arena.untyped_storage(), G * BLOCK, (NB, BS, H, D), NHD_STRIDES)
     return "cache.key_cache"
 
 
 def set_data(g: Guarded) -> str:
     """``.data =`` a one-block tensor inside canary memory."""
-    arena = g.watch("arena", _arena(1))
+    arena = g.watch("arena", _arena(g.cache.device, 1))
     g.cache.value_cache.data = arena[G * BLOCK:(G + 1) * BLOCK].view(torch.float8_e4m3fn).view(1, BS, H, D)
     return "cache.value_cache"
 
@@ -238,29 +239,27 @@ def as_strided_blocks_apart(g: Guarded) -> str:
     return "cache.value_cache"
 
 
-def storage_freed(g: Guarded) -> str:
-    """The storage itself resized to nothing (its bytes freed: they are not watched any more)."""
+def _resize_storage(g: Guarded, nbytes: int) -> str:
+    """V's storage itself resized (its old bytes freed: they are not watched any more)."""
     del g.watched["value"]
     storage = g.cache.value_cache.untyped_storage()
-    nbytes = storage.nbytes()
-    g.repairs.append(lambda: storage.resize_(nbytes))
-    storage.resize_(0)
+    old = storage.nbytes()
+    g.repairs.append(lambda: storage.resize_(old))
+    storage.resize_(nbytes)
     return "cache.value_cache"
+
+
+def storage_freed(g: Guarded) -> str:
+    return _resize_storage(g, 0)
 
 
 def storage_shrunk(g: Guarded) -> str:
-    """The storage itself resized to one block (moved: the old bytes are freed)."""
-    del g.watched["value"]
-    storage = g.cache.value_cache.untyped_storage()
-    nbytes = storage.nbytes()
-    g.repairs.append(lambda: storage.resize_(nbytes))
-    storage.resize_(BLOCK)
-    return "cache.value_cache"
+    return _resize_storage(g, BLOCK)
 
 
 def scale_set_one_block(g: Guarded) -> str:
     """token_head: the K scales re-pointed to one block of canary float32 memory."""
-    arena = g.watch("arena", _arena(1, torch.float32, BS * H))
+    arena = g.watch("arena", _arena(g.cache.device, 1, torch.float32, BS * H))
     g.cache.k_scale.set_(arena.untyped_storage(), G * BS * H, (1, BS, H), (BS * H, H, 1))
     return "cache.k_scale"
 
@@ -269,21 +268,43 @@ MUTATIONS = [set_one_block, set_same_geometry, set_data, set_empty, resize_small
              as_strided_blocks_apart, storage_freed, storage_shrunk, scale_set_one_block]
 
 
-def _step(cache: KVCache, backend: str) -> dict:
-    """A decode step over every block: two sequences of NB/2 blocks, one new token each."""
+def _granularity(mutation) -> str:
+    return "token_head" if mutation is scale_set_one_block else "tensor"
+
+
+def served_operations(backend: str, cache: KVCache, io_dtype: torch.dtype) -> dict[str, dict | None]:
+    """The operations ``backend`` serves for ``cache``, each with the plan keywords it needs
+    (the hopper backend's attention is its FP8 mode; None: no plan, the backend serves no
+    attention here); empty when it serves none."""
+    device = probe(cache.device)
+    answers = lambda request: registry().explain(request, device).get(backend, "not installed")  # noqa: E731
+    attention = next((options for options in ({}, {"fp8_attention": True})
+                      if answers(Request.for_attention(cache.spec, io_dtype, frozenset(options))) is None), None)
+    served = {}
+    if answers(Request.for_write(cache.spec, io_dtype)) is None:
+        served["write_kv_one_shot"] = attention
+        if attention is not None:
+            served["write_kv"] = attention
+    if attention is not None:
+        served |= {"paged_attention": attention, "paged_attention_one_shot": attention}
+    return served
+
+
+def _step(cache: KVCache, backend: str, io_dtype: torch.dtype, options: dict | None) -> dict:
+    """A decode step over every block: two sequences of NB/2 blocks, one new token each (planned
+    with ``options`` unless they are None)."""
     g = torch.Generator().manual_seed(1)
-    return dict(
-        query=torch.randn(2, HQ, D, generator=g),
-        key=torch.randn(2, H, D, generator=g) * 3,
-        value=torch.randn(2, H, D, generator=g) * 3,
-        block_tables=torch.arange(NB, dtype=torch.int32).view(2, NB // 2),
-        seq_lens=torch.tensor([NB // 2 * BS, NB // 2 * BS], dtype=torch.int32),
-        slot_mapping=torch.tensor([NB // 2 * BS - 1, NB * BS - 1]),
-        meta=fp8kv.plan_attention(cache, num_q_heads=HQ, query_dtype=torch.float32,
-                                  block_tables=torch.arange(NB, dtype=torch.int32).view(2, NB // 2),
-                                  seq_lens=torch.tensor([NB // 2 * BS] * 2, dtype=torch.int32),
-                                  slot_mapping=torch.tensor([NB // 2 * BS - 1, NB * BS - 1]), backend=backend),
-    )
+    dev = cache.device
+    tables = torch.arange(NB, dtype=torch.int32, device=dev).view(2, NB // 2)
+    lens = torch.tensor([NB // 2 * BS] * 2, dtype=torch.int32, device=dev)
+    slots = torch.tensor([NB // 2 * BS - 1, NB * BS - 1], device=dev)
+    return dict(query=torch.randn(2, HQ, D, generator=g).to(dev, io_dtype),
+                key=(torch.randn(2, H, D, generator=g) * 3).to(dev, io_dtype),
+                value=(torch.randn(2, H, D, generator=g) * 3).to(dev, io_dtype),
+                block_tables=tables, seq_lens=lens, slot_mapping=slots, options=options,
+                meta=None if options is None else fp8kv.plan_attention(
+                    cache, num_q_heads=HQ, query_dtype=io_dtype, block_tables=tables, seq_lens=lens,
+                    slot_mapping=slots, backend=backend, **options))
 
 
 OPERATIONS: dict[str, Callable[[KVCache, dict, str], object]] = {
@@ -292,42 +313,67 @@ OPERATIONS: dict[str, Callable[[KVCache, dict, str], object]] = {
                                                                  backend=b),
     "paged_attention": lambda c, s, b: fp8kv.paged_attention(s["query"], c, s["meta"]),
     "paged_attention_one_shot": lambda c, s, b: fp8kv.paged_attention_one_shot(
-        s["query"], c, s["block_tables"], s["seq_lens"], backend=b),
+        s["query"], c, s["block_tables"], s["seq_lens"], backend=b, **s["options"]),
 }
 
 
+def _operations_or_skip(backend: str, granularity: str, device: str, io_dtype: torch.dtype
+                        ) -> dict[str, dict | None]:
+    served = served_operations(backend, guarded(granularity, device).cache, io_dtype)
+    if not served:
+        reasons = registry().explain(Request.for_write(guarded(granularity, device).cache.spec, io_dtype),
+                                     probe(torch.device(device)))
+        pytest.skip(f"{backend} serves no operation on a {granularity} cache here: {reasons.get(backend)}")
+    return served
+
+
+def check_intact_cache_served(backend: str, granularity: str, device: str, io_dtype: torch.dtype) -> None:
+    """The control: every operation ``backend`` serves runs on an untouched guarded cache and
+    leaves its guard blocks alone."""
+    for operation_name, options in _operations_or_skip(backend, granularity, device, io_dtype).items():
+        g = guarded(granularity, device)
+        step = _step(g.cache, backend, io_dtype, options)
+        OPERATIONS[operation_name](g.cache, step, backend)
+        if g.cache.device.type == "cuda":
+            torch.cuda.synchronize()
+        for name in ("key", "value"):
+            guards = torch.cat([g.parents[name][:G], g.parents[name][G + NB:]])
+            assert bool((guards == NAN_CODE).all()), f"{operation_name}: a guard byte of {name} changed"
+
+
+def check_changed_cache_refused(backend: str, mutation, device: str, io_dtype: torch.dtype) -> None:
+    """Every operation ``backend`` serves refuses the cache after ``mutation``, naming the tensor,
+    and no byte changes anywhere (cache, guard blocks, canary memory)."""
+    granularity = _granularity(mutation)
+    for operation_name, options in _operations_or_skip(backend, granularity, device, io_dtype).items():
+        g = guarded(granularity, device)
+        step = _step(g.cache, backend, io_dtype, options)  # planned before the change, as an engine plans its step
+        try:
+            tensor = mutation(g)
+            msg = named(tensor, lambda g=g, step=step, operation=OPERATIONS[operation_name]:
+                        operation(g.cache, step, backend))
+            assert "after the cache was built" in msg and "KVCache" in msg, f"{operation_name}: {msg}"
+            if g.cache.device.type == "cuda":
+                torch.cuda.synchronize()
+            g.assert_unchanged()
+        finally:
+            g.repair()
+
+
 @pytest.mark.parametrize("check", ["full", "shapes"])
+@pytest.mark.parametrize("granularity", ["tensor", "token_head"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_operations_serve_an_intact_guarded_cache(backend, check, monkeypatch):
-    """The control: the same calls on the same caches, untouched, run and write only their slots."""
+def test_operations_serve_an_intact_guarded_cache(backend, granularity, check, monkeypatch):
     monkeypatch.setenv("FP8KV_CHECK", check)
-    for granularity in ("tensor", "token_head"):
-        for operation in OPERATIONS.values():
-            g = guarded(granularity)
-            step = _step(g.cache, backend)
-            g.cache.check_intact()
-            operation(g.cache, step, backend)
-            for name in ("key", "value"):
-                guards = torch.cat([g.parents[name][:G], g.parents[name][G + NB:]])
-                assert bool((guards == NAN_CODE).all()), f"a guard byte of {name} changed"
+    check_intact_cache_served(backend, granularity, "cpu", torch.float32)
 
 
+@pytest.mark.parametrize("check", ["full", "shapes"])
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.__name__)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_operations_refuse_a_cache_tensor_changed_in_place(backend, mutation, monkeypatch):
-    granularity = "token_head" if mutation is scale_set_one_block else "tensor"
-    for check in ("full", "shapes"):
-        monkeypatch.setenv("FP8KV_CHECK", check)
-        for operation_name, operation in OPERATIONS.items():
-            g = guarded(granularity)
-            step = _step(g.cache, backend)  # planned before the change, as an engine plans its step
-            try:
-                tensor = mutation(g)
-                msg = named(tensor, lambda g=g, step=step, operation=operation: operation(g.cache, step, backend))
-                assert "after the cache was built" in msg and "KVCache" in msg, f"{operation_name}: {msg}"
-                g.assert_unchanged()
-            finally:
-                g.repair()
+def test_operations_refuse_a_cache_tensor_changed_in_place(backend, mutation, check, monkeypatch):
+    monkeypatch.setenv("FP8KV_CHECK", check)
+    check_changed_cache_refused(backend, mutation, "cpu", torch.float32)
 
 
 def test_restoring_the_tensor_makes_the_cache_intact_again():
