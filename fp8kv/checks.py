@@ -51,23 +51,25 @@ def _given(x) -> str:
 
 def _number(name: str, x, *, integer: bool, expected: str) -> int | float:
     """``x`` as a Python int (``integer``) or number by the scalar rule, else the named error
-    (``expected`` says what the argument takes)."""
+    (``expected`` says what the argument takes). A one-element CPU tensor is read and its value
+    judged as a scalar: a bool, complex or (for an int) floating tensor fails like its value."""
     kinds = INT_KINDS if integer else FLOAT_KINDS
+    given = _given(x)
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
-            raise bad_argument(name, _given(x), f"{expected} ({kinds}: reading a {x.device.type} tensor would "
-                                                "make the host wait for the device)")
-        if x.numel() != 1 or x.dtype == torch.bool or x.is_complex() or (integer and x.is_floating_point()):
-            raise bad_argument(name, _given(x), f"{expected} ({kinds})")
+            raise bad_argument(name, given, f"{expected} ({kinds}: reading a {x.device.type} tensor would "
+                                            "make the host wait for the device)")
+        if x.numel() != 1:
+            raise bad_argument(name, given, f"{expected} ({kinds})")
         x = x.item()
     if isinstance(x, bool) or not isinstance(x, numbers.Integral if integer else numbers.Real):
-        raise bad_argument(name, _given(x), f"{expected} ({kinds})")
+        raise bad_argument(name, given, f"{expected} ({kinds})")
     if integer:
         return int(x)
     try:
         return float(x)
     except OverflowError:  # a Python int past the float range
-        raise bad_argument(name, _given(x), f"{expected} (within the float32 range)") from None
+        raise bad_argument(name, given, f"{expected} (within the float32 range)") from None
 
 
 def real_scalar(name: str, x, expected: str = "a number") -> float:
