@@ -21,11 +21,14 @@ from checkpoint_fixtures import (
     fake_rocm,
     install,
     legacy_kv_scales,
+    within,
     write_checkpoint,
     write_json,
 )
 
 import fp8kv
+from fp8kv.checkpoint.config import MAX_LAYERS
+from fp8kv.checkpoint.legacy_scales import MAX_TP_RANKS
 from fp8kv.errors import InvalidArgument
 from fp8kv.registry import reset_registry
 
@@ -246,6 +249,24 @@ def test_a_huge_rank_or_layer_index_is_refused_without_looping_up_to_it():
         fp8kv.resolve_kv_cache("fp8", _scaling_factor({"0": {"999999999": 0.1}}), "sm80")
 
 
+def test_a_caller_dict_with_int_keys_loads_but_a_key_given_twice_is_refused():
+    ints = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {0: {0: 0.5, 1: 0.25}}}}
+    plan = fp8kv.resolve_kv_cache("fp8", ints, "sm80")
+    assert [float(plan.k_scales[i]) for i in (0, 1)] == [0.5, 0.25]
+    twice = {"kv_cache": {"dtype": "float8_e4m3fn", "scaling_factor": {0: {0: 0.5, "0": 0.25}}}}
+    with pytest.raises(InvalidArgument, match=r"got layer 0 twice .*, expected one entry per layer"):
+        fp8kv.resolve_kv_cache("fp8", twice, "sm80")
+
+
+def test_more_ranks_or_layers_than_the_bounds_are_refused_by_count(tmp_path):
+    ranks = _scaling_factor({str(r): {"0": 0.1} for r in range(MAX_TP_RANKS + 1)})
+    with pytest.raises(InvalidArgument, match=rf"scaling_factor: got {MAX_TP_RANKS + 1} ranks, expected at most"):
+        fp8kv.resolve_kv_cache("fp8", write_json(tmp_path / "ranks.json", ranks), "sm80", tp_rank=0)
+    layers = _scaling_factor({"0": {str(i): 0.1 for i in range(MAX_LAYERS + 1)}})
+    with pytest.raises(InvalidArgument, match=rf"got {MAX_LAYERS + 1} layers, expected at most {MAX_LAYERS}"):
+        fp8kv.resolve_kv_cache("fp8", layers, "sm80")
+
+
 # -- other JSON that carries KV scales -----------------------------------------------------------------
 
 @pytest.mark.parametrize(("obj", "key"), [
@@ -265,15 +286,23 @@ def test_an_unknown_json_with_kv_scales_is_refused_not_planned_unquantized(tmp_p
 
 def test_configs_without_kv_scales_still_plan_default_scales(tmp_path):
     rope = {**config("none"), "rope_scaling": {"type": "yarn", "factor": 4.0, "scaling_factor": 4.0}}
-    for obj in (config("none"), config("awq"), rope):
+    vision = {**config("none"), "vision_config": {"scaling_factor": 0.5}}
+    for obj in (config("none"), config("awq"), rope, vision):
         plan = fp8kv.resolve_kv_cache("fp8", write_json(tmp_path / "config.json", obj), "sm80")
         assert plan.scale_source == "default" and plan.num_layers == 4
 
 
-def test_a_cyclic_dict_is_inspected_without_looping():
-    obj: dict = {"num_hidden_layers": 2}
-    obj["self"] = {"again": obj}
-    assert fp8kv.resolve_kv_cache("fp8", obj, "sm80").scale_source == "default"
+def test_a_cyclic_or_deep_dict_is_inspected_quickly():
+    cyclic: dict = {"num_hidden_layers": 2}
+    cyclic["self"] = {"again": cyclic}
+    deep: dict = {"num_hidden_layers": 2}
+    node = deep
+    for _ in range(50_000):
+        node["next"] = {}
+        node = node["next"]
+    for obj in (cyclic, deep):
+        plan = within(5.0, lambda obj=obj: fp8kv.resolve_kv_cache("fp8", obj, "sm80"))
+        assert plan.scale_source == "default"
 
 
 # -- in a model directory ----------------------------------------------------------------------------

@@ -239,9 +239,10 @@ def parse_legacy(obj: dict, source: str, tp_rank: int | None) -> LegacyKVScales:
 
 
 def scale_like_keys(obj: object, limit: int = 3) -> list[str]:
-    """Up to ``limit`` paths of keys in ``obj`` that carry KV scales (:data:`SCALE_LIKE_KEYS`, or
-    ``scaling_factor`` at the top level or under a ``kv``/``cache`` key), visiting at most
-    :data:`MAX_KEYS_INSPECTED` values; subtrees under ``rope``/``rotary`` keys are skipped.
+    """Up to ``limit`` paths of keys in ``obj`` that carry KV scales: :data:`SCALE_LIKE_KEYS`, or
+    :data:`GENERIC_SCALE_KEYS` at the top level or under a key that mentions ``kv`` or ``cache``
+    (not, say, ``rope_scaling.scaling_factor``). Visits at most :data:`MAX_KEYS_INSPECTED` values,
+    each once (a caller's dict may be cyclic); paths are cut at ``MAX_NAME_CHARS``.
     """
     found: list[str] = []
     stack: list[tuple[object, str, bool]] = [(obj, "", True)]
@@ -250,28 +251,18 @@ def scale_like_keys(obj: object, limit: int = 3) -> list[str]:
     while stack and len(found) < limit and visited < MAX_KEYS_INSPECTED:
         node, path, kv_context = stack.pop()
         visited += 1
-        if id(node) in seen:
+        if id(node) in seen or not isinstance(node, dict | list):
             continue
-        if isinstance(node, dict):
-            seen.add(id(node))
-            items = list(node.items())
-        elif isinstance(node, list):
-            seen.add(id(node))
-            items = [(str(i), v) for i, v in enumerate(node)]
-        else:
-            continue
-        for key, value in items[:MAX_KEYS_INSPECTED]:
-            if not isinstance(key, str):
-                continue
+        seen.add(id(node))
+        items = node.items() if isinstance(node, dict) else enumerate(node)
+        for n, (key, value) in enumerate(items):
+            if n >= MAX_KEYS_INSPECTED or len(found) >= limit:
+                break
+            key = str(key)[:MAX_NAME_CHARS] if isinstance(key, str | int) else "?"
             low = key.lower()
-            last = low.rsplit(".", 1)[-1]
-            where = f"{path}.{key}" if path else key
-            if last in SCALE_LIKE_KEYS or (last in GENERIC_SCALE_KEYS and kv_context):
-                found.append(where[:MAX_NAME_CHARS])
-                if len(found) >= limit:
-                    break
-            if "rope" in low or "rotary" in low:
-                continue
+            where = (f"{path}.{key}" if path else key)[:MAX_NAME_CHARS]
+            if low.rsplit(".", 1)[-1] in SCALE_LIKE_KEYS or (low in GENERIC_SCALE_KEYS and kv_context):
+                found.append(where)
             stack.append((value, where, "kv" in low or "cache" in low))
     return found
 
