@@ -290,7 +290,7 @@ def served_operations(backend: str, cache: KVCache, io_dtype: torch.dtype) -> di
     return served
 
 
-def _step(cache: KVCache, backend: str, io_dtype: torch.dtype, options: dict | None) -> dict:
+def decode_step(cache: KVCache, backend: str, io_dtype: torch.dtype, options: dict | None) -> dict:
     """A decode step over every block: two sequences of NB/2 blocks, one new token each (planned
     with ``options`` unless they are None)."""
     g = torch.Generator().manual_seed(1)
@@ -332,7 +332,7 @@ def check_intact_cache_served(backend: str, granularity: str, device: str, io_dt
     leaves its guard blocks alone."""
     for operation_name, options in _operations_or_skip(backend, granularity, device, io_dtype).items():
         g = guarded(granularity, device)
-        step = _step(g.cache, backend, io_dtype, options)
+        step = decode_step(g.cache, backend, io_dtype, options)
         OPERATIONS[operation_name](g.cache, step, backend)
         if g.cache.device.type == "cuda":
             torch.cuda.synchronize()
@@ -347,7 +347,7 @@ def check_changed_cache_refused(backend: str, mutation, device: str, io_dtype: t
     granularity = _granularity(mutation)
     for operation_name, options in _operations_or_skip(backend, granularity, device, io_dtype).items():
         g = guarded(granularity, device)
-        step = _step(g.cache, backend, io_dtype, options)  # planned before the change, as an engine plans its step
+        step = decode_step(g.cache, backend, io_dtype, options)  # planned before the change, as an engine plans
         try:
             tensor = mutation(g)
             msg = named(tensor, lambda g=g, step=step, operation=OPERATIONS[operation_name]:
