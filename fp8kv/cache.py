@@ -164,16 +164,18 @@ def _static_scale(value, name: str, granularity: str, num_kv_heads: int, device)
     """A validated float32 static scale of shape ``()`` (tensor) or ``(H,)`` (head).
 
     A float32 tensor already on ``device`` with the right shape is used as is (zero-copy:
-    an engine may update it in place); anything else is converted.
+    an engine may update it in place; its values are checked by the constructor, in the one host
+    transfer it makes for both scales); anything else is checked and converted.
     """
-    given = value if isinstance(value, torch.Tensor) else None
-    s = check_scale(1.0 if value is None else value, name)
     want = () if granularity == "tensor" else (num_kv_heads,)
-    if given is not None and given.dtype == torch.float32 and given.device == torch.device(device):
+    given = value if isinstance(value, torch.Tensor) else None
+    if (given is not None and given.dtype == torch.float32 and given.device == torch.device(device)
+            and given.device.type != "meta"):
         if given.numel() == 1 and granularity == "tensor":
             return given.reshape(())
         if tuple(given.shape) == want:
             return given
+    s = check_scale(1.0 if value is None else value, name)
     if granularity == "tensor":
         if s.numel() != 1:
             raise bad_argument(name, f"shape {tuple(s.shape)}", "one value (shape () or (1,)) for per-tensor scales")
