@@ -313,7 +313,7 @@ class KVCache:
         The kernels address a cache by its live tensors and its spec; a tensor changed under a
         frozen cache could lead them outside its memory. Every operation of :mod:`fp8kv.api`
         calls this before any backend, whatever ``FP8KV_CHECK`` says: a comparison of host
-        integers (about a microsecond on the CPU; no device sync). Skipped while
+        integers (about 2 us a call on the CPU; no device sync). Skipped while
         ``torch.compile`` traces (fake tensors have no addresses).
 
         The cache keeps the storage each tensor had when it was built alive, so a CUDA graph
