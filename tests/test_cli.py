@@ -133,6 +133,20 @@ def test_no_command_prints_help_and_exits_2(capsys):
 
 
 @pytest.mark.parametrize("as_json", [False, True])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_plan_of_a_kv_scales_json_takes_the_rank_from_tp_rank(rank, tmp_path, capsys):
+    from checkpoint_fixtures import LEGACY_SCALES, legacy_kv_scales, write_json
+
+    path = str(write_json(tmp_path / "kv_cache_scales.json", legacy_kv_scales()))
+    code, out, _ = cli(["plan", path, "--simulate", "sm80", "--tp-rank", str(rank), "--json"], capsys)
+    plan = json.loads(out)
+    assert code == 0 and plan["kv_dtype"] == "fp8_e4m3" and plan["scale_source"] == "checkpoint"
+    want = {str(layer): float(torch.tensor(s, dtype=torch.float32)) for layer, s in LEGACY_SCALES[rank].items()}
+    assert plan["k_scales"] == want and plan["v_scales"] == want
+    code, out, _ = cli(["plan", path, "--simulate", "sm80"], capsys)  # two ranks, none named: refused
+    assert code == 1 and "tp_rank" in out
+
+
 def test_plan_refusal_exits_1_with_the_reason_on_stdout(as_json, capsys):
     argv = ["plan", FP8_KV, "--kv-cache-dtype", "fp8_e5m2", "--simulate", "sm80"] + (["--json"] if as_json else [])
     code, out, err = cli(argv, capsys)

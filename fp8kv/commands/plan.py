@@ -26,19 +26,23 @@ HELP = "explain the KV-cache format, scales and backend a checkpoint gets on a d
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", type=existing_path,
-                   help="model directory (config.json + *.safetensors) or a config JSON file")
+                   help="model directory (config.json + *.safetensors), a config JSON file, or a KV-scales JSON "
+                        "(vLLM's and SGLang's quantization_param_path file)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="requested KV cache dtype (default: auto)")
     p.add_argument("--simulate", default=None, choices=sorted(SIMULATED), metavar="DEVICE",
                    help=f"plan for a simulated device: {', '.join(SIMULATED)} (default: this machine)")
     p.add_argument("--layout", default="NHD", choices=("NHD", "HND"), help="cache layout (default: NHD)")
+    p.add_argument("--tp-rank", type=int, default=None, metavar="RANK",
+                   help="the tensor-parallel rank whose scales a KV-scales JSON gives (needed when it has several)")
     p.add_argument("--json", action="store_true", help="print the plan (or refusal) as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     device = simulated(args.simulate) if args.simulate else probe()
     try:
-        plan = resolve_kv_cache(args.kv_cache_dtype, args.checkpoint, device, layout=args.layout)
+        plan = resolve_kv_cache(args.kv_cache_dtype, args.checkpoint, device, layout=args.layout,
+                                tp_rank=args.tp_rank)
     except (Fp8KVError, OSError) as exc:  # the refusal is the answer: print it, exit 1
         if args.json:
             print(json.dumps({"refused": True, "requested": args.kv_cache_dtype,
