@@ -132,7 +132,6 @@ def test_no_command_prints_help_and_exits_2(capsys):
 # -- 1: refusals and failures --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("as_json", [False, True])
 @pytest.mark.parametrize("rank", [0, 1])
 def test_plan_of_a_kv_scales_json_takes_the_rank_from_tp_rank(rank, tmp_path, capsys):
     from checkpoint_fixtures import LEGACY_SCALES, legacy_kv_scales, write_json
@@ -147,6 +146,7 @@ def test_plan_of_a_kv_scales_json_takes_the_rank_from_tp_rank(rank, tmp_path, ca
     assert code == 1 and "tp_rank" in out
 
 
+@pytest.mark.parametrize("as_json", [False, True])
 def test_plan_refusal_exits_1_with_the_reason_on_stdout(as_json, capsys):
     argv = ["plan", FP8_KV, "--kv-cache-dtype", "fp8_e5m2", "--simulate", "sm80"] + (["--json"] if as_json else [])
     code, out, err = cli(argv, capsys)
