@@ -90,6 +90,9 @@ def plan_attention(
         kv_indptr / kv_indices / kv_last_page_len: FlashInfer's CSR page table instead:
             ``[num_seqs + 1]`` offsets into ``kv_indices [nnz_pages]``, and the tokens in each
             sequence's last page (``1..block_size``; a sequence with no page has length 0).
+            ``kv_indices`` may be longer: entries past ``kv_indptr[-1]`` are never read nor
+            checked (SGLang allocates ``nnz_pages + 256``, uninitialized); ``kv_indptr[-1]``
+            past its end is refused.
         query_start_loc: ``[num_seqs + 1]`` offsets of each sequence's queries (chunked
             prefill, vLLM's ``cu_seqlens_q`` / FlashInfer's ``qo_indptr``); None: decode, one
             query per sequence.
