@@ -22,6 +22,8 @@ Contents:
 * :mod:`fp8kv.testing.conformance`: :func:`check_backend`.
 * :mod:`fp8kv.testing.safety`: :func:`check_memory_safety` (hostile indices with the host
   checks off; part of :func:`check_backend` for fast backends).
+* :mod:`fp8kv.testing.fuzz`: :func:`api_machine` (random API call sequences, valid and invalid, each
+  held to the reference, with canaries around every cache) and its :class:`FuzzConfig`.
 
 The tolerance needs only torch; the strategies and the checker need Hypothesis (a test
 dependency), so they are imported on first use.
@@ -46,11 +48,13 @@ _LAZY = {
     "check_backend": "conformance",
     "ConformanceReport": "conformance",
     "check_memory_safety": "safety",
+    "FuzzConfig": "fuzz", "api_machine": "fuzz",
 }
 
 __all__ = [
-    "ConformanceReport", "Workload", "assert_attention_close", "attention_error_bound", "attention_tolerance",
-    "check_backend", "check_memory_safety", "logit_bound", "paged_attention_bounds", "ulp", "workloads",
+    "ConformanceReport", "FuzzConfig", "Workload", "api_machine", "assert_attention_close", "attention_error_bound",
+    "attention_tolerance", "check_backend", "check_memory_safety", "logit_bound", "paged_attention_bounds", "ulp",
+    "workloads",
 ]
 
 
