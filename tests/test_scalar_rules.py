@@ -21,6 +21,11 @@ import fp8kv
 from fp8kv import checks, settings
 from fp8kv.errors import InvalidArgument
 
+try:  # imported now, under the suite's TRITON_INTERPRET: Triton makes its jit functions once, at import
+    from triton._C.libtriton import getenv_bool as triton_getenv_bool
+except ImportError:  # no Triton, or one before 3.3 (which reads only TRITON_INTERPRET=1)
+    triton_getenv_bool = None
+
 H, GROUP, D, BS, NB = 2, 2, 16, 4, 8
 HQ = H * GROUP
 
@@ -241,11 +246,8 @@ def test_environment_values_follow_one_rule(env, var):
             reader()
 
 
+@pytest.mark.skipif(triton_getenv_bool is None, reason="needs Triton 3.3+ (its getenv_bool)")
 def test_triton_interpret_is_read_as_triton_reads_it(env):
-    knobs = pytest.importorskip("triton._C.libtriton")
-    getenv_bool = getattr(knobs, "getenv_bool", None)
-    if getenv_bool is None:
-        pytest.skip("this Triton has no getenv_bool (before 3.3: it reads only TRITON_INTERPRET=1)")
     for value in ("", "0", "1", "true", "TRUE", "on", "yes", "y", "Y", " 1", "1 ", "2", "t", "false", "off"):
         env("TRITON_INTERPRET", value)
-        assert settings.triton_interpreter() == getenv_bool("TRITON_INTERPRET", False), repr(value)
+        assert settings.triton_interpreter() == triton_getenv_bool("TRITON_INTERPRET", False), repr(value)
