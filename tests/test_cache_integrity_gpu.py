@@ -81,8 +81,8 @@ def test_graph_replay_after_set_writes_only_memory_the_cache_keeps_alive(backend
 
     set_one_block(g)  # V now one block inside canary memory ("arena", watched)
     del g.watched["value"], g.parents["value"]  # the cache's own reference is the only one left
-    torch.cuda.empty_cache()
-    g.watch("decoy", torch.full_like(key_parent, CANARY))  # where the old V memory would go, were it freed
+    # were the old V memory freed, the caching allocator would hand its block to this same-size request
+    g.watch("decoy", torch.full_like(key_parent, CANARY))
 
     graph.replay()
     torch.cuda.synchronize()
