@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .cache import CacheSpec, KVCache
-from .checks import flag, int_at_least, positive_float32
+from .checks import flag, int_at_least, positive_float32, values_checked
 from .errors import bad_argument
 from .fp8_attention import check_fp8_options
 from .request import Request, Selection
@@ -191,6 +191,12 @@ class AttentionMetadata:
         its work schedule by the new host lengths, where known and where the new deal fits the
         planned buffer; otherwise the planned one stays, complete for any lengths).
         """
+        if isinstance(kv_indptr, torch.Tensor) and kv_indptr.dim() == 1 and kv_indptr.numel() > 1 \
+                and not kv_indptr.is_floating_point() and values_checked(self.spec.device, validate):
+            pages = int((kv_indptr[1:] - kv_indptr[:-1]).max())  # the CSR form's widest row, named as such
+            if pages > self.block_tables.shape[1]:
+                raise bad_argument("kv_indptr", f"a sequence of {pages} pages",
+                                   f"at most {self.block_tables.shape[1]} pages per sequence (the planned block table)")
         new = read_step(
             self.spec, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from .cache import CacheSpec, KVCache
-from .checks import IO_DTYPES
+from .checks import IO_DTYPES, int_at_least
 from .errors import bad_argument
 from .metadata import AttentionMetadata, AttentionOptions
 from .registry import select_backend
@@ -26,13 +26,17 @@ from .request import Request, Selection
 from .step import StepTables, read_step
 
 
-def check_heads(spec: CacheSpec, num_q_heads, query_dtype) -> None:
-    """``num_q_heads`` a positive multiple of the cache's KV heads; ``query_dtype`` one the API serves."""
+def check_heads(spec: CacheSpec, num_q_heads, query_dtype) -> int:
+    """``num_q_heads`` (returned as a Python int) a positive multiple of the cache's KV heads;
+    ``query_dtype`` one the API serves."""
     H = spec.num_kv_heads
-    if not isinstance(num_q_heads, int) or isinstance(num_q_heads, bool) or num_q_heads <= 0 or num_q_heads % H:
-        raise bad_argument("num_q_heads", repr(num_q_heads), f"a positive multiple of num_kv_heads={H}")
+    expected = f"a positive multiple of num_kv_heads={H}"
+    num_q_heads = int_at_least("num_q_heads", num_q_heads, 1, expected)
+    if num_q_heads % H:
+        raise bad_argument("num_q_heads", repr(num_q_heads), expected)
     if query_dtype not in IO_DTYPES:
         raise bad_argument("query_dtype", repr(query_dtype), f"one of {[str(d) for d in IO_DTYPES]}")
+    return num_q_heads
 
 
 def select_backends(spec: CacheSpec, query_dtype: torch.dtype, options: AttentionOptions, step: StepTables,
@@ -124,11 +128,15 @@ def plan_attention(
             prefill balances its CTAs' work items). They steer only how work is dealt, never what is
             computed. Checked against the tensors when ``validate`` is on, which also reads them
             from the GPU for free (in its one transfer) when they are not given.
+
+    Scalars follow one rule (docs/configuration.md, "Scalar and flag arguments"): float arguments
+    take Python, NumPy or one-element CPU tensor numbers, int arguments the integer ones, flags
+    exactly True or False.
     """
     spec = cache.spec if isinstance(cache, KVCache) else cache
     if not isinstance(spec, CacheSpec):
         raise bad_argument("cache", type(cache).__name__, "an fp8kv.KVCache (or its spec)")
-    check_heads(spec, num_q_heads, query_dtype)
+    num_q_heads = check_heads(spec, num_q_heads, query_dtype)
     options = AttentionOptions.build(
         spec.head_size, softmax_scale=softmax_scale, causal=causal, sliding_window=sliding_window,
         window_left=window_left, logits_soft_cap=logits_soft_cap,

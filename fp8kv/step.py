@@ -183,10 +183,10 @@ def read_step(spec: CacheSpec, *, block_tables=None, seq_lens=None, kv_indptr=No
               validate: bool | None = None, host_seq_lens: Sequence[int] | None = None,
               host_query_start_loc: Sequence[int] | None = None) -> StepTables:
     """Read and check one step's page table and lengths (arguments as :func:`fp8kv.plan_attention`)."""
-    for name, v in (("num_tokens", num_tokens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len),
-                    ("max_blocks", max_blocks)):
-        if v is not None:
-            nonneg_int(name, v)
+    num_tokens, max_query_len, max_seq_len, max_blocks = (
+        None if v is None else nonneg_int(name, v)  # plain Python ints from here on
+        for name, v in (("num_tokens", num_tokens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len),
+                        ("max_blocks", max_blocks)))
     check = values_checked(spec.device, validate)
     pt = read_page_table(spec, block_tables, seq_lens, kv_indptr, kv_indices, kv_last_page_len)
     S = pt.num_seqs

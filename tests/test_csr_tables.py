@@ -210,7 +210,8 @@ def test_max_seq_len_below_the_longest_csr_sequence_is_refused(cache):
 
 def test_update_past_the_planned_columns_is_refused(cache):
     meta = _plan(cache, **_csr())
-    with pytest.raises(InvalidArgument, match=r"^max_blocks: got 3, expected >= the most pages of a sequence \(4\)"):
+    with pytest.raises(InvalidArgument, match=r"^kv_indptr: got a sequence of 4 pages, expected at most 3 pages per "
+                                              r"sequence \(the planned block table\)"):
         meta.update(**_csr(indptr=[0, 1, 2, 6], last=[3, 4, 1]))
 
 
