@@ -137,6 +137,7 @@ INT_ARGS = {  # argument -> (value, extra keywords, where the plan keeps it (Non
     "max_query_len": (3, {}, lambda m: m.max_query_len, 3),
     "max_seq_len": (9, {}, lambda m: m.max_seq_len, 9),
     "num_tokens": (5, {}, lambda m: m.num_tokens, 5),
+    "num_q_heads": (HQ, {}, lambda m: m.num_q_heads, HQ),
 }
 
 
