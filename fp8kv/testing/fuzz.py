@@ -69,8 +69,8 @@ from .tolerance import assert_attention_close, assert_lse_close, paged_attention
 from .units import U32, ulp
 
 __all__ = [
-    "EITHER", "MEMORY", "REFUSE", "VALID", "Case", "FuzzConfig", "FuzzFailure", "Harness", "Planned", "Tracked",
-    "api_machine", "merge_tolerance",
+    "EITHER", "MEMORY", "OK", "REFUSE", "STATS", "VALID", "ApiMachine", "Case", "FuzzConfig", "FuzzFailure", "Harness",
+    "Planned", "Tracked", "api_machine", "guarded", "merge_tolerance",
 ]
 
 VALID, REFUSE, EITHER, MEMORY = "valid", "refuse", "either", "memory"
@@ -160,6 +160,8 @@ CANARY_BYTES = (0x7F, 0xFF, 0x80, 0x5A)
 """Guard bytes around uint8 cache storage: NaN in the OCP formats (0x7F, 0xFF) and fnuz (0x80)."""
 CANARY_F32 = 0x7FA5A5A5
 """Guard words around float32 scale storage: a NaN with a payload."""
+CANARIES = " (canaries)"
+"""The suffix of a guarded buffer's label (its tensors are labelled on their own)."""
 
 
 def storage_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -229,7 +231,9 @@ class World:
             if not torch.equal(b, want):
                 at = int((b != want).nonzero()[0, 0])
                 inside = [name for key, lo, hi, name in self.labels if key == k and lo <= at <= hi]
-                where = ", ".join(dict.fromkeys(inside)) if inside else "a guard byte outside every tracked tensor"
+                tensors = [name for name in inside if not name.endswith(CANARIES)]
+                where = ", ".join(dict.fromkeys(tensors)) if tensors else \
+                    f"a guard byte of {inside[0][:-len(CANARIES)] if inside else 'a buffer'}, outside every tensor"
                 raise FuzzFailure(f"{what}: memory differs from the reference's at {int((b != want).sum())} bytes; "
                                   f"first at byte {at} of a storage ({where}): got 0x{int(b[at]):02x}, expected "
                                   f"0x{int(want[at]):02x}")
@@ -249,7 +253,7 @@ def guarded(numel: int, dtype: torch.dtype, device: torch.device, world: World, 
         pattern = torch.tensor(CANARY_BYTES, dtype=torch.uint8)
         buf = pattern.repeat(-(-n // len(CANARY_BYTES)))[:n].to(device)
     region = buf.view(dtype)[pad:pad + numel]
-    world.track(buf, f"{label} (canaries)")
+    world.track(buf, f"{label}{CANARIES}")
     return region
 
 
@@ -465,6 +469,26 @@ class Harness:
         self.log: Callable[[str], None] | None = None
         self.world = World()
         self.calls = 0
+
+    def guarded_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, *,
+                      kv_dtype: str = "fp8_e4m3", layout: str = "NHD", scale_granularity: str = "tensor",
+                      label: str = "cache", seed: int = 0, **scales) -> Tracked:
+        """A valid cache whose K and V are one ``[2, ...]`` view in a buffer of canaries, filled with random
+        finite codes (token_head scales: a guarded ``[2, ...]`` view of ones); ``scales``: static k/v scales."""
+        shape = ((num_blocks, block_size, num_kv_heads, head_size) if layout == "NHD"
+                 else (num_blocks, num_kv_heads, block_size, head_size))
+        fmt = FORMATS[kv_dtype]
+        kv = guarded(2 * math.prod(shape), torch.uint8, self.device, self.world, f"{label}.kv").view(2, *shape)
+        kv.copy_(_finite_codes(kv_dtype, kv.shape, torch.Generator().manual_seed(seed)).to(self.device))
+        if scale_granularity == "token_head":
+            s = guarded(2 * num_blocks * block_size * num_kv_heads, torch.float32, self.device, self.world,
+                        f"{label}.scales").view(2, num_blocks, block_size, num_kv_heads).fill_(1.0)
+            scales = {"k_scale": s[0], "v_scale": s[1]}
+        cache = KVCache.from_tensors(kv.view(fmt.torch_dtype), kv_dim=0, layout=layout,
+                                     scale_granularity=scale_granularity, **scales)
+        self.world.track_cache(cache, label)
+        self.world.accept()
+        return Tracked(cache, label)
 
     # -- the invariant ----------------------------------------------------------------------------
     def call(self, case: Case, op: str, fn: Callable[[], Any], *, what: str = "",
@@ -1412,7 +1436,7 @@ def draw_cache(d: Draw, h: Harness, cfg: FuzzConfig, label: str, *, mutate: bool
     @add("cache.scale.value", static and variant != "constructor")
     def _():
         name, bad = d.pick(("k_scale", "v_scale")), d.pick(BAD_SCALES)
-        kwargs[name] = bad if d.chance(0.5) else torch.full(() if gran == "tensor" else (H,), bad)
+        kwargs[name] = bad if d.chance(0.5) else torch.full(() if gran == "tensor" else (H,), bad, dtype=torch.float64)
         return Case(REFUSE, "cache.scale.value", (name,))
 
     @add("cache.scale.shape", static and variant != "constructor")
@@ -1973,8 +1997,11 @@ class ApiMachine(RuleBasedStateMachine):
         r = guarded(query.numel(), query.dtype, self.h.device, self.h.world, "out").view(query.shape)
         return r.fill_(math.nan)
 
-    def _query_mutations(self, d: Draw, call: dict, prefix: str) -> list[tuple[str, Callable]]:
-        """Invalid query/out arguments of an attention call (they replace ``call["query"]``/``["out"]``)."""
+    def _query_mutations(self, d: Draw, call: dict, prefix: str, *, rows_checked: bool = True
+                         ) -> list[tuple[str, Callable]]:
+        """Invalid query/out arguments of an attention call (they replace ``call["query"]``/``["out"]``).
+        ``rows_checked``: a query with a row more is refused (else, a one-shot prefill with the value checks
+        off, the row is one no sequence covers)."""
         query = call["query"]
         T, Hq, D = query.shape
         dev = query.device
@@ -2002,7 +2029,9 @@ class ApiMachine(RuleBasedStateMachine):
         out = [
             (f"{prefix}.query.dtype", set_("query.dtype", ("query",), query=lambda: query.to(d.pick(other)))),
             (f"{prefix}.query.shape", set_("query.shape", ("query",),
-                                           query=lambda: torch.zeros(T + 1, Hq, D, dtype=query.dtype, device=dev))),
+                                           query=lambda: torch.zeros(T + 1, Hq, D, dtype=query.dtype, device=dev))
+             if rows_checked else lambda: (call.update(query=torch.zeros(T + 1, Hq, D, dtype=query.dtype, device=dev),
+                                                       out=None), Case(EITHER, f"{prefix}.query.shape"))[1]),
             (f"{prefix}.query.device", set_("query.device", ("query",), query=lambda: query.to("meta"))),
             (f"{prefix}.query.requires_grad", requires_grad),
             (f"{prefix}.out.dtype", set_("out.dtype", ("out",), out=lambda: torch.zeros_like(
@@ -2057,7 +2086,7 @@ class ApiMachine(RuleBasedStateMachine):
 
             T, Hq, D = query.shape
             zeros = dict(dtype=query.dtype, device=self.h.device)
-            options = self._query_mutations(d, call, "attend1") + [
+            options = self._query_mutations(d, call, "attend1", rows_checked=step.checked or step.decode) + [
                 ("attend1.forbidden", forbidden),
                 ("attend1.query.ndim", set_("attend1.query.ndim", ("query",), query=query.reshape(T, Hq * D))),
                 ("attend1.query.heads", set_("attend1.query.heads", ("query",),
