@@ -546,7 +546,7 @@ class Harness:
     def derive(self, case: Case, op: str, fn: Callable[[], KVCache], source: Tracked, label: str, *,
                what: str = "") -> Tracked | None:
         """A cache made from another (``slice_heads``, ``clone``, ``to``): nothing may change; same codes."""
-        cache = self.call(case + source.case(), op, fn, what=what)
+        cache = self.call(case + source.case(f"cache.{op.removeprefix('dataclasses.')}"), op, fn, what=what)
         if cache is None:
             return None
         self.world.track_cache(cache, label)
@@ -1799,6 +1799,68 @@ class ApiMachine(RuleBasedStateMachine):
         planned = Planned(meta, backend, case, case)
         self._keep(self.plans, planned, self.MAX_PLANS)
         return planned
+
+    @precondition(lambda self: self.plans)
+    @rule(data=st.data())
+    def update(self, data) -> None:
+        """Refill a plan's buffers in place (``AttentionMetadata.update``, a CUDA-graph replay's step), then
+        write and attend with it on a cache of its spec."""
+        d = Draw(data)
+        p = self.plans[d.int(0, len(self.plans) - 1)]
+        meta, spec = p.meta, p.meta.spec
+        if p.attention.kind != VALID or not self.config.drawn("update"):
+            return
+        bs, nb, S, cols = spec.block_size, spec.num_blocks, meta.num_seqs, meta.block_tables.shape[1]
+        starts = meta.query_start_loc.tolist()
+        q_lens = [starts[i + 1] - starts[i] for i in range(S)]
+        cap = min(cols * bs, meta.max_seq_len)
+        seq_lens = [d.int(q, cap) if q <= cap else q for q in q_lens]
+        rows = [[d.int(0, nb - 1) for _ in range(cols)] for _ in range(S)]
+        dev = self.h.device
+        kw: dict[str, Any] = {"block_tables": torch.tensor(rows, dtype=torch.int32, device=dev).reshape(S, cols),
+                              "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=dev)}
+        if not meta.is_decode:
+            kw["query_start_loc"] = meta.query_start_loc.clone()
+        if meta.slot_mapping is not None:
+            seen: set[int] = set()
+            mapping = []
+            for r, n, q in zip(rows, seq_lens, q_lens, strict=True):
+                for pos in range(n - q, n):
+                    s = r[pos // bs] * bs + pos % bs
+                    mapping.append(-1 if s in seen else s)
+                    seen.add(s)
+            mapping += [-1] * (meta.slot_mapping.shape[0] - len(mapping))
+            kw["slot_mapping"] = torch.tensor(mapping[:meta.slot_mapping.shape[0]], dtype=torch.int64, device=dev)
+        case = OK
+        if d.chance(self.config.invalid):
+            case = self._invalid(d, [
+                ("update.shape", lambda: (kw.update(seq_lens=torch.zeros(S + 1, dtype=torch.int32,
+                                                                         device=self.h.device)),
+                                          Case(REFUSE, "update.shape", ("seq_lens", "block_tables")))[1]),
+                ("update.seq_lens.past_plan", lambda: (kw.update(seq_lens=torch.full(
+                    (S,), cols * bs + 1, dtype=torch.int32, device=self.h.device)),
+                    Case(REFUSE, "update.seq_lens.past_plan", ("seq_lens", "max_seq_len")))[1] if S else None),
+                ("update.kind", lambda: (kw.update(query_start_loc=None if not meta.is_decode else torch.arange(
+                    S + 1, dtype=torch.int32, device=self.h.device)),
+                    Case(REFUSE, "update.kind", ("query_start_loc", "num_tokens")))[1]),
+            ]) or OK
+        before = (meta.block_tables.clone(), meta.seq_lens.clone())
+
+        def refill():
+            meta.update(**kw)
+            return meta
+
+        if self.h.call(case, "AttentionMetadata.update", refill, what=f"{p.backend} seq_lens={seq_lens}",
+                       inputs=tuple(v for v in kw.values() if isinstance(v, torch.Tensor))) is None:
+            if not (torch.equal(before[0], meta.block_tables) and torch.equal(before[1], meta.seq_lens)):
+                raise FuzzFailure("AttentionMetadata.update: refused, but the metadata's buffers changed")
+            return
+        if meta.seq_lens.tolist() != seq_lens or meta.block_tables.tolist() != rows:
+            raise FuzzFailure(f"AttentionMetadata.update seq_lens={seq_lens}: the buffers hold other values")
+        for target in [t for t in self.caches if t.cache.spec == spec][:1]:
+            if meta.slot_mapping is not None:
+                self._write_with(d, p, target)
+            self._attend_with(d, p, target)
 
     @precondition(lambda self: self.plans)
     @rule(data=st.data())
