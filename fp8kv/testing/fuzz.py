@@ -1738,6 +1738,8 @@ class ApiMachine(RuleBasedStateMachine):
         if how in ("shrink", "move"):
             name = d.pick(names)
             t = getattr(c, name)
+            if how == "shrink" and t.shape[0] == 0:
+                return
             shape = (d.int(0, t.shape[0] - 1), *t.shape[1:]) if how == "shrink" else tuple(t.shape)
             span = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) + 1
             storage_dtype = torch.float32 if t.dtype == torch.float32 else torch.uint8
