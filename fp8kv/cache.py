@@ -305,7 +305,7 @@ class KVCache:
         object.__setattr__(self, "_fingerprints", tuple(_fingerprint(t) for t in tensors))
         object.__setattr__(self, "_storages", tuple(t.untyped_storage() for t in tensors))
 
-    def check_intact(self) -> None:
+    def check_intact(self, argument: str = "cache") -> None:
         """Raise :class:`fp8kv.InvalidArgument` naming the cache tensor that was changed in place
         since the cache was built: re-pointed (``set_``, ``.data =``), resized (``resize_``, or its
         storage's ``untyped_storage().resize_``) or restrided (``as_strided_``).
@@ -320,20 +320,22 @@ class KVCache:
         captured on its addresses still writes into memory the cache owns after a ``set_``. A
         resize of the storage itself frees its old bytes (torch's own semantics, which no handle
         can prevent): calls made after it raise here, but a graph captured before it must not be
-        replayed.
+        replayed. The cache's own methods that read or derive from its tensors (:meth:`slice_heads`,
+        :meth:`clone`, :meth:`to`, :meth:`copy_`) call it too. ``argument`` prefixes the name in
+        the error (``cache.value_cache``).
         """
         if torch.compiler.is_compiling():
             return
         fingerprints = (_fingerprint(self.key_cache), _fingerprint(self.value_cache), _fingerprint(self.k_scale),
                         _fingerprint(self.v_scale))
         if fingerprints != self._fingerprints:
-            self._raise_changed(fingerprints)
+            self._raise_changed(fingerprints, argument)
 
-    def _raise_changed(self, fingerprints: tuple) -> None:
+    def _raise_changed(self, fingerprints: tuple, argument: str) -> None:
         names = ("key_cache", "value_cache", "k_scale", "v_scale")
         for name, now, built in zip(names, fingerprints, self._fingerprints, strict=True):
             if now != built:
-                raise bad_argument(f"cache.{name}",
+                raise bad_argument(f"{argument}.{name}",
                                    f"a tensor resized or re-pointed in place after the cache was built (now "
                                    f"{_describe_fingerprint(now)}; built with {_describe_fingerprint(built)})",
                                    "the tensor the cache was built with, unchanged; build a new KVCache over "
@@ -557,8 +559,10 @@ class KVCache:
         """The KV heads ``[start, stop)`` as a cache of their own, zero-copy (a tensor-parallel
         rank's share); per-head and per-token-head scales are sliced with them."""
         H = self.num_kv_heads
-        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start < stop <= H):
-            raise bad_argument("start/stop", f"{start!r}, {stop!r}", f"0 <= start < stop <= num_kv_heads={H}")
+        if not (isinstance(start, int) and isinstance(stop, int) and not isinstance(start, bool)
+                and not isinstance(stop, bool) and 0 <= start < stop <= H):
+            raise bad_argument("start/stop", f"{start!r}, {stop!r}", f"ints with 0 <= start < stop <= num_kv_heads={H}")
+        self.check_intact()
         dim = 2 if self.layout == "NHD" else 1
         k = self.key_cache.narrow(dim, start, stop - start)
         v = self.value_cache.narrow(dim, start, stop - start)
@@ -652,12 +656,23 @@ class KVCache:
 
     def clone(self) -> KVCache:
         """A deep copy (contiguous tensors, same values)."""
+        self.check_intact()
         return KVCache(self.key_cache.clone(), self.value_cache.clone(), self.k_scale.clone(),
                        self.v_scale.clone(), self.fmt, self.layout, self.scale_granularity)
 
     def copy_(self, other: KVCache) -> KVCache:
         """Copy ``other``'s codes and scales into this cache's own tensors, in place (same shapes;
-        each tensor keeps its strides, so a view of an engine tensor stays one). Returns self."""
+        each tensor keeps its strides, so a view of an engine tensor stays one). Returns self.
+
+        ``other`` must be a cache of the same spec (format, layout, granularity, geometry; any
+        device), and neither cache's tensors may have been changed in place since it was built."""
+        if not isinstance(other, KVCache):
+            raise bad_argument("other", type(other).__name__, "an fp8kv.KVCache")
+        if dataclasses.replace(other.spec, device=self.spec.device) != self.spec:
+            raise bad_argument("other", other.spec.describe(), f"a cache of the same spec: {self.spec.describe()} "
+                                                               "(any device)")
+        self.check_intact("cache")
+        other.check_intact("other")
         for dst, src in ((self.key_cache, other.key_cache), (self.value_cache, other.value_cache),
                          (self.k_scale, other.k_scale), (self.v_scale, other.v_scale)):
             if dst.element_size() == 1:
@@ -667,9 +682,11 @@ class KVCache:
         return self
 
     def to(self, device: torch.device | str) -> KVCache:
-        """A copy on ``device``."""
-        return KVCache(self.key_cache.to(device), self.value_cache.to(device), self.k_scale.to(device),
-                       self.v_scale.to(device), self.fmt, self.layout, self.scale_granularity)
+        """A copy on ``device`` (a copy on the cache's own device too: no tensor is shared)."""
+        device = check_device(device)
+        self.check_intact()
+        k, v, ks, vs = (t.to(device, copy=True) for t in (self.key_cache, self.value_cache, self.k_scale, self.v_scale))
+        return KVCache(k, v, ks, vs, self.fmt, self.layout, self.scale_granularity)
 
     def same_bytes(self, other: KVCache) -> bool:
         """True when both caches and scales are byte-identical."""

@@ -386,6 +386,48 @@ def test_restoring_the_tensor_makes_the_cache_intact_again():
     g.cache.check_intact()
 
 
+@pytest.mark.parametrize("method", ["slice_heads", "clone", "to", "copy_", "copy_from"])
+def test_the_cache_methods_refuse_a_changed_cache_too(method):
+    """Deriving from, or copying into or out of, a cache whose tensors were changed refuses by name."""
+    g = guarded()
+    set_one_block(g)
+    other = guarded().cache
+    call = {"slice_heads": lambda: g.cache.slice_heads(0, 1), "clone": g.cache.clone, "to": lambda: g.cache.to("cpu"),
+            "copy_": lambda: g.cache.copy_(other), "copy_from": lambda: other.copy_(g.cache)}[method]
+    named("other.value_cache" if method == "copy_from" else "cache.value_cache", call)
+    g.assert_unchanged()
+
+
+def test_copy_refuses_a_cache_of_another_spec():
+    cache = KVCache.allocate(NB, BS, H, D)
+    before = cache.clone()
+    for other in (KVCache.allocate(1, BS, H, D), KVCache.allocate(NB, BS, H, D, kv_dtype="fp8_e5m2"),
+                  KVCache.allocate(NB, BS, H, D, layout="HND"), KVCache.allocate(NB, BS, H, D // 2),
+                  KVCache.allocate(NB, BS, H, D, scale_granularity="head"), cache.key_cache):
+        named("other", lambda other=other: cache.copy_(other))
+    assert cache.same_bytes(before)
+    cache.copy_(KVCache.allocate(NB, BS, H, D, k_scale=0.5))  # the same spec: copied
+    assert float(cache.k_scale) == 0.5
+
+
+def test_to_copies_and_names_a_device_it_does_not_serve():
+    cache = KVCache.allocate(NB, BS, H, D)
+    moved = cache.to("cpu")
+    assert not any(fp8kv.cache.may_share_bytes(a, b) for a, b in zip(
+        (moved.key_cache, moved.value_cache, moved.k_scale, moved.v_scale),
+        (cache.key_cache, cache.value_cache, cache.k_scale, cache.v_scale), strict=True))
+    assert moved.same_bytes(cache)
+    for device in ("mps", 5, "xla", None if torch.cuda.is_available() else "cuda"):
+        if device is not None:
+            named("device", lambda device=device: cache.to(device))
+
+
+def test_slice_heads_refuses_bool_bounds():
+    cache = KVCache.allocate(NB, BS, H, D)
+    named("start/stop", lambda: cache.slice_heads(False, True))
+    named("start/stop", lambda: cache.slice_heads(0, True))
+
+
 def test_unchecked_caches_record_their_tensors_too():
     c = KVCache.allocate(NB, BS, H, D)
     rebuilt = KVCache.unchecked(c.key_cache, c.value_cache, c.k_scale, c.v_scale, c.fmt, c.layout,
