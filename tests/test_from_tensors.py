@@ -311,7 +311,7 @@ def test_window_left_refusals():
     msg = refused("window_left", lambda: plan(window_left=3, sliding_window=4))
     assert "sliding_window" in msg
     refused("window_left", lambda: plan(window_left=-1, sliding_window=4))
-    for bad in (-2, 2.0, True, "3", torch.tensor(3)):
+    for bad in (-2, 2.0, True, "3", torch.tensor(3.0)):  # a 0-d integer CPU tensor is an int (the scalar rule)
         refused("window_left", lambda bad=bad: plan(window_left=bad))
     # 0 and -1 are "off" only where an engine says so; in sliding_window (W keys) they are errors
     msg = refused("sliding_window", lambda: plan(sliding_window=0))

@@ -33,7 +33,7 @@ from test_window_edges import (
 import fp8kv
 from fp8kv.errors import Unsupported
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PAGE, HEAD, KV_HEADS, GROUP = 16, 128, 2, 4
 WINDOWS = (1, PAGE - 1, PAGE, PAGE + 1, BIG_WINDOW)
