@@ -31,8 +31,9 @@ import torch
 
 from . import ops as _ops
 from .cache import KVCache, may_share_bytes
-from .checks import INDEX_DTYPES, IO_DTYPES, check_slot_mapping, check_tensor
-from .errors import bad_argument
+from .checks import FLOAT32_MAX, INDEX_DTYPES, IO_DTYPES, check_slot_mapping, check_tensor, flag, real_scalar
+from .errors import InvalidArgument, bad_argument
+from .fp8_attention import PROB_SCALES
 from .metadata import AttentionMetadata
 from .planning import plan_attention
 from .registry import select_backend
@@ -141,7 +142,8 @@ def paged_attention(
         query: ``[num_tokens, Hq, D]`` contiguous, in the metadata's ``query_dtype``.
         cache: the layer's :class:`fp8kv.KVCache`, already holding the step's K/V.
         metadata: the step's :class:`fp8kv.AttentionMetadata` (from :func:`fp8kv.plan_attention`).
-        out: optional ``[num_tokens, Hq, D]`` output in the query dtype, contiguous.
+        out: optional ``[num_tokens, Hq, D]`` output in the query dtype, contiguous; it must not
+            share memory with ``query`` or with any of the cache's tensors (refused, naming ``out``).
         return_lse: also return the float32 ``[num_tokens, Hq]`` log-sum-exp (natural log) of
             each row's logits, for :func:`merge_attention_states`.
         layer_scales: FP8 attention mode only: this layer's ``{"q_scale": ..., "prob_scale": ...}``
@@ -239,6 +241,7 @@ def _attend(query: torch.Tensor, cache: KVCache, meta: AttentionMetadata, out: t
             return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Check the cache's tensors, ``query`` and ``out`` against the planned step, then run the chosen backend."""
     cache.check_intact()  # always, whatever FP8KV_CHECK says: host integers only
+    return_lse = flag("return_lse", return_lse)
     spec = meta.spec
     want = (meta.num_tokens, meta.num_q_heads, spec.head_size)
     check_tensor("query", query, dtypes=(meta.query_dtype,), ndim=3, device=spec.device)
@@ -289,9 +292,13 @@ def _with_layer_scales(meta: AttentionMetadata, layer_scales: dict) -> Attention
         raise bad_argument("layer_scales", f"q_scale {getattr(q_scale, 'dtype', type(q_scale).__name__)} "
                            f"{tuple(getattr(q_scale, 'shape', ()))}",
                            f"q_scale float32 of shape [], [{H}] or [{Hq}] on {meta.spec.device}, or None")
-    if not isinstance(prob_scale, (int, float)) or isinstance(prob_scale, bool) \
-            or not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= 3.4028234663852886e38):
-        raise bad_argument("layer_scales", f"prob_scale {prob_scale!r}", "a finite number in [2^-126, FLOAT32_MAX]")
+    try:  # the scalar rule, as plan_attention's prob_scale
+        prob_scale = real_scalar("prob_scale", prob_scale, PROB_SCALES)
+    except InvalidArgument:
+        prob_scale = None
+    if prob_scale is None or not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= FLOAT32_MAX):
+        given = layer_scales.get("prob_scale", meta.options.prob_scale)
+        raise bad_argument("layer_scales", f"prob_scale {given!r}", f"prob_scale {PROB_SCALES}")
     options = dataclasses.replace(meta.options, q_scale=q_scale, prob_scale=float(prob_scale))
     return dataclasses.replace(meta, options=options)
 

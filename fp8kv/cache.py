@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .checks import int_at_least
 from .errors import Unsupported, bad_argument
 from .formats import FORMATS, Fp8Format, check_scale, ensure_fp8, get_format
 from .scales import GRANULARITIES, check_granularity
@@ -70,12 +71,6 @@ class CacheSpec:
     def describe(self) -> str:
         return (f"{self.kv_dtype} {self.layout} {self.scale_granularity} num_blocks={self.num_blocks} "
                 f"block_size={self.block_size} H={self.num_kv_heads} D={self.head_size} on {self.device}")
-
-
-def _positive_int(name: str, v) -> int:
-    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-        raise bad_argument(name, repr(v), "a positive int")
-    return v
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
@@ -458,9 +453,10 @@ class KVCache:
         A checkpoint's :class:`fp8kv.KVCachePlan` supplies kv_dtype, granularity and a layer's
         scales: ``KVCache.allocate(num_blocks, block_size, H, D, **plan.cache_kwargs(layer))``.
         """
-        for name, v in (("num_blocks", num_blocks), ("block_size", block_size),
-                        ("num_kv_heads", num_kv_heads), ("head_size", head_size)):
-            _positive_int(name, v)
+        num_blocks, block_size, num_kv_heads, head_size = (  # the int scalar rule: plain ints from here on
+            int_at_least(name, v, 1, "a positive int") for name, v in (
+                ("num_blocks", num_blocks), ("block_size", block_size), ("num_kv_heads", num_kv_heads),
+                ("head_size", head_size)))
         device = check_device(device)
         fmt = _resolve_format("fp8_e4m3" if kv_dtype is None else kv_dtype, device)
         check_layout(layout)
@@ -520,7 +516,8 @@ class KVCache:
         if value_cache is None:
             if not isinstance(key_cache, torch.Tensor):
                 raise bad_argument("key_cache", type(key_cache).__name__, "a torch.Tensor")
-            if not isinstance(kv_dim, int) or isinstance(kv_dim, bool) or not -5 <= kv_dim < 5:
+            kv_dim = int_at_least("kv_dim", kv_dim, -5, "the int index (0..4) of the size-2 K/V dimension")
+            if kv_dim >= 5:
                 raise bad_argument("kv_dim", repr(kv_dim), "the int index (0..4) of the size-2 K/V dimension")
             kv_dim %= 5
             if key_cache.dim() != 5 or key_cache.shape[kv_dim] != 2:
@@ -559,9 +556,10 @@ class KVCache:
         """The KV heads ``[start, stop)`` as a cache of their own, zero-copy (a tensor-parallel
         rank's share); per-head and per-token-head scales are sliced with them."""
         H = self.num_kv_heads
-        if not (isinstance(start, int) and isinstance(stop, int) and not isinstance(start, bool)
-                and not isinstance(stop, bool) and 0 <= start < stop <= H):
-            raise bad_argument("start/stop", f"{start!r}, {stop!r}", f"ints with 0 <= start < stop <= num_kv_heads={H}")
+        expected = f"ints with 0 <= start < stop <= num_kv_heads={H}"
+        start, stop = int_at_least("start", start, 0, expected), int_at_least("stop", stop, 1, expected)
+        if not start < stop <= H:
+            raise bad_argument("start/stop", f"{start!r}, {stop!r}", expected)
         self.check_intact()
         dim = 2 if self.layout == "NHD" else 1
         k = self.key_cache.narrow(dim, start, stop - start)

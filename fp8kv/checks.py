@@ -21,15 +21,23 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from . import settings
 from .errors import bad_argument
 
-if TYPE_CHECKING:
-    from .cache import CacheSpec
+
+class SlotSpace(Protocol):
+    """What the slot checks read of a cache's :class:`fp8kv.cache.CacheSpec` (this module sits below
+    the cache, which takes its scalar checks from here)."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
 
 IO_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -148,7 +156,7 @@ def slot_stats(slot_mapping: torch.Tensor) -> list[torch.Tensor]:
     return [s.max(), s.min(), dup]
 
 
-def check_slot_values(spec: CacheSpec, slot_mapping: torch.Tensor, hi: int, dup: int) -> None:
+def check_slot_values(spec: SlotSpace, slot_mapping: torch.Tensor, hi: int, dup: int) -> None:
     """Raise for a slot past the cache or a slot written twice (values from :func:`slot_stats`)."""
     if hi >= spec.num_slots:
         raise bad_argument("slot_mapping", f"slot {hi}",
@@ -160,7 +168,7 @@ def check_slot_values(spec: CacheSpec, slot_mapping: torch.Tensor, hi: int, dup:
                            "each slot written at most once")
 
 
-def check_slot_mapping(spec: CacheSpec, slot_mapping, num_tokens: int, validate: bool | None) -> torch.Tensor:
+def check_slot_mapping(spec: SlotSpace, slot_mapping, num_tokens: int, validate: bool | None) -> torch.Tensor:
     """Check a write's ``slot_mapping [num_tokens]`` (values: one host transfer, if checked)."""
     check_tensor("slot_mapping", slot_mapping, dtypes=INDEX_DTYPES, ndim=1, device=spec.device)
     if slot_mapping.shape[0] != num_tokens:

@@ -424,8 +424,11 @@ def test_to_copies_and_names_a_device_it_does_not_serve():
 
 def test_slice_heads_refuses_bool_bounds():
     cache = KVCache.allocate(NB, BS, H, D)
-    named("start/stop", lambda: cache.slice_heads(False, True))
-    named("start/stop", lambda: cache.slice_heads(0, True))
+    named("start", lambda: cache.slice_heads(False, True))
+    named("stop", lambda: cache.slice_heads(0, True))
+    named("start/stop", lambda: cache.slice_heads(1, 1))
+    named("start/stop", lambda: cache.slice_heads(0, H + 1))
+    assert cache.slice_heads(np.int64(0), torch.tensor(1)).num_kv_heads == 1  # the int scalar rule
 
 
 def test_unchecked_caches_record_their_tensors_too():

@@ -161,6 +161,29 @@ def test_max_blocks_takes_the_int_scalars(cache, form):
     assert meta.block_tables.shape == (2, 4)
 
 
+@pytest.mark.parametrize("form", sorted(INT_FORMS))
+def test_cache_sizes_take_the_int_scalars(form):
+    sizes = [INT_FORMS[form](v) for v in (NB, BS, H, D)]
+    c = fp8kv.KVCache.allocate(*sizes)
+    assert (c.num_blocks, c.block_size, c.num_kv_heads, c.head_size) == (NB, BS, H, D)
+    assert all(type(v) is int for v in (c.num_blocks, c.block_size, c.num_kv_heads, c.head_size))
+
+
+@pytest.mark.parametrize("name", ["num_blocks", "block_size", "num_kv_heads", "head_size"])
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, torch.tensor(2.0), "2"])
+def test_cache_sizes_refuse_what_is_not_a_positive_int(name, bad):
+    sizes = dict(num_blocks=NB, block_size=BS, num_kv_heads=H, head_size=D)
+    with pytest.raises(InvalidArgument, match=f"^{name}:"):
+        fp8kv.KVCache.allocate(**{**sizes, name: bad})
+
+
+@pytest.mark.parametrize("bad", [1, 0, None, np.bool_(True), torch.tensor(True)])
+def test_return_lse_is_a_flag(cache, bad):
+    meta = plan(cache)
+    with pytest.raises(InvalidArgument, match="^return_lse:"):
+        fp8kv.paged_attention(torch.zeros(5, HQ, D), cache, meta, return_lse=bad)
+
+
 @pytest.mark.parametrize("bad", sorted(_bad_scalars(integer=True)))
 @pytest.mark.parametrize("arg", sorted(INT_ARGS) + ["max_blocks"])
 def test_int_arguments_refuse_other_kinds(cache, arg, bad):
@@ -252,3 +275,14 @@ def test_triton_interpret_is_read_as_triton_reads_it(env):
     for value in ("", "0", "1", "true", "TRUE", "on", "yes", "y", "Y", " 1", "1 ", "2", "t", "false", "off"):
         env("TRITON_INTERPRET", value)
         assert settings.triton_interpreter() == triton_getenv_bool("TRITON_INTERPRET", False), repr(value)
+
+
+@pytest.mark.parametrize("form", sorted(FLOAT_FORMS))
+def test_a_layer_prob_scale_follows_the_float_rule(cache, form):
+    meta = plan(cache, fp8_attention=True)
+    query = torch.randn(5, HQ, D, generator=torch.Generator().manual_seed(2))
+    got = fp8kv.paged_attention(query, cache, meta, layer_scales={"prob_scale": FLOAT_FORMS[form](0.5)})
+    want = fp8kv.paged_attention(query, cache, meta, layer_scales={"prob_scale": 0.5})
+    assert torch.equal(got, want)
+    with pytest.raises(InvalidArgument, match="^layer_scales: got prob_scale"):
+        fp8kv.paged_attention(query, cache, meta, layer_scales={"prob_scale": FLOAT_FORMS[form](0.0)})
