@@ -326,6 +326,9 @@ def merge_attention_states(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torc
     for name, t in (("lse_a", lse_a), ("lse_b", lse_b)):
         if tuple(t.shape) != tuple(out_a.shape[:2]) or t.dtype != torch.float32:
             raise bad_argument(name, f"{tuple(t.shape)} {t.dtype}", f"float32 of shape {tuple(out_a.shape[:2])}")
+    for name, t in (("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if t.device != out_a.device:
+            raise bad_argument(name, f"device {t.device}", f"out_a's device {out_a.device}")
     m = torch.maximum(lse_a, lse_b)
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)

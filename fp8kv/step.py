@@ -229,7 +229,8 @@ def _padded_table(spec: CacheSpec, pt: _PageTable, max_blocks: int | None, max_s
                   host: dict[str, int]) -> torch.Tensor:
     """A CSR page table as a padded ``[num_seqs, max_blocks]`` int32 table (unused entries 0)."""
     if max_blocks is None:
-        max_blocks = -(-max_seq_len // spec.block_size) if max_seq_len is not None else host["max_pages"]
+        # (unchecked offsets may decrease: such a sequence has no pages, never a negative count)
+        max_blocks = -(-max_seq_len // spec.block_size) if max_seq_len is not None else max(host["max_pages"], 0)
     cols = torch.arange(max_blocks, device=spec.device, dtype=torch.int32)
     pos = pt.indptr[:-1, None] + cols[None, :]
     inside = pos < pt.indptr[1:, None]
