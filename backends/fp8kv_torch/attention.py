@@ -182,7 +182,8 @@ def _slot_rows(t: torch.Tensor, idx: StepIndex) -> torch.Tensor:
 def _token_scales(cache: KVCache, which: str, idx: StepIndex, dt: torch.dtype) -> torch.Tensor:
     """token_head scales ``[B, H, 1, L]`` in ``dt`` of every key position of the step."""
     B, L = idx.block.shape
-    s = _slot_rows(cache.k_scale if which == "key" else cache.v_scale, idx).view(B, L, cache.num_kv_heads)  # [B, L, H] (L may be 0)
+    scales = cache.k_scale if which == "key" else cache.v_scale
+    s = _slot_rows(scales, idx).view(B, L, cache.num_kv_heads)  # [B, L, H]; L may be 0
     return s.to(dt).permute(0, 2, 1)[:, :, None, :]
 
 
