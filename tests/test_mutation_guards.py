@@ -230,3 +230,40 @@ def test_from_tensors_refuses_heads_that_overlap_by_one_byte():
     v = torch.zeros(nb, bs, H, D, dtype=torch.float8_e4m3fn)
     with pytest.raises(fp8kv.InvalidArgument, match=r"^key_cache\b.*non-overlapping"):
         fp8kv.KVCache.from_tensors(k, v)
+
+
+def test_from_tensors_refuses_token_head_scales_that_overlap():
+    """token_head scales are written per slot: an expanded (stride 0) scale tensor, every slot's
+    scale one float, is refused by name."""
+    import fp8kv
+
+    k = torch.zeros(2, 4, 2, 16, dtype=torch.float8_e4m3fn)
+    shared = torch.ones(1, 1, 1).expand(2, 4, 2)
+    with pytest.raises(fp8kv.InvalidArgument, match=r"^k_scale\b.*overlapping"):
+        fp8kv.KVCache.from_tensors(k, k.clone(), scale_granularity="token_head", k_scale=shared)
+
+
+@needs_torch_backend
+def test_torch_backend_c_decode_masks_block_ids_and_lengths_itself(monkeypatch):
+    """The C decode loop bounds itself (no NaN-triggered fallback to hide a wrong read): a block id
+    equal to num_blocks and a length past the block table, next to blocks of finite codes, give
+    the reference's output, with the PyTorch paths forbidden."""
+    from fp8kv_torch import attention, native
+
+    import fp8kv
+
+    monkeypatch.setenv("FP8KV_TORCH_NATIVE", "1")
+    if native.library() is None:
+        pytest.skip(f"the torch backend's C loops: {native.status()}")
+    for name in ("_attend_float32", "_attend_float64"):
+        monkeypatch.setattr(attention, name, lambda *a, name=name: pytest.fail(f"left the C loop for {name}"))
+    nb, bs, H, D, Hq = 4, 4, 2, 16, 4
+    gen = torch.Generator().manual_seed(7)
+    parents = [(torch.rand(nb + 2, bs, H, D, generator=gen) * 4 - 2).to(torch.float8_e4m3fn) for _ in range(2)]
+    cache = fp8kv.KVCache.from_tensors(parents[0][1:nb + 1], parents[1][1:nb + 1], k_scale=0.5, v_scale=0.25)
+    tables = torch.tensor([[0, nb], [1, 2], [3, 0]], dtype=torch.int32)  # nb: past the cache; finite codes there
+    lens = torch.tensor([8, 12, 8], dtype=torch.int32)  # 12 > 2 columns * block_size: clamped to 8
+    q = torch.randn(3, Hq, D, generator=gen)
+    got = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="torch", validate=False)
+    want = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="reference", validate=False)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32 sums of 8 keys: far below a wrong key
