@@ -12,6 +12,8 @@ import pytest
 import test_memory_safety as memory_safety
 import torch
 
+from fp8kv import InvalidArgument, KVCache
+from fp8kv.formats import FORMATS
 from fp8kv.registry import available_backends
 
 needs_torch_backend = pytest.mark.skipif("torch" not in available_backends(),
@@ -267,3 +269,15 @@ def test_torch_backend_c_decode_masks_block_ids_and_lengths_itself(monkeypatch):
     got = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="torch", validate=False)
     want = fp8kv.paged_attention_one_shot(q, cache, tables, lens, backend="reference", validate=False)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # float32 sums of 8 keys: far below a wrong key
+
+
+def test_the_cache_constructor_names_a_format_that_is_not_an_fp8_format():
+    c = KVCache.allocate(2, 2, 1, 8)
+    with pytest.raises(InvalidArgument, match="^fmt: got str"):
+        KVCache(c.key_cache, c.value_cache, c.k_scale, c.v_scale, "fp8_e4m3", "NHD", "tensor")
+
+
+def test_the_cache_constructor_names_codes_of_another_format():
+    c = KVCache.allocate(2, 2, 1, 8, kv_dtype="fp8_e4m3")
+    with pytest.raises(InvalidArgument, match=r"^key_cache: got dtype torch.float8_e4m3fn"):
+        KVCache(c.key_cache, c.value_cache, c.k_scale, c.v_scale, FORMATS["fp8_e5m2"], "NHD", "tensor")
