@@ -12,7 +12,7 @@ import pytest
 import test_memory_safety as memory_safety
 import torch
 
-from fp8kv import InvalidArgument, KVCache
+from fp8kv import InvalidArgument, KVCache, paged_attention
 from fp8kv.formats import FORMATS
 from fp8kv.registry import available_backends
 
@@ -281,3 +281,39 @@ def test_the_cache_constructor_names_codes_of_another_format():
     c = KVCache.allocate(2, 2, 1, 8, kv_dtype="fp8_e4m3")
     with pytest.raises(InvalidArgument, match=r"^key_cache: got dtype torch.float8_e4m3fn"):
         KVCache(c.key_cache, c.value_cache, c.k_scale, c.v_scale, FORMATS["fp8_e5m2"], "NHD", "tensor")
+
+
+def test_the_cache_constructor_names_a_scale_that_is_not_a_tensor():
+    c = KVCache.allocate(2, 2, 1, 8)
+    with pytest.raises(InvalidArgument, match="^k_scale: got float"):
+        KVCache(c.key_cache, c.value_cache, 1.0, c.v_scale, c.fmt, "NHD", "tensor")
+
+
+def test_the_cache_constructor_names_a_scale_on_another_device():
+    c = KVCache.allocate(2, 2, 1, 8)
+    with pytest.raises(InvalidArgument, match="^v_scale: got torch.float32 of shape \\(\\) on meta"):
+        KVCache(c.key_cache, c.value_cache, c.k_scale, torch.ones((), device="meta"), c.fmt, "NHD", "tensor")
+
+
+def test_allocate_names_a_cache_past_2_to_the_59_elements():
+    with pytest.raises(InvalidArgument, match="^num_blocks: .*fewer than 2\\^59 elements"):
+        KVCache.allocate(2**59 // 128, 1, 1, 128, device="meta")
+
+
+@pytest.mark.parametrize("key_cache", ["x", None, 3])
+def test_from_tensors_names_a_key_cache_that_is_not_a_tensor(key_cache):
+    with pytest.raises(InvalidArgument, match="^key_cache: got"):
+        KVCache.from_tensors(key_cache)
+
+
+def test_from_tensors_names_key_and_value_caches_of_the_wrong_rank():
+    k = torch.zeros(4, 8, dtype=torch.float8_e4m3fn)
+    with pytest.raises(InvalidArgument, match="^key_cache: got shape \\(4, 8\\)"):
+        KVCache.from_tensors(k, k.clone())
+
+
+@pytest.mark.parametrize("metadata", [object(), None, {"block_tables": None}])
+def test_attention_names_a_metadata_that_is_not_one(metadata):
+    c = KVCache.allocate(2, 2, 1, 8)
+    with pytest.raises(InvalidArgument, match="^metadata: got"):
+        paged_attention(torch.zeros(1, 1, 8), c, metadata)
