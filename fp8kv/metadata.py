@@ -13,7 +13,6 @@ within the planned maxima).
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from .cache import CacheSpec, KVCache
-from .checks import flag, int_at_least, positive_float32, values_checked
+from .checks import flag, int_at_least, positive_float32
 from .errors import bad_argument
 from .fp8_attention import check_fp8_options
 from .request import Request, Selection
@@ -149,14 +148,6 @@ class AttentionMetadata:
     host_seq_lens: list[int] | None = None
     host_query_start_loc: list[int] | None = None
 
-    def __post_init__(self) -> None:
-        # the sizes reach every backend as Python ints, whatever scalar kind the caller gave them as
-        # (a NumPy integer or a one-element CPU tensor: the scalar rule of fp8kv.checks)
-        for name in ("num_q_heads", "num_tokens", "max_query_len", "max_seq_len"):
-            v = getattr(self, name)
-            if type(v) is not int and isinstance(v, (numbers.Integral, torch.Tensor)):
-                setattr(self, name, int(v))
-
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
@@ -191,17 +182,11 @@ class AttentionMetadata:
         its work schedule by the new host lengths, where known and where the new deal fits the
         planned buffer; otherwise the planned one stays, complete for any lengths).
         """
-        if isinstance(kv_indptr, torch.Tensor) and kv_indptr.dim() == 1 and kv_indptr.numel() > 1 \
-                and not kv_indptr.is_floating_point() and values_checked(self.spec.device, validate):
-            pages = int((kv_indptr[1:] - kv_indptr[:-1]).max())  # the CSR form's widest row, named as such
-            if pages > self.block_tables.shape[1]:
-                raise bad_argument("kv_indptr", f"a sequence of {pages} pages",
-                                   f"at most {self.block_tables.shape[1]} pages per sequence (the planned block table)")
         new = read_step(
             self.spec, block_tables=block_tables, seq_lens=seq_lens, query_start_loc=query_start_loc,
             kv_indptr=kv_indptr, kv_indices=kv_indices, kv_last_page_len=kv_last_page_len,
             slot_mapping=slot_mapping, num_tokens=self.num_tokens, max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len, max_blocks=self.block_tables.shape[1], validate=validate,
+            max_seq_len=self.max_seq_len, max_blocks=self.block_tables.shape[1], planned_width=True, validate=validate,
             host_seq_lens=host_seq_lens, host_query_start_loc=host_query_start_loc,
         )
         if new.is_decode != self.is_decode:

@@ -181,8 +181,11 @@ def read_step(spec: CacheSpec, *, block_tables=None, seq_lens=None, kv_indptr=No
               kv_last_page_len=None, query_start_loc=None, slot_mapping=None, num_tokens: int | None = None,
               max_query_len: int | None = None, max_seq_len: int | None = None, max_blocks: int | None = None,
               validate: bool | None = None, host_seq_lens: Sequence[int] | None = None,
-              host_query_start_loc: Sequence[int] | None = None) -> StepTables:
-    """Read and check one step's page table and lengths (arguments as :func:`fp8kv.plan_attention`)."""
+              host_query_start_loc: Sequence[int] | None = None, planned_width: bool = False) -> StepTables:
+    """Read and check one step's page table and lengths (arguments as :func:`fp8kv.plan_attention`).
+
+    ``planned_width``: ``max_blocks`` is the width of a table already planned
+    (:meth:`fp8kv.AttentionMetadata.update`), so a wider CSR row is refused naming ``kv_indptr``."""
     num_tokens, max_query_len, max_seq_len, max_blocks = (
         None if v is None else nonneg_int(name, v)  # plain Python ints from here on
         for name, v in (("num_tokens", num_tokens), ("max_query_len", max_query_len), ("max_seq_len", max_seq_len),
@@ -212,7 +215,8 @@ def read_step(spec: CacheSpec, *, block_tables=None, seq_lens=None, kv_indptr=No
     host_qsl = _host_ints("host_query_start_loc", host_query_start_loc, S + 1, read[1])
 
     if check:
-        _check_values(spec, host, pt, decode, num_tokens, max_query_len, max_seq_len, qsl, slot_mapping, max_blocks)
+        _check_values(spec, host, pt, decode, num_tokens, max_query_len, max_seq_len, qsl, slot_mapping, max_blocks,
+                      planned_width)
     if num_tokens is None:
         num_tokens = host["qsl_last"]
     if max_query_len is None:
@@ -257,7 +261,7 @@ def _host_ints(name: str, given, want: int, read: list[int] | None) -> list[int]
 
 
 def _check_values(spec: CacheSpec, host: dict[str, int], pt: _PageTable, decode: bool, num_tokens, max_query_len,
-                  max_seq_len, qsl: torch.Tensor, slot_mapping, max_blocks) -> None:
+                  max_seq_len, qsl: torch.Tensor, slot_mapping, max_blocks, planned_width: bool) -> None:
     """Raise the named error for the first bad value (values from the one host transfer)."""
     bs, S, lens, csr = spec.block_size, pt.num_seqs, pt.lens, pt.csr
     if host.get("int64_max", 0) > INT32_MAX or host.get("int64_min", 0) < -INT32_MAX - 1:
@@ -271,6 +275,9 @@ def _check_values(spec: CacheSpec, host: dict[str, int], pt: _PageTable, decode:
             raise bad_argument("kv_last_page_len", f"values in [{host['min_last']}, {host['max_last']}]",
                                f"1..block_size={bs} for sequences with pages")
         if max_blocks is not None and host["max_pages"] > max_blocks:
+            if planned_width:
+                raise bad_argument("kv_indptr", f"a sequence of {host['max_pages']} pages",
+                                   f"at most {max_blocks} pages per sequence (the planned block table)")
             raise bad_argument("max_blocks", max_blocks, f">= the most pages of a sequence ({host['max_pages']})")
     if S and host["min_seq_len"] < 0:
         raise bad_argument("seq_lens", host["min_seq_len"], "lengths >= 0")
