@@ -25,15 +25,13 @@ join the caller's graph) and attention outputs never require grad, on every back
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import ops as _ops
 from .cache import KVCache, may_share_bytes
-from .checks import FLOAT32_MAX, INDEX_DTYPES, IO_DTYPES, check_slot_mapping, check_tensor, flag, real_scalar
+from .checks import INDEX_DTYPES, IO_DTYPES, check_slot_mapping, check_tensor, flag
 from .errors import InvalidArgument, bad_argument
-from .fp8_attention import PROB_SCALES
+from .fp8_attention import PROB_SCALES, check_prob_scale
 from .metadata import AttentionMetadata
 from .planning import plan_attention
 from .registry import select_backend
@@ -292,14 +290,11 @@ def _with_layer_scales(meta: AttentionMetadata, layer_scales: dict) -> Attention
         raise bad_argument("layer_scales", f"q_scale {getattr(q_scale, 'dtype', type(q_scale).__name__)} "
                            f"{tuple(getattr(q_scale, 'shape', ()))}",
                            f"q_scale float32 of shape [], [{H}] or [{Hq}] on {meta.spec.device}, or None")
-    try:  # the scalar rule, as plan_attention's prob_scale
-        prob_scale = real_scalar("prob_scale", prob_scale, PROB_SCALES)
+    try:  # checked as plan_attention's prob_scale, named as the key of layer_scales
+        prob_scale = check_prob_scale(prob_scale)
     except InvalidArgument:
-        prob_scale = None
-    if prob_scale is None or not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= FLOAT32_MAX):
-        given = layer_scales.get("prob_scale", meta.options.prob_scale)
-        raise bad_argument("layer_scales", f"prob_scale {given!r}", f"prob_scale {PROB_SCALES}")
-    options = dataclasses.replace(meta.options, q_scale=q_scale, prob_scale=float(prob_scale))
+        raise bad_argument("layer_scales", f"prob_scale {prob_scale!r}", f"prob_scale {PROB_SCALES}") from None
+    options = dataclasses.replace(meta.options, q_scale=q_scale, prob_scale=prob_scale)
     return dataclasses.replace(meta, options=options)
 
 

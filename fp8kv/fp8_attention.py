@@ -53,8 +53,8 @@ PROB_SCALES = "a finite number in [2^-126, FLOAT32_MAX]"
 """What ``prob_scale`` may be (a Python, NumPy or one-element CPU tensor scalar: :mod:`fp8kv.checks`)."""
 
 __all__ = [
-    "FP8_GRANULARITIES", "FP8_KV_DTYPES", "LAZY_MAX_T", "check_fp8_options", "fp8_probabilities", "lazy_threshold",
-    "query_scales", "quantize_query", "round_probabilities",
+    "FP8_GRANULARITIES", "FP8_KV_DTYPES", "LAZY_MAX_T", "check_fp8_options", "check_prob_scale", "fp8_probabilities",
+    "lazy_threshold", "query_scales", "quantize_query", "round_probabilities",
 ]
 
 LAZY_MAX_T = 8
@@ -113,11 +113,16 @@ def check_fp8_options(spec, num_q_heads: int, fp8_attention, q_scale, prob_scale
             raise bad_argument("q_scale", f"{q_scale.flatten()[bad.flatten()][:4].tolist()}",
                                "finite values > 0")
         q_scale = q_scale.contiguous()
-    if prob_scale is None:
-        prob_scale = 1.0
-    if not (math.isfinite(prob_scale) and 2.0**-126 <= prob_scale <= FLOAT32_MAX):
-        raise bad_argument("prob_scale", repr(prob_scale), PROB_SCALES)
-    return True, q_scale, prob_scale
+    return True, q_scale, 1.0 if prob_scale is None else check_prob_scale(prob_scale)
+
+
+def check_prob_scale(prob_scale, name: str = "prob_scale") -> float:
+    """``prob_scale`` (the scalar rule of :mod:`fp8kv.checks`) as a Python float in
+    ``[2^-126, FLOAT32_MAX]``, else the error naming ``name``."""
+    v = real_scalar(name, prob_scale, PROB_SCALES)
+    if not (math.isfinite(v) and 2.0**-126 <= v <= FLOAT32_MAX):
+        raise bad_argument(name, repr(v), PROB_SCALES)
+    return v
 
 
 def query_scales(query: torch.Tensor, q_scale: torch.Tensor | None, num_kv_heads: int) -> torch.Tensor:
