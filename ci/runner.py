@@ -159,8 +159,9 @@ def sanitize_step(cell: Cell, tool: str, out: Path, deadline: float) -> dict:
     ``FP8KV_SANITIZE_SELECT`` (a pytest ``-k`` expression) narrows the tests."""
     if tool not in TOOLS:
         raise SystemExit(f"part: got sanitize-{tool}, expected one of {[f'sanitize-{t}' for t in TOOLS]}")
-    if _device()["arch"] != cell.name:
-        raise SystemExit(f"cell {cell.name}: this machine is {_device()['name']}, not {cell.name}")
+    dev = _device()
+    if dev["arch"] != cell.name:
+        raise SystemExit(f"cell {cell.name}: this machine is {dev['name']}, not {cell.name}")
     workers = ["-n", str(min(8, os.cpu_count() or 1))] if importlib.util.find_spec("xdist") else []
     select = os.environ.get("FP8KV_SANITIZE_SELECT")
     log = out / f"sanitize-{tool}.log"

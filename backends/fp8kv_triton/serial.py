@@ -34,7 +34,7 @@ def launching(kernel) -> contextlib.AbstractContextManager:
     """The context to launch ``kernel`` in: :data:`INTERPRETER_LOCK` if it is interpreted, else none.
 
     Usage: ``with launching(kernel): kernel[grid](...)``."""
-    return INTERPRETER_LOCK if isinstance(kernel, InterpretedFunction) else _NO_LOCK
+    return INTERPRETER_LOCK if interpreted(kernel) else _NO_LOCK
 
 
 __all__ = ["INTERPRETER_LOCK", "interpreted", "launching"]
