@@ -10,6 +10,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -210,6 +211,16 @@ def install(*backends: FakeBackend) -> None:
     reg.loaded = True
     for b in backends:
         fp8kv.plugins.register_backend(b)
+
+
+@pytest.fixture(autouse=True)
+def _fake_backends(monkeypatch):
+    """Autouse in the modules that import it: only the fake backends, no backend forced by the environment."""
+    for var in ("FP8KV_BACKEND", "FP8KV_SIMULATE_DEVICE", "FP8KV_STRICT"):
+        monkeypatch.delenv(var, raising=False)
+    install(fake_any(), fake_nv(), fake_rocm())
+    yield
+    reset_registry()
 
 
 # -- hostile inputs ------------------------------------------------------------------

@@ -31,6 +31,7 @@ from test_cache_integrity import (
 )
 
 import fp8kv
+from fp8kv.testing.graphs import capture
 
 HAS_CUDA = torch.cuda.is_available() and torch.version.hip is None
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA CUDA GPU")]
@@ -66,14 +67,7 @@ def test_graph_replay_after_set_writes_only_memory_the_cache_keeps_alive(backend
         fp8kv.write_kv(g.cache, step["key"], step["value"], step["meta"])
         fp8kv.paged_attention(step["query"], g.cache, step["meta"], out=out)
 
-    side = torch.cuda.Stream()  # warm up (compiles the kernels) off the capturing stream
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
+    graph = capture(run)  # warmed up (kernels compiled) off the capturing stream, then captured
     torch.cuda.synchronize()
     eager_out = out.clone()
     key_parent = g.parents["key"]

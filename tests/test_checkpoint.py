@@ -17,11 +17,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_fixtures import (
+from checkpoint_fixtures import (  # _fake_backends: autouse, every test here sees only the fake backends
     HOSTILE_FIELDS,
     KV_HEADS,
     LAYERS,
     QUANT,
+    _fake_backends,  # noqa: F401
     config,
     fake_any,
     fake_nv,
@@ -45,14 +46,6 @@ from fp8kv.registry import reset_registry
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "checkpoints"
 REFUSED = EXIT_FAILURE  # fp8kv plan's exit status for a refusal
 
-
-@pytest.fixture(autouse=True)
-def _fake_backends(monkeypatch):
-    for var in ("FP8KV_BACKEND", "FP8KV_SIMULATE_DEVICE", "FP8KV_STRICT"):
-        monkeypatch.delenv(var, raising=False)
-    install(fake_any(), fake_nv(), fake_rocm())
-    yield
-    reset_registry()
 
 
 # -- the table: checkpoint config x kv dtype x simulated device ---------------------------------------

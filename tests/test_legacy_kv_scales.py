@@ -13,13 +13,10 @@ import math
 
 import pytest
 import torch
-from checkpoint_fixtures import (
+from checkpoint_fixtures import (  # _fake_backends: autouse, every test here sees only the fake backends
     LEGACY_SCALES,
+    _fake_backends,  # noqa: F401
     config,
-    fake_any,
-    fake_nv,
-    fake_rocm,
-    install,
     legacy_kv_scales,
     within,
     write_checkpoint,
@@ -30,18 +27,9 @@ import fp8kv
 from fp8kv.checkpoint.config import MAX_LAYERS
 from fp8kv.checkpoint.legacy_scales import MAX_TP_RANKS
 from fp8kv.errors import InvalidArgument
-from fp8kv.registry import reset_registry
 
 N_LAYERS = len(LEGACY_SCALES[0])
 
-
-@pytest.fixture(autouse=True)
-def _fake_backends(monkeypatch):
-    for var in ("FP8KV_BACKEND", "FP8KV_SIMULATE_DEVICE", "FP8KV_STRICT"):
-        monkeypatch.delenv(var, raising=False)
-    install(fake_any(), fake_nv(), fake_rocm())
-    yield
-    reset_registry()
 
 
 def f32(value: float) -> float:

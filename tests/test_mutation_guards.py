@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import test_memory_safety as memory_safety
 import torch
+from test_torch_backend import path  # noqa: F401 (a fixture: each test with the C loops and with PyTorch only)
 
 from fp8kv import InvalidArgument, KVCache, paged_attention
 from fp8kv.formats import FORMATS
@@ -20,23 +21,13 @@ needs_torch_backend = pytest.mark.skipif("torch" not in available_backends(),
                                          reason="the torch backend is not installed")
 
 
-@pytest.fixture(params=["native", "pytorch"])
-def torch_path(request, monkeypatch):
-    """The torch backend with its C loops (``FP8KV_TORCH_NATIVE=1``) and with PyTorch operations only."""
-    from fp8kv_torch import native
-
-    monkeypatch.setenv("FP8KV_TORCH_NATIVE", "1" if request.param == "native" else "0")
-    if request.param == "native" and native.library() is None:
-        pytest.skip(f"the torch backend's C loops: {native.status()}")
-    return request.param
-
-
 # ------------------------------------------------------------------ torch backend, checks off
 
 
 @needs_torch_backend
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("gran,layout", [("tensor", "NHD"), ("token_head", "HND")])
-def test_torch_backend_write_skips_slots_outside_the_cache(torch_path, gran, layout, monkeypatch):
+def test_torch_backend_write_skips_slots_outside_the_cache(gran, layout, monkeypatch):
     """Value checks off: slots ``num_slots``, ``num_slots + 5``, ``2^40`` and every negative one are
     skipped by the torch backend (C loops and PyTorch), the valid ones written as a clean write of
     just them, no guard byte around the cache changed."""
@@ -45,8 +36,9 @@ def test_torch_backend_write_skips_slots_outside_the_cache(torch_path, gran, lay
 
 
 @needs_torch_backend
+@pytest.mark.usefixtures("path")
 @pytest.mark.parametrize("case", ["block_ids", "everything", "query_start_loc"])
-def test_torch_backend_masks_hostile_metadata_like_the_oracle(torch_path, case):
+def test_torch_backend_masks_hostile_metadata_like_the_oracle(case):
     """Value checks off: block ids negative or ``>= num_blocks`` are masked out, lengths clamped to
     the table, query offsets clamped, on the torch backend's decode (C loop) and prefill paths:
     guard bytes intact and defined rows equal to the float64 oracle."""

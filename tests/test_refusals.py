@@ -38,6 +38,15 @@ def cache() -> fp8kv.KVCache:
     return make_cache()
 
 
+def assert_refused(call, argname: str, expected: str) -> None:
+    """``call()`` raises the InvalidArgument naming ``argname`` first, with ``expected`` in its message."""
+    with pytest.raises(InvalidArgument) as err:
+        call()
+    msg = str(err.value)
+    assert msg.startswith(argname + ":"), msg
+    assert expected in msg, msg
+
+
 def i32(*rows) -> torch.Tensor:
     return torch.tensor(list(rows), dtype=torch.int32)
 
@@ -218,11 +227,7 @@ def test_the_good_steps_plan_and_write(cache):
 def test_plan_attention_refuses_and_names_the_argument(cache, case):
     changes, argname, expected = PLAN_CASES[case]
     before = cache.clone()
-    with pytest.raises(InvalidArgument) as err:
-        planned(cache, changes)
-    msg = str(err.value)
-    assert msg.startswith(argname + ":"), msg
-    assert expected in msg, msg
+    assert_refused(lambda: planned(cache, changes), argname, expected)
     assert cache.same_bytes(before)
 
 
@@ -265,11 +270,7 @@ def test_update_refuses_and_leaves_the_metadata_unchanged(cache, case):
     kept = {n: getattr(meta, n).clone() for n in ("block_tables", "seq_lens", "query_start_loc", "slot_mapping")}
     hosts = (list(meta.host_seq_lens), list(meta.host_query_start_loc))
     kw.update(changes)
-    with pytest.raises(InvalidArgument) as err:
-        meta.update(**kw)
-    msg = str(err.value)
-    assert msg.startswith(argname + ":"), msg
-    assert expected in msg, msg
+    assert_refused(lambda: meta.update(**kw), argname, expected)
     for name, t in kept.items():
         assert torch.equal(getattr(meta, name), t), name
     assert (meta.host_seq_lens, meta.host_query_start_loc) == hosts
@@ -365,9 +366,5 @@ def test_write_refuses_and_leaves_the_cache_unchanged(cache, case):
     call, argname, expected = WRITE_CASES[case]
     meta = planned(cache, {})
     before = cache.clone()
-    with pytest.raises(InvalidArgument) as err:
-        call(cache, meta)
-    msg = str(err.value)
-    assert msg.startswith(argname + ":"), msg
-    assert expected in msg, msg
+    assert_refused(lambda: call(cache, meta), argname, expected)
     assert cache.same_bytes(before)
